@@ -1,0 +1,5 @@
+import sys
+
+from hlplugin.cli import main
+
+sys.exit(main())

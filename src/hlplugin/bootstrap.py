@@ -1,0 +1,109 @@
+"""The bootstrap daemon: one hyperlight.dev/device-access slot that grants the hypervisor node.
+
+The main plugin's pod requests this resource, so the kubelet gives it /dev/<hv> read/write without
+privilege or a read-write host /dev. Allocate grants that one node and nothing else: no mknod
+permission, no mounts, no environment, no CDI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from pathlib import Path
+
+import grpc
+
+from hlplugin.api import deviceplugin_pb2 as pb
+from hlplugin.config import Settings
+from hlplugin.daemon import (
+    RootTasks,
+    plugin_readiness,
+    run_daemon,
+    track_health_metrics,
+    wait_for_hypervisor,
+)
+from hlplugin.health import HealthTracker
+from hlplugin.lifecycle import PluginLifecycle
+from hlplugin.metrics import Metrics
+from hlplugin.plugin import TrackedDevicePlugin
+from hlplugin.watch import DirWatcher, Wakeup
+
+RESOURCE = "hyperlight.dev/device-access"
+SOCKET = "hyperlight-device-access.sock"
+
+
+def node_problem(path: Path) -> str:
+    """Why ``path`` is not a usable character device node, or "" when it is."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror} (errno {exc.errno})"
+    if not stat.S_ISCHR(st.st_mode):
+        return f"{path} is not a character device"
+    return ""
+
+
+class DeviceAccessPlugin(TrackedDevicePlugin):
+    def __init__(self, hypervisor: str, dev_dir: Path, tracker: HealthTracker,
+                 metrics: Metrics | None = None) -> None:
+        super().__init__([f"device-access-{hypervisor}"], tracker, metrics)
+        self.node = dev_dir / hypervisor
+        self.device_path = f"/dev/{hypervisor}"
+
+    async def Allocate(self, request: pb.AllocateRequest,
+                       context: grpc.aio.ServicerContext) -> pb.AllocateResponse:
+        unknown = self.unknown_ids(request)
+        if unknown:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"unknown device IDs {', '.join(unknown[:5])}", "invalid")
+        problem = node_problem(self.node)
+        if problem:
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION,
+                               f"cannot grant {self.device_path}: {problem}", "refused")
+        response = pb.AllocateResponse()
+        for _ in request.container_requests:
+            response.container_responses.add().devices.add(
+                container_path=self.device_path, host_path=self.device_path, permissions="rw")
+        if self.metrics is not None:
+            self.metrics.allocations.labels(result="success").inc()
+        return response
+
+
+async def watch_node(tracker: HealthTracker, node: Path, recheck: float = 10.0) -> None:
+    """Keep condition "device" equal to "the node exists as a character device"."""
+    wakeup = Wakeup(DirWatcher(node.parent, {node.name}))
+    pump = asyncio.create_task(wakeup.run(), name=f"watch {node}")
+    try:
+        while True:
+            pulse = wakeup.pulse()
+            problem = node_problem(node)
+            tracker.set_condition("device", not problem, problem)
+            await wakeup.wait(pulse, recheck)
+    finally:
+        pump.cancel()
+
+
+async def bootstrap(settings: Settings) -> None:
+    metrics = Metrics()
+    tracker = HealthTracker(required=("device",))
+    track_health_metrics(tracker, metrics)
+    holder: list[PluginLifecycle] = []
+
+    async def setup() -> RootTasks:
+        hv = await wait_for_hypervisor(settings)
+        node = settings.dev_dir / hv
+        problem = node_problem(node)
+        tracker.set_condition("device", not problem, problem)
+        lifecycle = PluginLifecycle(
+            settings.plugin_dir, SOCKET, RESOURCE,
+            lambda: DeviceAccessPlugin(hv, settings.dev_dir, tracker, metrics),
+            register_timeout=settings.register_timeout, metrics=metrics)
+        holder.append(lifecycle)
+        return {"device-health": watch_node(tracker, node), "plugin": lifecycle.run()}
+
+    def current() -> PluginLifecycle | None:
+        return holder[0] if holder else None
+
+    await run_daemon("hlplugin bootstrap", settings.http_address,
+                     plugin_readiness(current, tracker), current, metrics, setup)

@@ -1,0 +1,95 @@
+"""Command line: `hlplugin serve | bootstrap | cdi | doctor | demo`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from hlplugin import __version__, config, logs
+
+log = logging.getLogger("hlplugin")
+
+_COMMANDS = {
+    "serve": ("run the main device plugin (hyperlight.dev/hypervisor)", config.SERVE_OPTIONS),
+    "bootstrap": ("run the bootstrap plugin (hyperlight.dev/device-access)",
+                  config.BOOTSTRAP_OPTIONS),
+    "cdi": ("print the CDI spec the daemon keeps, or --check a file against it", config.CDI_OPTIONS),
+    "doctor": ("check whether this node could serve Hyperlight workloads", config.DOCTOR_OPTIONS),
+    "demo": ("run both daemons against a built-in kubelet emulator in a temporary node root", ()),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hlplugin",
+        description="Kubernetes device plugin for Hyperlight micro-VMs. Every option has an "
+                    "environment twin; a flag wins over its twin.")
+    parser.add_argument("--version", action="version", version=f"hlplugin {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, options) in _COMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        config.add_options(sub, options, name)
+        if name == "cdi":
+            sub.add_argument("--check", type=Path, metavar="FILE",
+                             help="exit 0 when FILE is exactly the spec, 1 with a difference")
+        elif name == "doctor":
+            sub.add_argument("--json", action="store_true", help="print the report as JSON")
+        elif name == "demo":
+            sub.add_argument("--keep", action="store_true",
+                             help="keep the temporary node root and print its path")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    options = _COMMANDS[args.command][1]
+    settings, warnings = config.resolve(args, options, args.command)
+    logs.configure(settings.log_format, settings.log_level)
+    config.log_warnings(warnings)
+    if args.command == "serve":
+        from hlplugin.plugin import serve
+
+        return _run(serve(settings))
+    if args.command == "bootstrap":
+        from hlplugin.bootstrap import bootstrap
+
+        return _run(bootstrap(settings))
+    if args.command == "cdi":
+        return _cdi(settings, args.check)
+    if args.command == "doctor":
+        from hlplugin.doctor import doctor
+
+        return doctor(settings, as_json=args.json)
+    from hlplugin.demo import demo
+
+    return demo(keep=args.keep)
+
+
+def _run(coroutine: object) -> int:
+    try:
+        asyncio.run(coroutine)  # type: ignore[arg-type]
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _cdi(settings: config.Settings, check: Path | None) -> int:
+    from hlplugin import cdi
+
+    hypervisor = settings.detect_hypervisor()
+    if hypervisor is None:
+        print(f"hlplugin cdi: no mshv or kvm device under {settings.dev_dir}; pass --hypervisor",
+              file=sys.stderr)
+        return 1
+    desired = cdi.render_spec(hypervisor, settings.device_uid, settings.device_gid)
+    if check is None:
+        sys.stdout.buffer.write(desired)
+        return 0
+    ok, difference = cdi.check_file(check, desired)
+    if not ok:
+        print(difference, file=sys.stderr)
+    return 0 if ok else 1

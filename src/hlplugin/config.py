@@ -1,0 +1,241 @@
+"""Typed settings for every subcommand, from flags and their environment twins.
+
+Each option is declared once, in OPTIONS. A flag wins over its twin. An invalid flag exits 2
+naming the flag (argparse); an invalid environment value is warned about and replaced by the
+default, the upstream contract.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+UINT32_MAX = 4_294_967_295
+HYPERVISORS = ("kvm", "mshv")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text.strip(), 10)
+    if value <= 0:
+        raise ValueError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _uint32(text: str) -> int:
+    value = int(text.strip(), 10)
+    if not 0 <= value <= UINT32_MAX:
+        raise ValueError(f"must be between 0 and {UINT32_MAX} (the CDI uint32 range), got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text.strip().removesuffix("s"))
+    if not 0 < value < 86_400 or value != value:
+        raise ValueError(f"must be a number of seconds above 0, got {text!r}")
+    return value
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _path(text: str) -> Path:
+    if not text:
+        raise ValueError("must not be empty")
+    return Path(text)
+
+
+def _optional_path(text: str) -> Path | None:
+    return Path(text) if text else None
+
+
+def _address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        raise ValueError(f"must be HOST:PORT, got {text!r}")
+    number = int(port, 10)
+    if not 0 <= number <= 65535:
+        raise ValueError(f"port must be 0-65535, got {port!r}")
+    return host.strip("[]") or "0.0.0.0", number
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"must be true or false, got {text!r}")
+
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class Option:
+    dest: str
+    flag: str
+    env: str | None
+    default: Any
+    parse: Callable[[str], Any]
+    help: str
+    metavar: str | None = None
+    is_switch: bool = False
+
+
+OPTIONS: dict[str, Option] = {o.dest: o for o in (
+    Option("plugin_dir", "--plugin-dir", "HYPERLIGHT_PLUGIN_DIR",
+           Path("/var/lib/kubelet/device-plugins"), _path, "kubelet device-plugin directory", "DIR"),
+    Option("cdi_dir", "--cdi-dir", "HYPERLIGHT_CDI_DIR", Path("/var/run/cdi"), _path,
+           "directory of the CDI spec hyperlight.json", "DIR"),
+    Option("dev_dir", "--dev-dir", "HYPERLIGHT_DEV_DIR", Path("/dev"), _path,
+           "where the hypervisor device node is seen and probed", "DIR"),
+    Option("host_dev_dir", "--host-dev-dir", "HYPERLIGHT_HOST_DEV_DIR", Path("/host-dev"),
+           _optional_path, "host /dev view for the device identity check; empty turns it off", "DIR"),
+    Option("hypervisor", "--hypervisor", "HYPERLIGHT_HYPERVISOR", "auto",
+           _choice("auto", *HYPERVISORS), "auto prefers mshv over kvm", "auto|kvm|mshv"),
+    Option("device_count", "--device-count", "DEVICE_COUNT", 2000, _positive_int,
+           "number of shareable slots advertised", "N"),
+    Option("device_uid", "--device-uid", "DEVICE_UID", 65534, _uint32,
+           "owner of the device node inside workload containers", "N"),
+    Option("device_gid", "--device-gid", "DEVICE_GID", 65534, _uint32,
+           "group of the device node inside workload containers", "N"),
+    Option("http_address", "--http-address", "HYPERLIGHT_HTTP_ADDRESS", ("0.0.0.0", 8080),
+           _address, "address of /healthz, /readyz and /metrics", "HOST:PORT"),
+    Option("log_format", "--log-format", "HYPERLIGHT_LOG_FORMAT", "text", _choice("text", "json"),
+           "log line format", "text|json"),
+    Option("log_level", "--log-level", "HYPERLIGHT_LOG_LEVEL", "info", _choice(*_LOG_LEVELS),
+           "minimum level logged", "LEVEL"),
+    Option("cdi_annotations", "--cdi-annotations", "HYPERLIGHT_CDI_ANNOTATIONS", False, _bool,
+           "also name the CDI device in Allocate annotations (kubelets older than 1.29)",
+           is_switch=True),
+    Option("cdi_interval", "--cdi-interval", "HYPERLIGHT_CDI_INTERVAL", 10.0, _seconds,
+           "seconds between periodic CDI spec checks", "SECONDS"),
+    Option("health_interval", "--health-interval", "HYPERLIGHT_HEALTH_INTERVAL", 10.0, _seconds,
+           "seconds between periodic device checks", "SECONDS"),
+    Option("probe_timeout", "--probe-timeout", "HYPERLIGHT_PROBE_TIMEOUT", 2.0, _seconds,
+           "budget of one device check", "SECONDS"),
+    Option("guest_check", "--guest-check", "HYPERLIGHT_GUEST_CHECK", True, _bool,
+           "run a tiny guest on KVM as part of each device check", "true|false"),
+    Option("register_timeout", "--register-timeout", "HYPERLIGHT_REGISTER_TIMEOUT", 5.0, _seconds,
+           "bound of one Register call to the kubelet", "SECONDS"),
+)}
+
+SERVE_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor", "device_count",
+                 "device_uid", "device_gid", "http_address", "log_format", "log_level",
+                 "cdi_annotations", "cdi_interval", "health_interval", "probe_timeout",
+                 "guest_check", "register_timeout")
+BOOTSTRAP_OPTIONS = ("plugin_dir", "dev_dir", "hypervisor", "http_address", "log_format",
+                     "log_level", "register_timeout")
+CDI_OPTIONS = ("cdi_dir", "dev_dir", "hypervisor", "device_uid", "device_gid", "log_format",
+               "log_level")
+DOCTOR_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor", "device_uid",
+                  "device_gid", "probe_timeout", "log_format", "log_level")
+
+# Per-subcommand defaults that differ from the table.
+DEFAULT_OVERRIDES: dict[str, dict[str, Any]] = {"bootstrap": {"http_address": ("0.0.0.0", 8081)}}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a daemon needs; subcommands ignore what they do not use."""
+
+    plugin_dir: Path = Path("/var/lib/kubelet/device-plugins")
+    cdi_dir: Path = Path("/var/run/cdi")
+    dev_dir: Path = Path("/dev")
+    host_dev_dir: Path | None = Path("/host-dev")
+    hypervisor: str = "auto"
+    device_count: int = 2000
+    device_uid: int = 65534
+    device_gid: int = 65534
+    http_address: tuple[str, int] = ("0.0.0.0", 8080)
+    log_format: str = "text"
+    log_level: str = "info"
+    cdi_annotations: bool = False
+    cdi_interval: float = 10.0
+    health_interval: float = 10.0
+    probe_timeout: float = 2.0
+    guest_check: bool = True
+    register_timeout: float = 5.0
+
+    def detect_hypervisor(self) -> str | None:
+        """The configured hypervisor, or for ``auto`` the present node (mshv over kvm, as upstream)."""
+        if self.hypervisor != "auto":
+            return self.hypervisor
+        for name in ("mshv", "kvm"):
+            if (self.dev_dir / name).exists():
+                return name
+        return None
+
+
+def _flag_type(option: Option) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return option.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = option.dest
+    return parse
+
+
+def add_options(parser: argparse.ArgumentParser, names: Sequence[str], command: str) -> None:
+    for name in names:
+        option = OPTIONS[name]
+        default = DEFAULT_OVERRIDES.get(command, {}).get(name, option.default)
+        shown = default
+        if isinstance(default, tuple):
+            shown = f"{default[0]}:{default[1]}"
+        elif isinstance(default, bool):
+            shown = str(default).lower()
+        help_text = f"{option.help} (env {option.env}; default {shown})"
+        if option.is_switch:
+            parser.add_argument(option.flag, dest=name, action="store_const", const=True,
+                                default=_UNSET, help=help_text)
+        else:
+            parser.add_argument(option.flag, dest=name, type=_flag_type(option), default=_UNSET,
+                                metavar=option.metavar, help=help_text)
+
+
+def resolve(
+    args: argparse.Namespace,
+    names: Sequence[str],
+    command: str,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[Settings, list[str]]:
+    """Combine flags, environment and defaults; return the settings and the warnings to log."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    warnings: list[str] = []
+    for name in names:
+        option = OPTIONS[name]
+        default = DEFAULT_OVERRIDES.get(command, {}).get(name, option.default)
+        value = getattr(args, name, _UNSET)
+        if value is _UNSET and option.env and option.env in env:
+            raw = env[option.env]
+            try:
+                value = option.parse(raw)
+            except ValueError as exc:
+                warnings.append(f"ignoring {option.env}={raw!r}: {exc}; using the default {default!r}")
+        values[name] = default if value is _UNSET else value
+    settings = Settings(**values)
+    if "host_dev_dir" in names and settings.host_dev_dir is None:
+        warnings.append("host device identity check is off (--host-dev-dir is empty)")
+    return settings, warnings
+
+
+def log_warnings(warnings: Sequence[str]) -> None:
+    for text in warnings:
+        logging.getLogger("hlplugin.config").warning(text)

@@ -1,0 +1,261 @@
+"""The generic device-plugin lifecycle, shared by both daemons: serve, register, watch, restart.
+
+One ``PluginLifecycle`` drives one resource-specific servicer (see ``PluginServicer``). It keeps
+the kubelet's rules (see ../shared/notes/kubelet-device-manager.md):
+
+- Register is synchronous and the kubelet dials us inside it, so we serve before registering.
+- The kubelet deletes every socket when it restarts and then creates kubelet.sock anew: when our
+  socket disappears or kubelet.sock is replaced, the old server instance is stopped (ending its
+  ListAndWatch streams, which the kubelet tracks per resource) before a fresh one registers.
+- A failed registration stops that server and removes its socket; the retry starts a fresh one
+  after a capped backoff that a new kubelet.sock cuts short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+
+from hlplugin.api import deviceplugin_pb2 as pb
+from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from hlplugin.metrics import Metrics
+from hlplugin.watch import DirWatcher, Wakeup
+
+log = logging.getLogger(__name__)
+
+KUBELET_SOCKET = "kubelet.sock"
+API_VERSION = "v1beta1"
+
+
+class PluginServicer(pb_grpc.DevicePluginServicer):
+    """What a resource-specific server adds to the generated servicer: a way to end its streams."""
+
+    open_streams: int
+
+    def close_streams(self) -> None:
+        raise NotImplementedError
+
+
+class ServicerFactory(Protocol):
+    def __call__(self) -> PluginServicer: ...
+
+
+def _socket_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of a unix socket at ``path``; None when missing or not a socket."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
+
+
+@dataclass
+class _Instance:
+    server: grpc.aio.Server
+    servicer: PluginServicer
+    identity: tuple[int, int] | None
+
+
+class PluginLifecycle:
+    def __init__(
+        self,
+        plugin_dir: Path,
+        socket_name: str,
+        resource_name: str,
+        make_servicer: ServicerFactory,
+        *,
+        register_timeout: float = 5.0,
+        min_backoff: float = 0.1,
+        max_backoff: float = 5.0,
+        recheck_interval: float = 1.0,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.plugin_dir = plugin_dir
+        self.socket_path = plugin_dir / socket_name
+        self.kubelet_path = plugin_dir / KUBELET_SOCKET
+        self.resource_name = resource_name
+        self._make_servicer = make_servicer
+        self._register_timeout = register_timeout
+        self._min_backoff = min_backoff
+        self._max_backoff = max_backoff
+        self._recheck = recheck_interval
+        self._metrics = metrics
+        self._wakeup = Wakeup(DirWatcher(plugin_dir, {socket_name, KUBELET_SOCKET},
+                                         poll_interval=recheck_interval))
+        self._instance: _Instance | None = None
+        self._kubelet_identity: tuple[int, int] | None = None
+        self.registered = False
+
+    @property
+    def open_streams(self) -> int:
+        return self._instance.servicer.open_streams if self._instance else 0
+
+    async def run(self) -> None:
+        """Serve and stay registered until cancelled; then stop serving and remove our socket."""
+        watcher = asyncio.create_task(self._wakeup.run(), name=f"watch {self.plugin_dir}")
+        backoff = self._min_backoff
+        try:
+            while True:
+                try:
+                    instance = await self._start()
+                except (OSError, RuntimeError) as exc:
+                    log.error("cannot serve on %s: %s", self.socket_path, exc)
+                    await self._sleep_or_kubelet(backoff)
+                    backoff = min(backoff * 2, self._max_backoff)
+                    continue
+                try:
+                    outcome = await self._register_when_possible(instance)
+                    if outcome == "registered":
+                        backoff = self._min_backoff
+                        await self._wait_until_lost(instance)
+                        log.info("kubelet restarted or our socket was removed; registering anew")
+                    elif outcome == "failed":
+                        await self._stop(instance)
+                        await self._sleep_or_kubelet(backoff)
+                        backoff = min(backoff * 2, self._max_backoff)
+                finally:
+                    await self._stop(instance)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def alive(self, timeout: float = 1.0) -> bool:
+        """Liveness: the current server instance answers a call over its own socket."""
+        if self._instance is None or self._instance.identity is None:
+            return True  # between instances: nothing to ask, and the event loop answered us
+        async with grpc.aio.insecure_channel(f"unix://{self.socket_path}") as channel:
+            try:
+                await pb_grpc.DevicePluginStub(channel).GetDevicePluginOptions(
+                    pb.Empty(), timeout=timeout)
+            except grpc.aio.AioRpcError:
+                # Our socket may have just been replaced; only a server that exists must answer.
+                return self._instance is None or not self._socket_is_ours(self._instance)
+        return True
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    async def _start(self) -> _Instance:
+        self._remove_stale_socket()
+        servicer = self._make_servicer()
+        server = grpc.aio.server()
+        pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
+        server.add_insecure_port(f"unix://{self.socket_path}")
+        await server.start()
+        instance = _Instance(server, servicer, _socket_identity(self.socket_path))
+        self._instance = instance
+        log.debug("serving %s on %s", self.resource_name, self.socket_path)
+        return instance
+
+    async def _stop(self, instance: _Instance) -> None:
+        if instance.identity is None and self._instance is not instance:
+            return  # already stopped
+        self.registered = False
+        instance.servicer.close_streams()
+        await instance.server.stop(grace=0.2)
+        if self._socket_is_ours(instance):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+        instance.identity = None
+        if self._instance is instance:
+            self._instance = None
+
+    async def _register_when_possible(self, instance: _Instance) -> str:
+        """Wait for a kubelet, then register; "lost" when our socket vanished meanwhile."""
+        while True:
+            pulse = self._wakeup.pulse()
+            if not self._socket_is_ours(instance):
+                return "lost"
+            kubelet = _socket_identity(self.kubelet_path)
+            if kubelet is not None:
+                break
+            await self._wait(pulse)
+        register = asyncio.create_task(self._register(), name="register")
+        try:
+            while not register.done():
+                pulse = self._wakeup.pulse()
+                if not self._socket_is_ours(instance) or _socket_identity(self.kubelet_path) != kubelet:
+                    log.info("socket changed while registering; starting a fresh server")
+                    return "lost"
+                waiter = asyncio.create_task(self._wait(pulse))
+                await asyncio.wait({register, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+        finally:
+            if not register.done():
+                register.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await register
+        error = register.exception()
+        if error is not None:
+            self._count("failure")
+            log.warning("registration of %s with the kubelet failed: %s", self.resource_name, error)
+            return "failed"
+        self._count("success")
+        self.registered = True
+        self._kubelet_identity = kubelet
+        log.info("registered %s with the kubelet", self.resource_name)
+        return "registered"
+
+    async def _register(self) -> None:
+        request = pb.RegisterRequest(
+            version=API_VERSION,
+            endpoint=self.socket_path.name,
+            resource_name=self.resource_name,
+            options=pb.DevicePluginOptions(),
+        )
+        async with grpc.aio.insecure_channel(f"unix://{self.kubelet_path}") as channel:
+            try:
+                await pb_grpc.RegistrationStub(channel).Register(
+                    request, timeout=self._register_timeout, wait_for_ready=False)
+            except grpc.aio.AioRpcError as exc:
+                raise RuntimeError(f"{exc.code().name}: {exc.details()}") from None
+
+    async def _wait_until_lost(self, instance: _Instance) -> None:
+        while True:
+            pulse = self._wakeup.pulse()
+            if not self._socket_is_ours(instance):
+                return
+            if _socket_identity(self.kubelet_path) != self._kubelet_identity:
+                return
+            await self._wait(pulse)
+
+    async def _sleep_or_kubelet(self, delay: float) -> None:
+        """Back off, but retry at once when a new kubelet.sock appears."""
+        before = _socket_identity(self.kubelet_path)
+        deadline = asyncio.get_running_loop().time() + delay
+        while (remaining := deadline - asyncio.get_running_loop().time()) > 0:
+            pulse = self._wakeup.pulse()
+            now = _socket_identity(self.kubelet_path)
+            if now is not None and now != before:
+                return
+            await self._wait(pulse, remaining)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _socket_is_ours(self, instance: _Instance) -> bool:
+        return instance.identity is not None and _socket_identity(self.socket_path) == instance.identity
+
+    def _remove_stale_socket(self) -> None:
+        """A socket left at our name by a previous run is ours to remove; anything else is not."""
+        if _socket_identity(self.socket_path) is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+        elif os.path.lexists(self.socket_path):
+            raise RuntimeError(f"{self.socket_path} exists and is not a socket; refusing to replace it")
+
+    async def _wait(self, pulse: asyncio.Event, limit: float | None = None) -> None:
+        """Wait for a plugin-dir event, or at most the recheck interval: cheap stats then cover
+        any missed event. Take the pulse before looking at the sockets, never after."""
+        await self._wakeup.wait(pulse, self._recheck if limit is None else min(limit, self._recheck))
+
+    def _count(self, result: str) -> None:
+        if self._metrics is not None:
+            self._metrics.registrations.labels(result=result).inc()

@@ -1,0 +1,155 @@
+"""Directory watching for asyncio: inotify when the kernel gives it, polling when it does not.
+
+Consumers never trust an event's details: an event only says "look again at these names", and the
+consumer re-reads the filesystem. That keeps the polling fallback and inotify equivalent, and makes
+a flood of events cost one re-check per batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Collection
+from pathlib import Path
+
+import inotify_simple
+
+log = logging.getLogger(__name__)
+
+_MASK = (
+    inotify_simple.flags.CREATE
+    | inotify_simple.flags.DELETE
+    | inotify_simple.flags.MODIFY
+    | inotify_simple.flags.CLOSE_WRITE
+    | inotify_simple.flags.MOVED_FROM
+    | inotify_simple.flags.MOVED_TO
+    | inotify_simple.flags.ATTRIB
+    | inotify_simple.flags.DELETE_SELF
+    | inotify_simple.flags.MOVE_SELF
+)
+_GONE = inotify_simple.flags.IGNORED | inotify_simple.flags.DELETE_SELF | inotify_simple.flags.MOVE_SELF
+
+
+def _signature(path: Path) -> tuple[int, ...] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_dev, st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns,
+            st.st_ctime_ns, st.st_rdev)
+
+
+class DirWatcher:
+    """Yields sets of changed names among ``names`` (all names when ``names`` is None) in ``directory``.
+
+    A directory that is missing, deleted or replaced is waited for and watched again; its
+    (re)appearance reports every name, since anything in it may be new.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        names: Collection[str] | None = None,
+        *,
+        poll_interval: float = 1.0,
+        use_inotify: bool = True,
+    ) -> None:
+        self.directory = directory
+        self.names = frozenset(names) if names is not None else None
+        self.poll_interval = poll_interval
+        self.use_inotify = use_inotify
+
+    def _all(self) -> set[str]:
+        if self.names is not None:
+            return set(self.names)
+        with contextlib.suppress(OSError):
+            return set(os.listdir(self.directory)) | {""}
+        return {""}
+
+    async def changes(self) -> AsyncIterator[set[str]]:
+        if self.use_inotify:
+            try:
+                inotify = inotify_simple.INotify(nonblocking=True)
+            except OSError as exc:
+                log.warning("inotify unavailable (%s); polling %s every %.1fs", exc, self.directory,
+                            self.poll_interval)
+            else:
+                with inotify:
+                    async for batch in self._inotify(inotify):
+                        yield batch
+                return
+        async for batch in self._poll():
+            yield batch
+
+    async def _inotify(self, inotify: inotify_simple.INotify) -> AsyncIterator[set[str]]:
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        loop.add_reader(inotify.fileno(), readable.set)
+        try:
+            while True:
+                try:
+                    wd = inotify.add_watch(self.directory, _MASK)
+                except OSError:
+                    # Missing directory: poll its parent cheaply until it exists.
+                    await asyncio.sleep(self.poll_interval)
+                    continue
+                yield self._all()
+                alive = True
+                while alive:
+                    await readable.wait()
+                    readable.clear()
+                    changed: set[str] = set()
+                    for event in inotify.read(timeout=0):
+                        if event.mask & inotify_simple.flags.Q_OVERFLOW:
+                            changed |= self._all()
+                        elif event.wd == wd and event.mask & _GONE:
+                            alive = False
+                        elif self.names is None or event.name in self.names:
+                            changed.add(event.name)
+                    if not alive:
+                        with contextlib.suppress(OSError):
+                            inotify.rm_watch(wd)
+                        changed |= self._all()
+                    if changed:
+                        yield changed
+        finally:
+            loop.remove_reader(inotify.fileno())
+
+    async def _poll(self) -> AsyncIterator[set[str]]:
+        seen: dict[str, tuple[int, ...] | None] = {}
+        first = True
+        while True:
+            names = self._all()
+            current = {name: _signature(self.directory / name) for name in names | set(seen)}
+            changed = {name for name, sig in current.items() if first or seen.get(name) != sig}
+            seen = current
+            first = False
+            if changed:
+                yield changed
+            await asyncio.sleep(self.poll_interval)
+
+
+class Wakeup:
+    """A watcher turned into a wake-up that is safe to wait on with a timeout.
+
+    Take ``pulse()`` before looking at the filesystem, then ``wait(pulse, timeout)``: an event
+    that lands between the look and the wait still wakes the waiter.
+    """
+
+    def __init__(self, watcher: DirWatcher) -> None:
+        self._watcher = watcher
+        self._event = asyncio.Event()
+
+    def pulse(self) -> asyncio.Event:
+        return self._event
+
+    async def wait(self, pulse: asyncio.Event, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(pulse.wait(), timeout)
+
+    async def run(self) -> None:
+        async for _ in self._watcher.changes():
+            fired, self._event = self._event, asyncio.Event()
+            fired.set()
