@@ -72,7 +72,7 @@ class Daemon:
         self.port = free_port()
         self.args = [sys.executable, "-m", "hlplugin", *args,
                      "--http-address", f"127.0.0.1:{self.port}", "--log-format", "json"]
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
         self.proc: asyncio.subprocess.Process | None = None
         self.lines: list[dict[str, Any]] = []
         self.raw: list[str] = []
@@ -100,7 +100,17 @@ class Daemon:
         assert self.proc is not None
         if self.proc.returncode is None:
             self.proc.send_signal(signum)
-        code = await asyncio.wait_for(self.proc.wait(), 10)
+        try:
+            code = await asyncio.wait_for(self.proc.wait(), 10)
+        except TimeoutError:
+            # Show where it hangs: SIGABRT makes faulthandler print every thread's stack.
+            self.proc.send_signal(signal.SIGABRT)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.proc.wait(), 5)
+                if self._reader is not None:
+                    await asyncio.wait_for(self._reader, 2)
+            print("\n".join(self.raw[-80:]), file=sys.stderr)
+            raise
         if self._reader is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._reader, 2)

@@ -24,7 +24,7 @@ from hlplugin.daemon import (
     wait_for_hypervisor,
 )
 from hlplugin.health import HealthTracker
-from hlplugin.lifecycle import PluginLifecycle
+from hlplugin.lifecycle import Context, PluginLifecycle
 from hlplugin.metrics import Metrics
 from hlplugin.plugin import TrackedDevicePlugin
 from hlplugin.watch import DirWatcher, Wakeup
@@ -52,7 +52,7 @@ class DeviceAccessPlugin(TrackedDevicePlugin):
         self.device_path = f"/dev/{hypervisor}"
 
     async def Allocate(self, request: pb.AllocateRequest,
-                       context: grpc.aio.ServicerContext) -> pb.AllocateResponse:
+                       context: Context) -> pb.AllocateResponse:
         unknown = self.unknown_ids(request)
         if unknown:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,

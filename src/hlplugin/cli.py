@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 from hlplugin import __version__, config, logs
 
@@ -69,11 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return demo(keep=args.keep)
 
 
-def _run(coroutine: object) -> int:
-    try:
-        asyncio.run(coroutine)  # type: ignore[arg-type]
-    except KeyboardInterrupt:
-        pass
+def _run(coroutine: Coroutine[Any, Any, None]) -> int:
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(coroutine)
     return 0
 
 

@@ -8,6 +8,7 @@ SIGINT cancels them all, which stops serving and removes our socket (never the C
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import signal
 from collections.abc import Callable, Coroutine, Mapping
@@ -25,8 +26,16 @@ log = logging.getLogger(__name__)
 RootTasks = Mapping[str, Coroutine[Any, Any, None]]
 
 
+def dump_tasks() -> None:
+    """SIGUSR1: log where every task waits, for an operator chasing a hang."""
+    for task in asyncio.all_tasks():
+        stream = io.StringIO()
+        task.print_stack(file=stream)
+        log.warning("task %s:\n%s", task.get_name(), stream.getvalue())
+
+
 def plugin_readiness(lifecycle: Callable[[], PluginLifecycle | None],
-                     tracker: HealthTracker) -> Readiness:
+                     tracker: HealthTracker) -> Callable[[], dict[str, tuple[bool, str]]]:
     """Ready = registered AND a ListAndWatch stream is open AND every health condition holds."""
 
     def readiness() -> dict[str, tuple[bool, str]]:
@@ -70,6 +79,7 @@ async def run_daemon(
     assert me is not None
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, me.cancel)
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
 
     def liveness() -> tuple[bool, str]:
         current = lifecycle()

@@ -29,6 +29,8 @@ import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from hlplugin.lifecycle import Context
+from hlplugin.watch import wait_event
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +83,9 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
         """Like the kubelet at start: delete every socket in the directory, then serve."""
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         for entry in os.scandir(self.plugin_dir):
-            if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
-                os.unlink(entry.path)
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                    os.unlink(entry.path)
         if self.mode == "reset":
             self._raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._raw.bind(str(self.socket_path))
@@ -129,7 +132,7 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
     # -- Registration service -------------------------------------------------------------------
 
     async def Register(self, request: pb.RegisterRequest,
-                       context: grpc.aio.ServicerContext) -> pb.Empty:
+                       context: Context) -> pb.Empty:
         self.register_calls += 1
         if self.mode == "hang":
             await asyncio.Event().wait()
@@ -144,7 +147,7 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             options = await stub.GetDevicePluginOptions(
                 pb.Empty(), timeout=self.dial_timeout, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
-            await channel.close()
+            await channel.close(None)
             problem = f"failed to dial device plugin: {exc.code().name}: {exc.details()}"
             self.rejections.append(problem)
             await context.abort(grpc.StatusCode.UNKNOWN, problem)
@@ -188,7 +191,7 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             if current is not None:
                 current.devices = dict.fromkeys(current.devices, "Unhealthy")
                 current.stopped = True
-            await resource.channel.close()
+            await resource.channel.close(None)
             self._notify()
 
     # -- what a test or the demo observes ------------------------------------------------------
@@ -214,9 +217,7 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"condition not met within {timeout}s")
-            changed = self._changed
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), min(remaining, 0.05))
+            await wait_event(self._changed, min(remaining, 0.05))
 
     def _notify(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()

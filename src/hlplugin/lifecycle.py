@@ -20,7 +20,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 KUBELET_SOCKET = "kubelet.sock"
 API_VERSION = "v1beta1"
+
+
+Context = grpc.aio.ServicerContext[Any, Any]
 
 
 class PluginServicer(pb_grpc.DevicePluginServicer):
@@ -48,20 +51,24 @@ class ServicerFactory(Protocol):
     def __call__(self) -> PluginServicer: ...
 
 
-def _socket_identity(path: Path) -> tuple[int, int] | None:
-    """(device, inode) of a unix socket at ``path``; None when missing or not a socket."""
+Identity = tuple[int, int, int]
+
+
+def _socket_identity(path: Path) -> Identity | None:
+    """(device, inode, ctime) of a unix socket at ``path``; None when missing or not a socket.
+    The ctime tells a new socket from an old one whose inode number the filesystem reused."""
     try:
         st = os.lstat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
+    return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
 
 
 @dataclass
 class _Instance:
     server: grpc.aio.Server
     servicer: PluginServicer
-    identity: tuple[int, int] | None
+    identity: Identity | None
 
 
 class PluginLifecycle:
@@ -91,7 +98,7 @@ class PluginLifecycle:
         self._wakeup = Wakeup(DirWatcher(plugin_dir, {socket_name, KUBELET_SOCKET},
                                          poll_interval=recheck_interval))
         self._instance: _Instance | None = None
-        self._kubelet_identity: tuple[int, int] | None = None
+        self._kubelet_identity: Identity | None = None
         self.registered = False
 
     @property

@@ -23,7 +23,7 @@ from hlplugin.daemon import (
     wait_for_hypervisor,
 )
 from hlplugin.health import DeviceMonitor, HealthState, HealthTracker
-from hlplugin.lifecycle import PluginLifecycle, PluginServicer
+from hlplugin.lifecycle import Context, PluginLifecycle, PluginServicer
 from hlplugin.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -57,21 +57,21 @@ class TrackedDevicePlugin(PluginServicer):
         self._closed.set()
 
     async def GetDevicePluginOptions(self, request: pb.Empty,
-                                     context: grpc.aio.ServicerContext) -> pb.DevicePluginOptions:
+                                     context: Context) -> pb.DevicePluginOptions:
         return pb.DevicePluginOptions(pre_start_required=False,
                                       get_preferred_allocation_available=False)
 
     async def GetPreferredAllocation(
-        self, request: pb.PreferredAllocationRequest, context: grpc.aio.ServicerContext
+        self, request: pb.PreferredAllocationRequest, context: Context
     ) -> pb.PreferredAllocationResponse:
         return pb.PreferredAllocationResponse()
 
     async def PreStartContainer(self, request: pb.PreStartContainerRequest,
-                                context: grpc.aio.ServicerContext) -> pb.PreStartContainerResponse:
+                                context: Context) -> pb.PreStartContainerResponse:
         return pb.PreStartContainerResponse()
 
     async def ListAndWatch(self, request: pb.Empty,
-                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ListAndWatchResponse]:
+                           context: Context) -> AsyncIterator[pb.ListAndWatchResponse]:
         self._stream_opened(+1)
         closed = asyncio.create_task(self._closed.wait())
         try:
@@ -103,7 +103,7 @@ class TrackedDevicePlugin(PluginServicer):
             self.metrics.devices_advertised.set(len(self.device_ids))
             self.metrics.devices_healthy.set(len(self.device_ids) if state.healthy else 0)
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
+    async def _refuse(self, context: Context, code: grpc.StatusCode, message: str,
                       result: str) -> None:
         if self.metrics is not None:
             self.metrics.allocations.labels(result=result).inc()
@@ -132,7 +132,7 @@ class HypervisorPlugin(TrackedDevicePlugin):
         self._annotations = cdi_annotations
 
     async def Allocate(self, request: pb.AllocateRequest,
-                       context: grpc.aio.ServicerContext) -> pb.AllocateResponse:
+                       context: Context) -> pb.AllocateResponse:
         unknown = self.unknown_ids(request)
         if unknown:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
@@ -163,10 +163,14 @@ async def serve(settings: Settings) -> None:
     holder: list[PluginLifecycle] = []
     hypervisor: list[str] = []
 
+    def current() -> PluginLifecycle | None:
+        return holder[0] if holder else None
+
     def readiness() -> dict[str, tuple[bool, str]]:
+        conditions = plugin_readiness(current, tracker)()
         if not hypervisor:
-            return {"hypervisor": (False, f"no mshv or kvm device under {settings.dev_dir}")}
-        return plugin_readiness(lambda: holder[0] if holder else None, tracker)()
+            conditions["hypervisor"] = (False, f"no mshv or kvm device under {settings.dev_dir}")
+        return conditions
 
     async def setup() -> RootTasks:
         hv = await wait_for_hypervisor(settings)
@@ -195,5 +199,4 @@ async def serve(settings: Settings) -> None:
         log.info("advertising %d %s slots for %s", settings.device_count, RESOURCE, hv)
         return {"cdi": reconciler.run(), "device-health": monitor.run(), "plugin": lifecycle.run()}
 
-    await run_daemon("hlplugin serve", settings.http_address, readiness,
-                     lambda: holder[0] if holder else None, metrics, setup)
+    await run_daemon("hlplugin serve", settings.http_address, readiness, current, metrics, setup)

@@ -18,17 +18,18 @@ import inotify_simple
 
 log = logging.getLogger(__name__)
 
-_MASK = (
+# Entries created, removed, renamed or re-permissioned. Enough for sockets and device nodes, and
+# it leaves out open/close/write, which every user of /dev/kvm causes.
+NODE_EVENTS = (
     inotify_simple.flags.CREATE
     | inotify_simple.flags.DELETE
-    | inotify_simple.flags.MODIFY
-    | inotify_simple.flags.CLOSE_WRITE
     | inotify_simple.flags.MOVED_FROM
     | inotify_simple.flags.MOVED_TO
     | inotify_simple.flags.ATTRIB
-    | inotify_simple.flags.DELETE_SELF
-    | inotify_simple.flags.MOVE_SELF
 )
+# Regular files we own: also writes, so in-place tampering is seen at once.
+FILE_EVENTS = NODE_EVENTS | inotify_simple.flags.MODIFY | inotify_simple.flags.CLOSE_WRITE
+_SELF = inotify_simple.flags.DELETE_SELF | inotify_simple.flags.MOVE_SELF
 _GONE = inotify_simple.flags.IGNORED | inotify_simple.flags.DELETE_SELF | inotify_simple.flags.MOVE_SELF
 
 
@@ -55,8 +56,10 @@ class DirWatcher:
         *,
         poll_interval: float = 1.0,
         use_inotify: bool = True,
+        events: int = NODE_EVENTS,
     ) -> None:
         self.directory = directory
+        self.events = events | _SELF
         self.names = frozenset(names) if names is not None else None
         self.poll_interval = poll_interval
         self.use_inotify = use_inotify
@@ -90,7 +93,7 @@ class DirWatcher:
         try:
             while True:
                 try:
-                    wd = inotify.add_watch(self.directory, _MASK)
+                    wd = inotify.add_watch(self.directory, self.events)
                 except OSError:
                     # Missing directory: poll its parent cheaply until it exists.
                     await asyncio.sleep(self.poll_interval)
@@ -131,6 +134,18 @@ class DirWatcher:
             await asyncio.sleep(self.poll_interval)
 
 
+async def wait_event(event: asyncio.Event, limit: float) -> bool:
+    """Wait for ``event`` at most ``limit`` seconds; True when it fired.
+
+    Not asyncio.wait_for: on Python 3.11 it can swallow a cancellation that races the event,
+    which would leave a daemon unable to stop.
+    """
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(limit):
+            await event.wait()
+    return event.is_set()
+
+
 class Wakeup:
     """A watcher turned into a wake-up that is safe to wait on with a timeout.
 
@@ -145,9 +160,8 @@ class Wakeup:
     def pulse(self) -> asyncio.Event:
         return self._event
 
-    async def wait(self, pulse: asyncio.Event, timeout: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(pulse.wait(), timeout)
+    async def wait(self, pulse: asyncio.Event, limit: float) -> None:
+        await wait_event(pulse, limit)
 
     async def run(self) -> None:
         async for _ in self._watcher.changes():

@@ -1,0 +1,463 @@
+"""The CDI spec that tells container runtimes how to hand /dev/<hypervisor> to a workload.
+
+We own exactly one file, ``<cdi_dir>/hyperlight.json``. The reconciler keeps it byte-identical to
+the desired content (mode 0644, owned by us), replacing it atomically so a runtime reading it at
+any moment sees the whole old or the whole new spec. Anything that is not a regular file at our
+path is not ours: we refuse to touch it and report unhealthy until someone removes it. Nothing
+else in the directory is modified, and the spec is never deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import difflib
+import errno
+import json
+import logging
+import os
+import secrets
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hlplugin.health import Condition, HealthTracker
+from hlplugin.metrics import Metrics
+from hlplugin.watch import FILE_EVENTS, DirWatcher
+
+log = logging.getLogger(__name__)
+
+SPEC_FILE = "hyperlight.json"
+TEMP_PREFIX = ".hyperlight.json.tmp-"
+KIND = "hyperlight.dev/hypervisor"
+MODE = 0o644
+CONDITION = "cdi"
+# Far larger than any spec we write; bounds what a foreign file can make us read or diff.
+_MAX_READ = 1 << 20
+_FIRST_BACKOFF = 0.1
+
+
+def qualified_name(hypervisor: str) -> str:
+    """The fully qualified CDI device name that runtimes resolve, e.g. for Allocate."""
+    return f"{KIND}={hypervisor}"
+
+
+# --- minimum cdiVersion --------------------------------------------------------------------------
+# Consumers reject a cdiVersion newer than they know (podman 4.3 rejects 0.6.0), so we declare the
+# oldest version whose fields we use. The rules mirror the spec's version table; 0.8.0 and 1.0.0
+# changed only the Go API and add no rule.
+
+
+def _edits(spec: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """Every containerEdits object: the spec's own and each device's."""
+    for owner in (spec, *_devices(spec)):
+        edits = owner.get("containerEdits")
+        if isinstance(edits, Mapping):
+            yield edits
+
+
+def _devices(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    devices = spec.get("devices")
+    return [d for d in devices if isinstance(d, Mapping)] if isinstance(devices, list) else []
+
+
+def _items(edits: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
+    value = edits.get(key)
+    return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []
+
+
+def _needs_0_4(spec: Mapping[str, Any]) -> bool:
+    return any(m.get("type") for e in _edits(spec) for m in _items(e, "mounts"))
+
+
+def _needs_0_5(spec: Mapping[str, Any]) -> bool:
+    names = [d.get("name") for d in _devices(spec)]
+    if any(isinstance(n, str) and n and not n[0].isalpha() for n in names):
+        return True
+    return any(n.get("hostPath") for e in _edits(spec) for n in _items(e, "deviceNodes"))
+
+
+def _needs_0_6(spec: Mapping[str, Any]) -> bool:
+    if spec.get("annotations") or any(d.get("annotations") for d in _devices(spec)):
+        return True
+    vendor, _, kind_name = str(spec.get("kind", "")).partition("/")
+    return bool(vendor) and "." in kind_name
+
+
+def _needs_0_7(spec: Mapping[str, Any]) -> bool:
+    return any("intelRdt" in e or e.get("additionalGids") for e in _edits(spec))
+
+
+def _needs_1_1(spec: Mapping[str, Any]) -> bool:
+    for e in _edits(spec):
+        rdt = e.get("intelRdt")
+        if e.get("netDevices"):
+            return True
+        if isinstance(rdt, Mapping) and (rdt.get("schemata") is not None
+                                         or rdt.get("enableMonitoring") is True):
+            return True
+    return False
+
+
+_EARLIEST = "0.3.0"
+# Oldest first, as in the spec's table.
+VERSION_RULES: tuple[tuple[str, Callable[[Mapping[str, Any]], bool]], ...] = (
+    ("0.4.0", _needs_0_4),  # type on mounts
+    ("0.5.0", _needs_0_5),  # hostPath on device nodes; device names not starting with a letter
+    ("0.6.0", _needs_0_6),  # annotations; dots in the name segment of kind
+    ("0.7.0", _needs_0_7),  # intelRdt; additionalGids
+    ("1.1.0", _needs_1_1),  # netDevices; intelRdt schemata/enableMonitoring
+)
+
+
+def minimum_version(spec: Mapping[str, Any]) -> str:
+    """The oldest cdiVersion that supports every field ``spec`` uses."""
+    for version, needs in VERSION_RULES[::-1]:
+        if needs(spec):
+            return version
+    return _EARLIEST
+
+
+# --- desired content -----------------------------------------------------------------------------
+
+
+def desired_spec(hypervisor: str, uid: int, gid: int) -> dict[str, Any]:
+    """One device, ``<hypervisor>``: its node, owned by the workload's uid/gid, and two env vars."""
+    device_path = f"/dev/{hypervisor}"
+    spec: dict[str, Any] = {
+        "cdiVersion": "",
+        "kind": KIND,
+        "devices": [{
+            "name": hypervisor,
+            "containerEdits": {
+                "deviceNodes": [{"path": device_path, "type": "c", "permissions": "rw",
+                                 "uid": uid, "gid": gid}],
+                "env": [f"HYPERLIGHT_HYPERVISOR={hypervisor}",
+                        f"HYPERLIGHT_DEVICE_PATH={device_path}"],
+            },
+        }],
+    }
+    spec["cdiVersion"] = minimum_version(spec)
+    return spec
+
+
+def render_spec(hypervisor: str, uid: int, gid: int) -> bytes:
+    """Deterministic bytes (fixed key order, indent 2, trailing newline): equal means unchanged."""
+    return (json.dumps(desired_spec(hypervisor, uid, gid), indent=2) + "\n").encode()
+
+
+# --- reading without trusting the path -----------------------------------------------------------
+
+
+def _kind_of(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+class NotRegular(Exception):
+    """Something other than a regular file sits at the path; ``str()`` says what."""
+
+
+def _read(path: Path, limit: int) -> tuple[bytes, os.stat_result] | None:
+    """Up to ``limit`` bytes and the fstat of a regular file; None when missing.
+
+    lstat first, then O_NOFOLLOW|O_NONBLOCK and fstat: never follows a symlink, never blocks on a
+    FIFO, and a swap between the two checks is still caught.
+    """
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegular(_kind_of(st.st_mode))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotRegular("a symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegular(_kind_of(st.st_mode))
+        chunks: list[bytes] = []
+        size = 0
+        while size < limit:
+            chunk = os.read(fd, limit - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks), st
+    finally:
+        os.close(fd)
+
+
+def check_file(path: Path, desired: bytes) -> tuple[bool, str]:
+    """(True, "") when ``path`` holds exactly ``desired``; else (False, what differs).
+
+    Content only: mode and owner depend on who runs the check.
+    """
+    try:
+        found = _read(path, _MAX_READ)
+    except NotRegular as exc:
+        return False, f"{path} is not a regular file ({exc})"
+    except OSError as exc:
+        return False, f"{path} cannot be read: {exc.strerror}"
+    if found is None:
+        return False, f"{path} is missing"
+    content, _ = found
+    if content == desired:
+        return True, ""
+    diff = difflib.unified_diff(
+        desired.decode(errors="replace").splitlines(keepends=True),
+        content.decode(errors="replace").splitlines(keepends=True),
+        fromfile="desired", tofile=str(path))
+    return False, "".join(diff) or f"{path} differs from the desired content"
+
+
+# --- classification ------------------------------------------------------------------------------
+
+
+def _list_of(value: Any, kind: type) -> bool:
+    return isinstance(value, list) and all(isinstance(v, kind) for v in value)
+
+
+def _edits_well_formed(edits: Any) -> bool:
+    if not isinstance(edits, dict) or not _list_of(edits.get("env", []), str):
+        return False
+    if not all(_list_of(edits.get(k, []), dict)
+               for k in ("deviceNodes", "mounts", "hooks", "netDevices")):
+        return False
+    for node in edits.get("deviceNodes", []):
+        if not isinstance(node.get("path"), str):
+            return False
+        if any(k in node and not isinstance(node[k], str)
+               for k in ("type", "permissions", "hostPath")):
+            return False
+        if any(k in node and type(node[k]) is not int for k in ("uid", "gid", "major", "minor")):
+            return False
+    return True
+
+
+def _well_formed(content: bytes) -> bool:
+    """Enough of the CDI shape to tell a stale spec from garbage (only for the repair metric)."""
+    try:
+        doc = json.loads(content)
+    except ValueError:
+        return False
+    if not isinstance(doc, dict) or not isinstance(doc.get("cdiVersion"), str):
+        return False
+    if not isinstance(doc.get("kind"), str) or not _list_of(doc.get("devices"), dict):
+        return False
+    if not all(isinstance(d.get("name"), str) and _edits_well_formed(d.get("containerEdits"))
+               for d in doc["devices"]):
+        return False
+    return "containerEdits" not in doc or _edits_well_formed(doc["containerEdits"])
+
+
+# --- the reconciler ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What one pass found and did; applied to condition, tracker and metrics on the event loop."""
+
+    condition: Condition
+    repaired: str = ""  # the repair's cause, when we rewrote the file
+    refused: str = ""  # "not_regular" or "write_failed"
+
+
+class CdiReconciler:
+    """Keeps ``<cdi_dir>/hyperlight.json`` equal to ``desired``; reports condition ``cdi``."""
+
+    def __init__(
+        self,
+        cdi_dir: Path,
+        desired: bytes,
+        *,
+        tracker: HealthTracker | None = None,
+        metrics: Metrics | None = None,
+        interval: float = 10.0,
+        max_backoff: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cdi_dir = cdi_dir
+        self.path = cdi_dir / SPEC_FILE
+        self.desired = desired
+        self.interval = interval
+        self.max_backoff = max_backoff
+        self.condition = Condition(False, "not checked yet")
+        self.last_reconcile: float | None = None  # clock() when the last pass finished
+        self._tracker = tracker
+        self._metrics = metrics
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        # A cancelled caller leaves its worker thread running; this keeps passes one at a time.
+        self._thread_lock = threading.Lock()
+        self._uid = os.geteuid()
+        self._gid = os.getegid()
+
+    def _is_right(self, content: bytes, st: os.stat_result) -> bool:
+        return content == self.desired and self._metadata_right(st)
+
+    def _metadata_right(self, st: os.stat_result) -> bool:
+        return (stat.S_IMODE(st.st_mode) == MODE and st.st_uid == self._uid
+                and st.st_gid == self._gid)
+
+    async def ensure(self) -> Condition:
+        """Before every Allocate: a read and a byte compare when all is well, a repair if not."""
+        if self.condition.ok:
+            with contextlib.suppress(OSError, NotRegular):
+                found = _read(self.path, len(self.desired) + 1)
+                if found is not None and self._is_right(*found):
+                    return self.condition
+        return await self.reconcile("allocate")
+
+    async def reconcile(self, trigger: str) -> Condition:
+        """One full pass, one at a time: inspect, repair if needed, publish the outcome."""
+        async with self._lock:
+            outcome = await asyncio.to_thread(self._pass)
+            self.last_reconcile = self._clock()
+            if outcome.repaired:
+                log.info("repaired CDI spec %s (cause: %s, trigger: %s)", self.path,
+                         outcome.repaired, trigger,
+                         extra={"cause": outcome.repaired, "trigger": trigger})
+                if self._metrics is not None:
+                    self._metrics.cdi_repairs.labels(cause=outcome.repaired).inc()
+            if outcome.refused and self._metrics is not None:
+                self._metrics.cdi_refusals.labels(reason=outcome.refused).inc()
+            new = outcome.condition
+            if self._tracker is not None:
+                self._tracker.set_condition(CONDITION, new.ok, new.reason)
+            elif not new.ok and new != self.condition:
+                log.warning("CDI spec unhealthy: %s", new.reason)
+            self.condition = new
+            return new
+
+    def _pass(self) -> _Outcome:
+        with self._thread_lock:
+            try:
+                cause = self._diagnose()
+                if cause:
+                    self._replace()
+            except NotRegular as exc:
+                reason = f"{self.path} is {exc}; refusing to replace what we do not own"
+                return _Outcome(Condition(False, reason), refused="not_regular")
+            except OSError as exc:
+                name = errno.errorcode.get(exc.errno or 0, "unknown error")
+                reason = f"cannot write {self.path}: {exc.strerror} ({name})"
+                return _Outcome(Condition(False, reason), refused="write_failed")
+            return _Outcome(Condition(True), repaired=cause)
+
+    def _diagnose(self) -> str:
+        """The repair cause, or "" when the file is right. Raises NotRegular."""
+        try:
+            found = _read(self.path, _MAX_READ)
+        except PermissionError:
+            return "metadata"  # a regular file we may not read: its mode or owner is wrong
+        except OSError:
+            return "malformed"  # unreadable (EIO, ...): rewriting is the best we can do
+        if found is None:
+            return "missing"
+        content, st = found
+        if content != self.desired:
+            return "stale" if _well_formed(content) else "malformed"
+        return "" if self._metadata_right(st) else "metadata"
+
+    def _replace(self) -> None:
+        """Atomically put the desired bytes at our path: temp file, fsync, rename, fsync dir."""
+        os.makedirs(self.cdi_dir, 0o755, exist_ok=True)
+        temp = self.cdi_dir / (TEMP_PREFIX + secrets.token_hex(8))
+        flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC
+        fd = os.open(temp, flags, MODE)
+        try:
+            try:
+                os.fchmod(fd, MODE)  # against the umask
+                if os.fstat(fd).st_gid != self._gid:  # a setgid directory passes its group on
+                    os.fchown(fd, -1, self._gid)
+                view = memoryview(self.desired)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            # Whatever non-regular thing appeared since _diagnose is refused, not replaced. (A
+            # narrower race remains, open only to someone who can write the directory anyway.)
+            with contextlib.suppress(FileNotFoundError):
+                mode = os.lstat(self.path).st_mode
+                if not stat.S_ISREG(mode):
+                    raise NotRegular(_kind_of(mode))
+            os.rename(temp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+        dir_fd = os.open(self.cdi_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def cleanup_leftovers(self) -> int:
+        """Remove temp files a crash left behind (regular files with our prefix only)."""
+        removed = 0
+        try:
+            names = os.listdir(self.cdi_dir)
+        except OSError:
+            return 0
+        for name in names:
+            if not name.startswith(TEMP_PREFIX):
+                continue
+            path = self.cdi_dir / name
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    os.unlink(path)
+                    removed += 1
+                    log.info("removed leftover temp file %s", path)
+        return removed
+
+    async def run(self) -> None:
+        """Reconcile on every change to our file or directory, every ``interval`` seconds, and,
+        while failing, with capped exponential backoff. Runs until cancelled."""
+        await asyncio.to_thread(self.cleanup_leftovers)
+        poke = asyncio.Event()
+
+        async def watch() -> None:
+            try:
+                async for _ in DirWatcher(self.cdi_dir, {SPEC_FILE, ""}, events=FILE_EVENTS).changes():
+                    poke.set()
+            except Exception:
+                log.exception("watching %s failed; only periodic checks remain", self.cdi_dir)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            trigger, backoff = "start", _FIRST_BACKOFF
+            while True:
+                poke.clear()
+                if (await self.reconcile(trigger)).ok:
+                    delay, backoff = self.interval, _FIRST_BACKOFF
+                else:
+                    delay = min(backoff, self.max_backoff)
+                    backoff = min(backoff * 2, self.max_backoff)
+                try:
+                    # Not asyncio.wait_for: on 3.11 it can swallow a cancel that races the event.
+                    async with asyncio.timeout(delay):
+                        await poke.wait()
+                    trigger = "watch"
+                except TimeoutError:
+                    trigger = "periodic" if self.condition.ok else "retry"
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher

@@ -1,0 +1,354 @@
+"""Proof that a hypervisor device is usable, and a bounded way to ask for that proof.
+
+Standard library only: the same module runs inside a workload container to check what it was given.
+
+A KVM check opens the node, asks for the API version, creates a VM and (with ``guest``) runs a
+three-instruction real-mode guest to its ``hlt``: a node that merely exists, or a VM that cannot
+run, is not a usable device. MSHV is only checked for being a character device that opens
+read/write (no VM is created: the upstream check, nothing here can verify more).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import errno as errno_mod
+import fcntl
+import mmap
+import os
+import stat
+import struct
+import threading
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+# Short, bounded failure reasons (metric labels): never paths, errnos or free text.
+REASONS = ("open", "api_version", "create_vm", "guest", "not_char_device", "identity_missing",
+           "identity_mismatch", "timeout", "budget", "error")
+
+
+class ProbeError(Exception):
+    """A device check failed: which ``step``, on which ``path``, with the kernel's ``errno`` if any.
+
+    ``reason`` is one of REASONS, for metrics; the message is what a person reads.
+    """
+
+    def __init__(self, message: str, *, step: str, path: Path | None = None,
+                 errno: int | None = None, reason: str = "error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.step = step
+        self.path = path
+        self.errno = errno
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.message
+
+    @classmethod
+    def from_os_error(cls, exc: OSError, *, step: str, path: Path, reason: str) -> ProbeError:
+        text = f"{step} on {path} failed: [Errno {exc.errno}] {exc.strerror}"
+        return cls(text, step=step, path=path, errno=exc.errno, reason=reason)
+
+
+# --- KVM ABI (linux/kvm.h, x86_64) --------------------------------------------------------------
+
+_KVMIO = 0xAE
+
+
+def _io(nr: int) -> int:
+    return (_KVMIO << 8) | nr
+
+
+def _iow(nr: int, size: int) -> int:
+    return (1 << 30) | (size << 16) | (_KVMIO << 8) | nr
+
+
+def _ior(nr: int, size: int) -> int:
+    return (2 << 30) | (size << 16) | (_KVMIO << 8) | nr
+
+
+_MEM_REGION = struct.Struct("=IIQQQ")  # slot, flags, guest_phys_addr, memory_size, userspace_addr
+_REGS_SIZE = 18 * 8                    # struct kvm_regs: rax..r15, rip, rflags
+_SREGS_SIZE = 8 * 24 + 2 * 16 + 7 * 8 + 4 * 8  # 8 segments, gdt/idt, cr0..apic_base, bitmap
+
+KVM_API_VERSION = 12
+KVM_GET_API_VERSION = _io(0x00)
+KVM_CREATE_VM = _io(0x01)
+KVM_GET_VCPU_MMAP_SIZE = _io(0x04)
+KVM_CREATE_VCPU = _io(0x41)
+KVM_SET_USER_MEMORY_REGION = _iow(0x46, _MEM_REGION.size)
+KVM_RUN = _io(0x80)
+KVM_SET_REGS = _iow(0x82, _REGS_SIZE)
+KVM_GET_SREGS = _ior(0x83, _SREGS_SIZE)
+KVM_SET_SREGS = _iow(0x84, _SREGS_SIZE)
+
+KVM_EXIT_IO = 2
+KVM_EXIT_HLT = 5
+KVM_EXIT_IO_OUT = 1
+
+_RUN_EXIT_REASON = 8   # offsetof(struct kvm_run, exit_reason)
+_RUN_IO = 32           # offsetof(struct kvm_run, io): direction u8, size u8, port u16, count u32,
+_IO = struct.Struct("=BBHIQ")  # data_offset u64
+
+_GUEST_ADDR = 0x1000
+_GUEST_PORT = 0x10
+_GUEST_VALUE = 42
+_GUEST_CODE = bytes((0xB0, _GUEST_VALUE, 0xE6, _GUEST_PORT, 0xF4))  # mov al,42; out 0x10,al; hlt
+_PAGE = mmap.PAGESIZE
+
+_EXIT_NAMES = {0: "UNKNOWN", 2: "IO", 5: "HLT", 6: "MMIO", 8: "SHUTDOWN", 9: "FAIL_ENTRY",
+               17: "INTERNAL_ERROR"}
+
+
+def _ioctl(fd: int, request: int, arg: int | bytes | bytearray, *, step: str, path: Path,
+           reason: str) -> int:
+    """fcntl.ioctl with the failure turned into a ProbeError naming the step; EINTR retried."""
+    while True:
+        try:
+            if isinstance(arg, bytearray):
+                return int(fcntl.ioctl(fd, request, arg, True))
+            if isinstance(arg, bytes):
+                fcntl.ioctl(fd, request, arg)  # the return value is a copy of arg
+                return 0
+            return fcntl.ioctl(fd, request, arg)
+        except InterruptedError:
+            continue
+        except OSError as exc:
+            raise ProbeError.from_os_error(exc, step=step, path=path, reason=reason) from exc
+
+
+def _open(path: Path, stack: ExitStack) -> int:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ProbeError.from_os_error(exc, step="open", path=path, reason="open") from exc
+    stack.callback(os.close, fd)
+    return fd
+
+
+def probe_kvm(path: Path, guest: bool = True) -> None:
+    """Raise ProbeError unless ``path`` is a KVM that creates a VM (with ``guest``: and runs it)."""
+    with ExitStack() as stack:
+        kvm = _open(path, stack)
+        version = _ioctl(kvm, KVM_GET_API_VERSION, 0, step="KVM_GET_API_VERSION", path=path,
+                         reason="api_version")
+        if version != KVM_API_VERSION:
+            raise ProbeError(
+                f"KVM_GET_API_VERSION on {path} returned {version}, expected {KVM_API_VERSION}",
+                step="KVM_GET_API_VERSION", path=path, reason="api_version")
+        vm = _ioctl(kvm, KVM_CREATE_VM, 0, step="KVM_CREATE_VM", path=path, reason="create_vm")
+        stack.callback(os.close, vm)
+        if guest:
+            _run_guest(kvm, vm, path, stack)
+
+
+def _run_guest(kvm: int, vm: int, path: Path, stack: ExitStack) -> None:
+    """Run ``mov al,42; out 0x10,al; hlt`` in real mode; expect the OUT exit, then HLT."""
+
+    def ioctl(fd: int, request: int, arg: int | bytes | bytearray, step: str) -> int:
+        return _ioctl(fd, request, arg, step=step, path=path, reason="guest")
+
+    # Unmapped before the VM fd closes (ExitStack unwinds in reverse), once the vCPU is gone;
+    # KVM follows the unmap, so that order is safe.
+    memory = mmap.mmap(-1, _PAGE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                       mmap.PROT_READ | mmap.PROT_WRITE)
+    stack.callback(memory.close)
+    memory[: len(_GUEST_CODE)] = _GUEST_CODE
+    view = (ctypes.c_char * _PAGE).from_buffer(memory)
+    address = ctypes.addressof(view)
+    del view  # an exported buffer would make memory.close() fail
+    ioctl(vm, KVM_SET_USER_MEMORY_REGION, _MEM_REGION.pack(0, 0, _GUEST_ADDR, _PAGE, address),
+          "KVM_SET_USER_MEMORY_REGION")
+
+    vcpu = ioctl(vm, KVM_CREATE_VCPU, 0, "KVM_CREATE_VCPU")
+    stack.callback(os.close, vcpu)
+    run_size = ioctl(kvm, KVM_GET_VCPU_MMAP_SIZE, 0, "KVM_GET_VCPU_MMAP_SIZE")
+    try:
+        run = mmap.mmap(vcpu, run_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        raise ProbeError.from_os_error(exc, step="mmap kvm_run", path=path, reason="guest") from exc
+    stack.callback(run.close)
+
+    sregs = bytearray(_SREGS_SIZE)
+    ioctl(vcpu, KVM_GET_SREGS, sregs, "KVM_GET_SREGS")
+    struct.pack_into("=Q", sregs, 0, 0)   # cs.base
+    struct.pack_into("=H", sregs, 12, 0)  # cs.selector
+    ioctl(vcpu, KVM_SET_SREGS, bytes(sregs), "KVM_SET_SREGS")
+    regs = [0] * 18
+    regs[16] = _GUEST_ADDR  # rip
+    regs[17] = 0x2          # rflags: the reserved bit that must be set
+    ioctl(vcpu, KVM_SET_REGS, struct.pack("=18Q", *regs), "KVM_SET_REGS")
+
+    def enter() -> int:
+        ioctl(vcpu, KVM_RUN, 0, "KVM_RUN")
+        return int(struct.unpack_from("=I", run, _RUN_EXIT_REASON)[0])
+
+    def unexpected(got: int, wanted: str, detail: str = "") -> ProbeError:
+        name = _EXIT_NAMES.get(got, str(got))
+        return ProbeError(f"guest on {path}: expected exit {wanted}, got {name}{detail}",
+                          step="guest exit", path=path, reason="guest")
+
+    exit_reason = enter()
+    if exit_reason != KVM_EXIT_IO:
+        raise unexpected(exit_reason, "IO")
+    direction, size, port, count, data_offset = _IO.unpack_from(run, _RUN_IO)
+    value = run[data_offset] if 0 <= data_offset < run_size else -1
+    if (direction, size, port, count, value) != (KVM_EXIT_IO_OUT, 1, _GUEST_PORT, 1, _GUEST_VALUE):
+        raise unexpected(exit_reason, f"IO out port {_GUEST_PORT:#x} value {_GUEST_VALUE}",
+                         f" direction {direction} port {port:#x} size {size} value {value}")
+    exit_reason = enter()
+    if exit_reason != KVM_EXIT_HLT:
+        raise unexpected(exit_reason, "HLT")
+
+
+def _lstat_char(path: Path, what: str, missing_reason: str) -> os.stat_result:
+    """lstat ``path`` and insist on a character device (a symlink or a regular file is refused)."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        reason = missing_reason if exc.errno == errno_mod.ENOENT else "open"
+        raise ProbeError(f"{what} {path} is missing: [Errno {exc.errno}] {exc.strerror}"
+                         if exc.errno == errno_mod.ENOENT else
+                         f"lstat on {path} failed: [Errno {exc.errno}] {exc.strerror}",
+                         step="lstat", path=path, errno=exc.errno, reason=reason) from exc
+    if not stat.S_ISCHR(st.st_mode):
+        raise ProbeError(f"{what} {path} is not a character device ({_kind(st.st_mode)})",
+                         step="lstat", path=path, reason="not_char_device")
+    return st
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISREG, "a regular file"),
+                       (stat.S_ISDIR, "a directory"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return f"mode {mode:o}"
+
+
+def probe_mshv(path: Path) -> None:
+    """Raise ProbeError unless ``path`` is a character device (no symlink) that opens read/write."""
+    _lstat_char(path, "device", "open")
+    with ExitStack() as stack:
+        _open(path, stack)
+
+
+def check_host_identity(dev_path: Path, host_path: Path) -> None:
+    """Raise ProbeError unless the host's node is a character device with ``dev_path``'s numbers.
+
+    The device we were given (``dev_path``) keeps working after the host node is deleted or
+    replaced, so only the host view tells whether new containers can still get it (CDI injects the
+    host path).
+    """
+    try:
+        dev = os.stat(dev_path)
+    except OSError as exc:
+        raise ProbeError(f"device {dev_path} is missing: [Errno {exc.errno}] {exc.strerror}",
+                         step="stat", path=dev_path, errno=exc.errno,
+                         reason="identity_missing") from exc
+    if not stat.S_ISCHR(dev.st_mode):
+        raise ProbeError(f"device {dev_path} is not a character device ({_kind(dev.st_mode)})",
+                         step="stat", path=dev_path, reason="not_char_device")
+    host = _lstat_char(host_path, "host device node", "identity_missing")
+    if host.st_rdev != dev.st_rdev:
+        raise ProbeError(
+            f"host device node {host_path} is {_numbers(host.st_rdev)}, but {dev_path} is "
+            f"{_numbers(dev.st_rdev)}", step="identity", path=host_path, reason="identity_mismatch")
+
+
+def _numbers(rdev: int) -> str:
+    return f"{os.major(rdev)}:{os.minor(rdev)}"
+
+
+def probe_device(hypervisor: str, dev_dir: Path, guest: bool = True) -> None:
+    """Check ``dev_dir/<hypervisor>`` with the hypervisor's prober."""
+    path = dev_dir / hypervisor
+    if hypervisor == "kvm":
+        probe_kvm(path, guest)
+    elif hypervisor == "mshv":
+        probe_mshv(path)
+    else:
+        raise ValueError(f"unknown hypervisor {hypervisor!r}")
+
+
+class BoundedRunner:
+    """Runs a blocking check in a helper thread and gives up on it after a budget.
+
+    A thread, not a process: forking after grpc has started is unsafe, and a process stuck in an
+    uninterruptible ioctl cannot be killed any more than a thread can; an idle runner costs nothing.
+    A helper that overruns is abandoned, not killed (nothing can kill it), so at most one is ever
+    outstanding: a call first waits, within its own budget, for the previous helper; if that one
+    is still stuck the call fails without starting another. The budget bounds the whole call,
+    waiting included. Daemon threads, so a stuck helper never blocks process exit.
+    """
+
+    def __init__(self, budget: float = 2.0, name: str = "hlplugin-probe") -> None:
+        self.budget = budget
+        self.name = name
+        self.threads_started = 0
+        self._lock = threading.Lock()
+        self._current: concurrent.futures.Future[object] | None = None
+
+    @property
+    def busy(self) -> bool:
+        """A helper is still running (possibly abandoned by a caller that gave up)."""
+        current = self._current
+        return current is not None and not current.done()
+
+    async def run(self, fn: Callable[[], T], budget: float | None = None) -> T:
+        budget = self.budget if budget is None else budget
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget
+        while True:
+            with self._lock:
+                previous = self._current
+                if previous is None or previous.done():
+                    helper: concurrent.futures.Future[T] = concurrent.futures.Future()
+                    # Running from the start: a cancelled waiter can never cancel it.
+                    helper.set_running_or_notify_cancel()
+                    self._current = helper  # type: ignore[assignment]
+                    self.threads_started += 1
+                    threading.Thread(target=_work, args=(fn, helper), daemon=True,
+                                     name=f"{self.name}-{self.threads_started}").start()
+                    break
+            if not await _wait(previous, deadline - loop.time()):
+                raise ProbeError(
+                    f"the previous check is still stuck after {budget:.1f}s; not starting another",
+                    step="budget", reason="budget")
+        if not await _wait(helper, deadline - loop.time()):
+            raise ProbeError(f"check timed out after {budget:.1f}s", step="timeout",
+                             reason="timeout")
+        return helper.result()
+
+
+def _work(fn: Callable[[], T], helper: concurrent.futures.Future[T]) -> None:
+    try:
+        result = fn()
+    except BaseException as exc:
+        helper.set_exception(exc)
+    else:
+        helper.set_result(result)
+
+
+async def _wait(helper: concurrent.futures.Future[T], seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``helper``; True when it finished. Never disturbs the helper."""
+    if helper.done():
+        return True
+    if seconds <= 0:
+        return False
+    waiter = asyncio.wrap_future(helper)
+    try:
+        done, _ = await asyncio.wait((waiter,), timeout=seconds)
+        return bool(done)
+    finally:
+        # Detach: a cancelled waiter makes the helper's callback a no-op even after loop close.
+        if not waiter.done():
+            waiter.cancel()
+        elif not waiter.cancelled():
+            waiter.exception()  # the caller reads it from ``helper``; keep asyncio from warning

@@ -1,0 +1,876 @@
+"""The CDI spec reconciler against real files, real inotify and, as root, real mounts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from hlplugin.cdi import (
+    KIND,
+    SPEC_FILE,
+    TEMP_PREFIX,
+    CdiReconciler,
+    check_file,
+    desired_spec,
+    minimum_version,
+    qualified_name,
+    render_spec,
+)
+from hlplugin.health import Condition, HealthTracker
+from hlplugin.metrics import Metrics
+
+SCHEMA_DIR = Path(__file__).parents[2] / "shared/reference/cdi-schema"
+DESIRED = render_spec("kvm", 65534, 65534)
+STALE = render_spec("kvm", 1000, 1000)  # well-formed, another uid/gid
+IS_ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not IS_ROOT, reason="needs root (mount, mknod or chown)")
+GUARD = 5.0  # seconds; a guard against hangs, not a benchmark
+
+T = TypeVar("T")
+
+
+def run(coro: Awaitable[T]) -> T:
+    async def main() -> T:
+        return await coro
+
+    return asyncio.run(main())
+
+
+class Rig:
+    """A reconciler wired to a real tracker and metrics registry."""
+
+    def __init__(self, cdi_dir: Path, desired: bytes = DESIRED, **kwargs: Any) -> None:
+        self.tracker = HealthTracker(required=("cdi",))
+        self.metrics = Metrics()
+        self.rec = CdiReconciler(cdi_dir, desired, tracker=self.tracker, metrics=self.metrics,
+                                 **kwargs)
+        self.path = cdi_dir / SPEC_FILE
+
+    def repairs(self, cause: str) -> float:
+        value = self.metrics.registry.get_sample_value(
+            "hyperlight_cdi_repairs_total", {"cause": cause})
+        return value or 0.0
+
+    def refusals(self, reason: str) -> float:
+        value = self.metrics.registry.get_sample_value(
+            "hyperlight_cdi_refusals_total", {"reason": reason})
+        return value or 0.0
+
+    @property
+    def cdi(self) -> Condition:
+        return self.tracker.state.conditions["cdi"]
+
+
+@pytest.fixture
+def cdi_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "cdi"
+    path.mkdir()
+    return path
+
+
+async def wait_until(predicate: Callable[[], bool], guard: float = GUARD) -> float:
+    """Seconds until ``predicate`` holds; fails the test after ``guard`` seconds."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > guard:
+            raise AssertionError(f"condition not reached within {guard}s")
+        await asyncio.sleep(0.002)
+    return time.monotonic() - start
+
+
+@contextlib.asynccontextmanager
+async def running(rec: CdiReconciler) -> AsyncIterator[asyncio.Task[None]]:
+    task = asyncio.create_task(rec.run())
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def content(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def schema_validator() -> Any | None:
+    if not (SCHEMA_DIR / "schema.json").is_file():
+        return None
+    from jsonschema import Draft7Validator
+    from referencing import Registry, Resource
+    from referencing.jsonschema import DRAFT7
+
+    defs = json.loads((SCHEMA_DIR / "defs.json").read_text())
+    registry: Registry[Any] = Registry().with_resource(
+        "defs.json", Resource.from_contents(defs, default_specification=DRAFT7))
+    schema = json.loads((SCHEMA_DIR / "schema.json").read_text())
+    return Draft7Validator(schema, registry=registry)
+
+
+VALIDATOR = schema_validator()
+
+
+def assert_desired(path: Path, desired: bytes = DESIRED) -> None:
+    """Our spec, as we own it; and (when the reference schema is present) valid CDI."""
+    st = os.lstat(path)
+    assert stat.S_ISREG(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o644
+    assert (st.st_uid, st.st_gid) == (os.geteuid(), os.getegid())
+    data = path.read_bytes()
+    assert data == desired
+    if VALIDATOR is not None:
+        VALIDATOR.validate(json.loads(data))
+
+
+def temp_files(directory: Path) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.startswith(TEMP_PREFIX))
+
+
+def fingerprint(path: Path) -> tuple[Any, ...]:
+    st = os.lstat(path)
+    return st.st_ino, st.st_mode, st.st_mtime_ns, st.st_size
+
+
+@contextlib.contextmanager
+def tmpfs(mountpoint: Path, options: str) -> Iterator[Path]:
+    mountpoint.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mountpoint)], check=True)
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", str(mountpoint)], check=False)
+
+
+def overwrite(path: Path, data: bytes) -> None:
+    """Rewrite in place (same inode), as an editor or a careless script would."""
+    with open(path, "r+b") as f:
+        f.truncate()
+        f.write(data)
+
+
+def remount(mountpoint: Path, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(mountpoint)], check=True)
+
+
+# --- desired content and versions ----------------------------------------------------------------
+
+
+def test_desired_spec_is_exactly_the_documented_content() -> None:
+    assert qualified_name("kvm") == "hyperlight.dev/hypervisor=kvm"
+    assert desired_spec("kvm", 65534, 65533) == {
+        "cdiVersion": "0.3.0",
+        "kind": KIND,
+        "devices": [{
+            "name": "kvm",
+            "containerEdits": {
+                "deviceNodes": [{"path": "/dev/kvm", "type": "c", "permissions": "rw",
+                                 "uid": 65534, "gid": 65533}],
+                "env": ["HYPERLIGHT_HYPERVISOR=kvm", "HYPERLIGHT_DEVICE_PATH=/dev/kvm"],
+            },
+        }],
+    }
+    mshv = desired_spec("mshv", 0, 0)["devices"][0]["containerEdits"]
+    assert mshv["deviceNodes"][0]["path"] == "/dev/mshv"
+    assert mshv["env"] == ["HYPERLIGHT_HYPERVISOR=mshv", "HYPERLIGHT_DEVICE_PATH=/dev/mshv"]
+
+
+def test_rendered_bytes_are_deterministic() -> None:
+    first = render_spec("kvm", 65534, 65534)
+    assert first == render_spec("kvm", 65534, 65534)
+    assert first.endswith(b"}\n") and not first.endswith(b"\n\n")
+    assert json.loads(first) == desired_spec("kvm", 65534, 65534)
+    assert first.startswith(b'{\n  "cdiVersion": "0.3.0",\n  "kind": "hyperlight.dev/hypervisor",')
+    assert render_spec("kvm", 1, 2) != first
+
+
+def _with_edit(key: str, value: Any, *, device_level: bool = True) -> dict[str, Any]:
+    spec = desired_spec("kvm", 65534, 65534)
+    edits = spec["devices"][0]["containerEdits"] if device_level else spec.setdefault(
+        "containerEdits", {})
+    edits[key] = value
+    return spec
+
+
+def _with_node_field(key: str, value: Any) -> dict[str, Any]:
+    spec = desired_spec("kvm", 65534, 65534)
+    spec["devices"][0]["containerEdits"]["deviceNodes"][0][key] = value
+    return spec
+
+
+def _with(key: str, value: Any, *, device_level: bool = False) -> dict[str, Any]:
+    spec = desired_spec("kvm", 65534, 65534)
+    (spec["devices"][0] if device_level else spec)[key] = value
+    return spec
+
+
+@pytest.mark.parametrize(("spec", "version"), [
+    (desired_spec("kvm", 65534, 65534), "0.3.0"),
+    (_with_edit("mounts", [{"hostPath": "/a", "containerPath": "/b"}]), "0.3.0"),
+    (_with_edit("mounts", [{"hostPath": "/a", "containerPath": "/b", "type": "bind"}]), "0.4.0"),
+    (_with_edit("mounts", [{"hostPath": "/a", "containerPath": "/b", "type": "bind"}],
+                device_level=False), "0.4.0"),
+    (_with_node_field("hostPath", "/dev/kvm"), "0.5.0"),
+    (_with_node_field("hostPath", ""), "0.3.0"),
+    (_with("devices", [{"name": "0kvm", "containerEdits": {}}]), "0.5.0"),
+    (_with("annotations", {"a": "b"}), "0.6.0"),
+    (_with("annotations", {"a": "b"}, device_level=True), "0.6.0"),
+    (_with("kind", "hyperlight.dev/hyper.visor"), "0.6.0"),
+    (_with_edit("additionalGids", [5]), "0.7.0"),
+    (_with_edit("additionalGids", [5], device_level=False), "0.7.0"),
+    (_with_edit("intelRdt", {"closID": "x"}), "0.7.0"),
+    (_with_edit("intelRdt", {"enableMonitoring": True}), "1.1.0"),
+    (_with_edit("intelRdt", {"schemata": []}), "1.1.0"),
+    (_with_edit("netDevices", [{"hostInterfaceName": "eth0", "name": "eth1"}]), "1.1.0"),
+    (_with_edit("netDevices", [{"hostInterfaceName": "eth0", "name": "eth1"}],
+                device_level=False), "1.1.0"),
+], ids=["ours", "mount", "mount-type", "spec-mount-type", "hostPath", "empty-hostPath",
+        "digit-name", "annotations", "device-annotations", "dotted-kind", "additionalGids",
+        "spec-additionalGids", "intelRdt", "rdt-monitoring", "rdt-schemata", "netDevices",
+        "spec-netDevices"])
+def test_minimum_version_follows_the_version_table(spec: dict[str, Any], version: str) -> None:
+    assert minimum_version(spec) == version
+
+
+def test_minimum_version_takes_the_newest_requirement() -> None:
+    spec = _with_node_field("hostPath", "/dev/kvm")
+    spec["devices"][0]["containerEdits"]["netDevices"] = [{"hostInterfaceName": "a", "name": "b"}]
+    spec["annotations"] = {"a": "b"}
+    assert minimum_version(spec) == "1.1.0"
+
+
+@pytest.mark.skipif(VALIDATOR is None, reason=f"CDI reference schema not found at {SCHEMA_DIR}")
+@pytest.mark.parametrize(("hypervisor", "uid", "gid"),
+                         [("kvm", 65534, 65534), ("mshv", 0, 4_294_967_295)])
+def test_rendered_spec_validates_against_the_cdi_schema(hypervisor: str, uid: int,
+                                                        gid: int) -> None:
+    from jsonschema import ValidationError
+
+    assert VALIDATOR is not None
+    VALIDATOR.validate(json.loads(render_spec(hypervisor, uid, gid)))
+    with pytest.raises(ValidationError):  # the validator does check what we rely on
+        VALIDATOR.validate(desired_spec("kvm", -1, 0))
+
+
+# --- check_file ----------------------------------------------------------------------------------
+
+
+def test_check_file_reports_equal_missing_and_differences(tmp_path: Path) -> None:
+    path = tmp_path / SPEC_FILE
+    assert check_file(path, DESIRED) == (False, f"{path} is missing")
+    path.write_bytes(DESIRED)
+    assert check_file(path, DESIRED) == (True, "")
+    path.write_bytes(STALE)
+    ok, diff = check_file(path, DESIRED)
+    assert not ok
+    assert '-            "uid": 65534,' in diff and '+            "uid": 1000,' in diff
+    assert diff.startswith("--- desired\n")
+
+
+@pytest.mark.timeout(20)
+def test_check_file_never_follows_or_blocks(tmp_path: Path) -> None:
+    copy = tmp_path / "copy.json"
+    copy.write_bytes(DESIRED)
+    link = tmp_path / "link.json"
+    link.symlink_to(copy)
+    assert check_file(link, DESIRED) == (False, f"{link} is not a regular file (a symlink)")
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    assert check_file(fifo, DESIRED) == (False, f"{fifo} is not a regular file (a FIFO)")
+    assert check_file(tmp_path, DESIRED) == (False, f"{tmp_path} is not a regular file "
+                                                    "(a directory)")
+
+
+# --- repairs -------------------------------------------------------------------------------------
+
+
+def test_missing_spec_is_written_and_reported(cdi_dir: Path,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    rig = Rig(cdi_dir)
+    assert not rig.cdi.ok
+    with caplog.at_level(logging.INFO, logger="hlplugin.cdi"):
+        condition = run(rig.rec.reconcile("start"))
+    assert condition == Condition(True) == rig.rec.condition == rig.cdi
+    assert_desired(rig.path)
+    assert rig.repairs("missing") == 1
+    assert any("repaired" in r.getMessage() and "missing" in r.getMessage()
+               for r in caplog.records)
+    # Nothing to do the second time.
+    before = fingerprint(rig.path)
+    assert run(rig.rec.reconcile("periodic")).ok
+    assert fingerprint(rig.path) == before
+    assert rig.repairs("missing") == 1
+
+
+def test_missing_directory_is_created_with_parents(tmp_path: Path) -> None:
+    cdi_dir = tmp_path / "a" / "b" / "cdi"
+    rig = Rig(cdi_dir)
+    old = os.umask(0o022)
+    try:
+        assert run(rig.rec.reconcile("start")).ok
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(cdi_dir).st_mode) == 0o755
+    assert_desired(rig.path)
+
+
+def _mutate(change: Callable[[dict[str, Any]], None]) -> bytes:
+    spec = desired_spec("kvm", 65534, 65534)
+    change(spec)
+    return (json.dumps(spec, indent=2) + "\n").encode()
+
+
+def _node(spec: dict[str, Any]) -> dict[str, Any]:
+    node: dict[str, Any] = spec["devices"][0]["containerEdits"]["deviceNodes"][0]
+    return node
+
+
+def _edits(spec: dict[str, Any]) -> dict[str, Any]:
+    edits: dict[str, Any] = spec["devices"][0]["containerEdits"]
+    return edits
+
+
+STALE_CASES = {
+    "kind": _mutate(lambda s: s.update(kind="example.com/other")),
+    "name": _mutate(lambda s: s["devices"][0].update(name="mshv")),
+    "path": _mutate(lambda s: _node(s).update(path="/dev/mshv")),
+    "type": _mutate(lambda s: _node(s).update(type="b")),
+    "permissions": _mutate(lambda s: _node(s).update(permissions="rwm")),
+    "uid": _mutate(lambda s: _node(s).update(uid=0)),
+    "gid": _mutate(lambda s: _node(s).update(gid=0)),
+    "env": _mutate(lambda s: _edits(s)["env"].append("EXTRA=1")),
+    "cdiVersion": _mutate(lambda s: s.update(cdiVersion="0.6.0")),
+    "extra-device": _mutate(lambda s: s["devices"].append(
+        {"name": "other", "containerEdits": {"env": ["A=1"]}})),
+    "extra-edit": _mutate(lambda s: _edits(s).update(
+        mounts=[{"hostPath": "/", "containerPath": "/host"}])),
+    "spec-level-edit": _mutate(lambda s: s.update(containerEdits={"env": ["A=1"]})),
+    "missing-edit": _mutate(lambda s: _edits(s).pop("env")),
+    "reformatted": json.dumps(desired_spec("kvm", 65534, 65534)).encode(),
+}
+
+MALFORMED_CASES = {
+    "not-json": b"this is not json\n",
+    "truncated": DESIRED[: len(DESIRED) // 2],
+    "empty": b"",
+    "array": b"[]\n",
+    "binary": b"\xff\xfe\x00garbage",
+    "devices-not-list": _mutate(lambda s: s.update(devices="kvm")),
+    "uid-string": _mutate(lambda s: _node(s).update(uid="65534")),
+    "env-not-strings": _mutate(lambda s: _edits(s).update(env=[1])),
+    "edits-not-object": _mutate(lambda s: s["devices"][0].update(containerEdits=[])),
+    "no-kind": _mutate(lambda s: s.pop("kind")),
+}
+
+
+@pytest.mark.parametrize(("cause", "bad"),
+                         [("stale", v) for v in STALE_CASES.values()]
+                         + [("malformed", v) for v in MALFORMED_CASES.values()],
+                         ids=[f"stale-{k}" for k in STALE_CASES]
+                         + [f"malformed-{k}" for k in MALFORMED_CASES])
+def test_wrong_content_is_replaced(cdi_dir: Path, cause: str, bad: bytes) -> None:
+    rig = Rig(cdi_dir)
+    rig.path.write_bytes(bad)
+    os.chmod(rig.path, 0o644)
+    assert run(rig.rec.reconcile("start")).ok
+    assert_desired(rig.path)
+    assert rig.repairs(cause) == 1
+    assert sum(rig.repairs(c) for c in ("missing", "malformed", "stale", "metadata")) == 1
+
+
+def test_wrong_mode_is_repaired_also_against_the_umask(cdi_dir: Path) -> None:
+    rig = Rig(cdi_dir)
+    rig.path.write_bytes(DESIRED)
+    os.chmod(rig.path, 0o600)
+    old = os.umask(0o077)
+    try:
+        assert run(rig.rec.reconcile("start")).ok
+    finally:
+        os.umask(old)
+    assert_desired(rig.path)
+    assert rig.repairs("metadata") == 1
+
+
+@needs_root
+def test_wrong_owner_is_repaired(cdi_dir: Path) -> None:
+    rig = Rig(cdi_dir)
+    rig.path.write_bytes(DESIRED)
+    os.chmod(rig.path, 0o644)
+    os.chown(rig.path, 12345, 12345)
+    assert run(rig.rec.reconcile("start")).ok
+    assert_desired(rig.path)
+    assert rig.repairs("metadata") == 1
+
+
+@needs_root
+def test_setgid_directory_does_not_hand_its_group_to_the_spec(cdi_dir: Path) -> None:
+    os.chown(cdi_dir, 0, 4242)
+    os.chmod(cdi_dir, 0o2755)
+    rig = Rig(cdi_dir)
+    assert run(rig.rec.reconcile("start")).ok
+    assert_desired(rig.path)  # owned by our egid, not 4242
+    assert run(rig.rec.reconcile("periodic")).ok
+    assert rig.repairs("missing") == 1 and rig.repairs("metadata") == 0
+
+
+def test_one_reconcile_at_a_time(cdi_dir: Path) -> None:
+    rig = Rig(cdi_dir)
+
+    async def many() -> list[Condition]:
+        return await asyncio.gather(*(rig.rec.reconcile(f"caller-{i}") for i in range(20)))
+
+    assert all(c.ok for c in run(many()))
+    assert rig.repairs("missing") == 1
+    assert_desired(rig.path)
+
+
+# --- ensure(): the check before every Allocate ---------------------------------------------------
+
+
+def test_ensure_is_cheap_when_right_and_catches_a_same_size_rewrite(cdi_dir: Path) -> None:
+    rig = Rig(cdi_dir)
+
+    async def scenario() -> None:
+        assert (await rig.rec.reconcile("start")).ok
+        before = fingerprint(rig.path)
+        for _ in range(100):
+            assert (await rig.rec.ensure()).ok
+        assert fingerprint(rig.path) == before  # never rewritten
+        assert rig.repairs("missing") == 1
+
+        # Same size, same mtime: only the bytes tell.
+        st = os.stat(rig.path)
+        tampered = DESIRED.replace(b'"rw"', b'"rx"')
+        assert len(tampered) == len(DESIRED)
+        overwrite(rig.path, tampered)
+        os.utime(rig.path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert os.stat(rig.path).st_mtime_ns == st.st_mtime_ns
+        assert (await rig.rec.ensure()).ok
+        assert_desired(rig.path)
+        assert rig.repairs("stale") == 1
+
+        os.chmod(rig.path, 0o666)
+        assert (await rig.rec.ensure()).ok
+        assert_desired(rig.path)
+        assert rig.repairs("metadata") == 1
+
+        rig.path.unlink()
+        assert (await rig.rec.ensure()).ok
+        assert_desired(rig.path)
+        assert rig.repairs("missing") == 2
+
+    run(scenario())
+
+
+def test_ensure_reports_a_failure_it_cannot_repair(cdi_dir: Path, tmp_path: Path) -> None:
+    rig = Rig(cdi_dir)
+    assert run(rig.rec.reconcile("start")).ok
+    rig.path.unlink()
+    rig.path.symlink_to(tmp_path / "nowhere")
+    condition = run(rig.rec.ensure())
+    assert not condition.ok and "symlink" in condition.reason
+    assert not rig.cdi.ok
+    assert rig.path.is_symlink() and not (tmp_path / "nowhere").exists()
+
+
+# --- what is not ours ----------------------------------------------------------------------------
+
+
+def _symlink_to_desired_copy(path: Path, tmp_path: Path) -> Callable[[], object]:
+    target = tmp_path / "elsewhere" / "copy.json"
+    target.parent.mkdir()
+    target.write_bytes(DESIRED)
+    os.chmod(target, 0o644)
+    path.symlink_to(target)
+    return lambda: (os.readlink(path), fingerprint(target), target.read_bytes())
+
+
+def _symlink_outside(path: Path, tmp_path: Path) -> Callable[[], object]:
+    target = tmp_path / "victim.txt"
+    target.write_bytes(b"not yours\n")
+    path.symlink_to(target)
+    return lambda: (os.readlink(path), fingerprint(target), target.read_bytes())
+
+
+def _dangling_symlink(path: Path, tmp_path: Path) -> Callable[[], object]:
+    path.symlink_to(tmp_path / "does-not-exist")
+    return lambda: (os.readlink(path), (tmp_path / "does-not-exist").exists())
+
+
+def _directory(path: Path, tmp_path: Path) -> Callable[[], object]:
+    path.mkdir()
+    (path / "inside").write_bytes(b"x")
+    return lambda: (fingerprint(path), os.listdir(path), (path / "inside").read_bytes())
+
+
+def _fifo(path: Path, tmp_path: Path) -> Callable[[], object]:
+    os.mkfifo(path)
+    return lambda: fingerprint(path)
+
+
+def _socket(path: Path, tmp_path: Path) -> Callable[[], object]:
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(path))
+    return lambda: fingerprint(path)
+
+
+def _device_node(path: Path, tmp_path: Path) -> Callable[[], object]:
+    os.mknod(path, stat.S_IFCHR | 0o644, os.makedev(1, 3))
+    return lambda: (fingerprint(path), os.lstat(path).st_rdev)
+
+
+OBSTRUCTIONS = [
+    pytest.param(_symlink_to_desired_copy, "a symlink", id="symlink-to-desired-copy"),
+    pytest.param(_symlink_outside, "a symlink", id="symlink-outside"),
+    pytest.param(_dangling_symlink, "a symlink", id="dangling-symlink"),
+    pytest.param(_directory, "a directory", id="directory"),
+    pytest.param(_fifo, "a FIFO", id="fifo"),
+    pytest.param(_socket, "a socket", id="socket"),
+    pytest.param(_device_node, "a character device", id="device-node", marks=needs_root),
+]
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("make", "what"), OBSTRUCTIONS)
+def test_non_regular_path_is_refused_untouched_and_recovers(
+    cdi_dir: Path, tmp_path: Path, make: Callable[[Path, Path], Callable[[], object]], what: str,
+) -> None:
+    rig = Rig(cdi_dir, interval=60.0)
+    snapshot = make(rig.path, tmp_path)
+    before = snapshot()
+
+    async def scenario() -> None:
+        condition = await rig.rec.reconcile("start")
+        reason = f"{rig.path} is {what}; refusing to replace what we do not own"
+        assert condition == Condition(False, reason) == rig.cdi
+        assert not (await rig.rec.ensure()).ok
+        assert snapshot() == before
+        assert rig.refusals("not_regular") == 2
+        assert temp_files(cdi_dir) == []
+
+        async with running(rig.rec):
+            await asyncio.sleep(0.05)
+            assert snapshot() == before and not rig.cdi.ok
+            _remove(rig.path)  # the watcher sees the obstruction go
+            await wait_until(lambda: rig.cdi.ok)
+        assert_desired(rig.path)
+
+    run(scenario())
+    assert check_file(rig.path, DESIRED) == (True, "")
+
+
+# --- atomicity and neighbours --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_readers_never_see_a_torn_empty_or_missing_spec(cdi_dir: Path) -> None:
+    rig = Rig(cdi_dir)
+    tamper = cdi_dir / "tamper.json.new"
+    run(rig.rec.reconcile("start"))
+    seen = {"desired": 0, "stale": 0, "missing": 0, "torn": 0}
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                with open(rig.path, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                seen["missing"] += 1
+                continue
+            seen["desired" if data == DESIRED else "stale" if data == STALE else "torn"] += 1
+
+    async def repairs() -> None:
+        for i in range(300):
+            tamper.write_bytes(STALE)  # replaced atomically, so any torn read would be ours
+            if i % 2:
+                os.chmod(tamper, 0o600)
+            os.rename(tamper, rig.path)
+            assert (await rig.rec.reconcile("test")).ok
+        await wait_until(lambda: sum(seen.values()) >= 3000, guard=30)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        run(repairs())
+    finally:
+        stop.set()
+        thread.join()
+    print("reads:", seen)
+    assert seen["torn"] == 0 and seen["missing"] == 0, seen
+    assert seen["desired"] > 0 and seen["stale"] > 0, seen
+    assert rig.repairs("stale") == 300
+    assert_desired(rig.path)
+    assert temp_files(cdi_dir) == []
+
+
+def test_other_files_in_the_directory_are_left_alone(cdi_dir: Path) -> None:
+    sibling = cdi_dir / "vendor.example.json"
+    sibling.write_bytes(b'{"cdiVersion": "0.3.0", "kind": "example.com/x", "devices": []}\n')
+    os.chmod(sibling, 0o600)
+    lookalikes = [cdi_dir / "hyperlight.json.bak", cdi_dir / ".hyperlight.json.swp",
+                  cdi_dir / ".other.json.tmp-1"]
+    for path in lookalikes:
+        path.write_bytes(STALE)
+    before = {p: (fingerprint(p), p.read_bytes()) for p in [sibling, *lookalikes]}
+    rig = Rig(cdi_dir, interval=60.0)
+
+    async def scenario() -> None:
+        async with running(rig.rec):
+            await wait_until(lambda: rig.cdi.ok)
+            for _ in range(5):
+                rig.path.write_bytes(STALE)
+                await wait_until(lambda: content(rig.path) == DESIRED)
+            rig.path.unlink()
+            await wait_until(lambda: content(rig.path) == DESIRED)
+
+    run(scenario())
+    assert {p: (fingerprint(p), p.read_bytes()) for p in before} == before
+    assert_desired(rig.path)
+
+
+def test_crash_leftovers_are_removed_at_start_and_nothing_else(cdi_dir: Path,
+                                                               tmp_path: Path) -> None:
+    leftovers = [cdi_dir / f"{TEMP_PREFIX}deadbeef", cdi_dir / f"{TEMP_PREFIX}0123"]
+    for path in leftovers:
+        path.write_bytes(DESIRED[:10])
+    target = tmp_path / "target.txt"
+    target.write_bytes(b"keep")
+    link = cdi_dir / f"{TEMP_PREFIX}link"
+    link.symlink_to(target)
+    temp_dir = cdi_dir / f"{TEMP_PREFIX}dir"
+    temp_dir.mkdir()
+    others = [cdi_dir / "other.json", cdi_dir / ".other.json.tmp-1",
+              cdi_dir / "hyperlight.json.tmp-x"]
+    for path in others:
+        path.write_bytes(b"other")
+
+    rig = Rig(cdi_dir)
+    assert rig.rec.cleanup_leftovers() == 2
+    assert not any(p.exists() for p in leftovers)
+    assert link.is_symlink() and target.read_bytes() == b"keep" and temp_dir.is_dir()
+    assert all(p.read_bytes() == b"other" for p in others)
+
+    # run() does it at start.
+    leftovers[0].write_bytes(b"partial")
+
+    async def scenario() -> None:
+        async with running(rig.rec):
+            await wait_until(lambda: rig.cdi.ok)
+
+    run(scenario())
+    assert not leftovers[0].exists()
+    assert temp_files(cdi_dir) == sorted([link.name, temp_dir.name])
+    assert_desired(rig.path)
+
+
+# --- the run() loop ------------------------------------------------------------------------------
+
+
+def test_run_repairs_deletion_and_tampering_promptly(cdi_dir: Path) -> None:
+    # With a 60 s interval, only the watcher can explain a repair within the guard.
+    rig = Rig(cdi_dir, interval=60.0)
+    timings: dict[str, float] = {}
+
+    async def scenario() -> None:
+        async with running(rig.rec):
+            await wait_until(lambda: rig.cdi.ok)
+            assert_desired(rig.path)
+            rig.path.unlink()
+            timings["deleted"] = await wait_until(lambda: content(rig.path) == DESIRED)
+            rig.path.write_bytes(STALE)  # in place
+            timings["rewritten"] = await wait_until(lambda: content(rig.path) == DESIRED)
+            os.chmod(rig.path, 0o600)
+            timings["chmod"] = await wait_until(
+                lambda: stat.S_IMODE(os.stat(rig.path).st_mode) == 0o644)
+            await asyncio.sleep(0.05)  # let the events of our own writes settle
+
+    run(scenario())
+    assert_desired(rig.path)
+    assert rig.repairs("missing") == 2 and rig.repairs("metadata") == 1
+    assert rig.repairs("stale") + rig.repairs("malformed") == 1
+    assert rig.cdi.ok
+    print("repair latency (s):", {k: round(v, 4) for k, v in timings.items()})
+
+
+def test_run_repairs_periodically_what_the_watcher_cannot_see(cdi_dir: Path,
+                                                              tmp_path: Path) -> None:
+    # A write through a hard link in another directory raises no event in the CDI directory.
+    rig = Rig(cdi_dir, interval=0.2)
+    alias = tmp_path / "alias.json"
+
+    async def scenario() -> None:
+        async with running(rig.rec):
+            await wait_until(lambda: rig.cdi.ok)
+            os.link(rig.path, alias)
+            overwrite(alias, STALE)
+            await wait_until(lambda: content(rig.path) == DESIRED)
+
+    run(scenario())
+    assert alias.read_bytes() == STALE  # the old inode, no longer our spec
+    assert_desired(rig.path)
+    assert rig.repairs("stale") == 1
+
+
+def test_not_creatable_directory_fails_then_recovers(tmp_path: Path) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_bytes(b"a file where a directory should be")
+    rig = Rig(blocker / "cdi", max_backoff=0.2)
+
+    async def scenario() -> None:
+        condition = await rig.rec.reconcile("start")
+        assert not condition.ok
+        assert "Not a directory (ENOTDIR)" in condition.reason
+        assert rig.refusals("write_failed") == 1
+        async with running(rig.rec):
+            await wait_until(lambda: rig.refusals("write_failed") >= 3)  # retrying
+            blocker.unlink()
+            await wait_until(lambda: rig.cdi.ok)
+
+    run(scenario())
+    assert_desired(rig.path)
+
+
+def _as_nobody(task: Callable[[], object]) -> object:
+    """Run ``task`` in a forked child with euid/egid 65534 (DAC applies there); its result back."""
+    import concurrent.futures.thread  # noqa: F401  (imported lazily by to_thread; root-only path)
+    import traceback
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never return into pytest
+        code = 0
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setegid(65534)
+            os.seteuid(65534)
+            payload = repr(task()).encode()
+        except BaseException:
+            payload, code = traceback.format_exc().encode(), 1
+        os.write(write_end, payload)
+        os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        payload = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, payload.decode()
+    return payload.decode()
+
+
+@needs_root
+@pytest.mark.timeout(30)
+def test_permission_denied_fails_and_recovers_as_a_non_root_daemon() -> None:
+    # pytest's tmp_path lies under a 0700 directory that user 65534 cannot walk.
+    with tempfile.TemporaryDirectory(prefix="hlplugin-cdi-") as base:
+        os.chmod(base, 0o755)
+        _permission_denied_scenario(Path(base) / "cdi")
+
+
+def _permission_denied_scenario(cdi_dir: Path) -> None:
+    cdi_dir.mkdir()
+    os.chown(cdi_dir, 65534, 65534)
+    os.chmod(cdi_dir, 0o555)
+
+    def scenario() -> object:
+        rig = Rig(cdi_dir)
+        first = run(rig.rec.reconcile("start"))
+        os.chmod(cdi_dir, 0o755)  # storage works again
+        second = run(rig.rec.reconcile("retry"))
+        os.chmod(rig.path, 0o000)  # our own file, unreadable to us
+        third = run(rig.rec.reconcile("periodic"))
+        return (first, second, third, rig.refusals("write_failed"), rig.repairs("missing"),
+                rig.repairs("metadata"))
+
+    path = cdi_dir / SPEC_FILE
+    assert _as_nobody(scenario) == repr((
+        Condition(False, f"cannot write {path}: Permission denied (EACCES)"),
+        Condition(True), Condition(True), 1.0, 1.0, 1.0))
+    st = os.lstat(path)
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o644, 65534, 65534)
+    assert path.read_bytes() == DESIRED
+
+
+@needs_root
+@pytest.mark.timeout(30)
+def test_read_only_storage_fails_keeps_the_old_spec_and_recovers(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "mnt", "size=1m,mode=0755") as mnt:
+        cdi_dir = mnt / "cdi"
+        cdi_dir.mkdir()
+        rig = Rig(cdi_dir, max_backoff=0.2)
+        rig.path.write_bytes(STALE)
+        remount(mnt, "ro")
+
+        async def scenario() -> None:
+            condition = await rig.rec.reconcile("start")
+            assert not condition.ok
+            assert condition.reason == (
+                f"cannot write {rig.path}: Read-only file system (EROFS)")
+            assert rig.cdi == condition
+            assert rig.refusals("write_failed") == 1
+            assert not (await rig.rec.ensure()).ok
+            async with running(rig.rec):
+                await wait_until(lambda: rig.refusals("write_failed") >= 4)
+                assert rig.path.read_bytes() == STALE  # never deleted
+                remount(mnt, "rw")
+                await wait_until(lambda: rig.cdi.ok)
+
+        run(scenario())
+        assert_desired(rig.path)
+        assert rig.repairs("stale") == 1
+        assert temp_files(cdi_dir) == []
+
+
+@needs_root
+@pytest.mark.timeout(30)
+def test_full_filesystem_fails_cleans_its_temp_file_and_recovers(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "mnt", "size=16k,mode=0755") as mnt:
+        cdi_dir = mnt / "cdi"
+        cdi_dir.mkdir()
+        rig = Rig(cdi_dir, max_backoff=0.2)
+        rig.path.write_bytes(STALE)
+        filler = cdi_dir / "filler"
+        with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        assert os.statvfs(mnt).f_bavail == 0
+
+        async def scenario() -> None:
+            condition = await rig.rec.reconcile("start")
+            assert condition == Condition(
+                False, f"cannot write {rig.path}: No space left on device (ENOSPC)")
+            assert rig.refusals("write_failed") == 1
+            assert temp_files(cdi_dir) == []  # created, failed, removed
+            assert rig.path.read_bytes() == STALE
+            async with running(rig.rec):
+                await wait_until(lambda: rig.refusals("write_failed") >= 3)
+                filler.unlink()
+                await wait_until(lambda: rig.cdi.ok)
+
+        run(scenario())
+        assert_desired(rig.path)
+        assert temp_files(cdi_dir) == []
