@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -55,9 +58,10 @@ class Node:
 
     @classmethod
     def make(cls, root: Path, dev_dir: Path | None = None, host_dev_dir: Path | None = None) -> Node:
-        plugin_dir = root / "device-plugins"
+        # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
+        plugin_dir = Path(tempfile.mkdtemp(prefix="hlp-", dir="/tmp"))
+        atexit.register(shutil.rmtree, plugin_dir, True)
         cdi_dir = root / "cdi"
-        plugin_dir.mkdir(parents=True)
         return cls(root, plugin_dir, cdi_dir, dev_dir or Path("/dev"), host_dev_dir or Path("/dev"))
 
     def serve_args(self, *extra: str) -> list[str]:

@@ -368,3 +368,11 @@ def test_socket_path_occupied_by_a_non_socket_is_not_deleted(tmp_path: Path) -> 
             await kubelet.stop()
 
     run(body())
+
+
+def test_plugin_dir_too_long_for_a_socket_exits_2(tmp_path: Path) -> None:
+    long_dir = tmp_path / ("d" * 100)
+    result = subprocess.run([sys.executable, "-m", "hlplugin", "serve", "--plugin-dir", str(long_dir)],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert "--plugin-dir" in result.stderr and "too long" in result.stderr

@@ -50,6 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     options = _COMMANDS[args.command][1]
     settings, warnings = config.resolve(args, options, args.command)
+    if args.command in ("serve", "bootstrap"):
+        problem = config.socket_path_problem(settings.plugin_dir)
+        if problem:
+            build_parser().exit(2, f"hlplugin {args.command}: error: argument --plugin-dir "
+                                   f"(or HYPERLIGHT_PLUGIN_DIR): {problem}\n")
     logs.configure(settings.log_format, settings.log_level)
     config.log_warnings(warnings)
     if args.command == "serve":

@@ -180,6 +180,20 @@ class Settings:
         return None
 
 
+# sun_path holds 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+LONGEST_SOCKET = "hyperlight-device-access.sock"
+
+
+def socket_path_problem(plugin_dir: Path) -> str:
+    """Why our sockets cannot live in ``plugin_dir``, or "" when they can."""
+    longest = len(os.fsencode(plugin_dir / LONGEST_SOCKET))
+    if longest > MAX_SOCKET_PATH:
+        return (f"{plugin_dir} is too long for a unix socket path ({longest} > {MAX_SOCKET_PATH} "
+                f"bytes with {LONGEST_SOCKET})")
+    return ""
+
+
 def _flag_type(option: Option) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
