@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import Daemon, Node, eventually, needs_kvm, run
+from harness import Daemon, Node, eventually, needs_kvm, needs_root, run
 
 from hlplugin.emulator import AdmissionError, KubeletEmulator
 
@@ -376,3 +376,28 @@ def test_plugin_dir_too_long_for_a_socket_exits_2(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert "--plugin-dir" in result.stderr and "too long" in result.stderr
+
+
+@needs_kvm
+@needs_root
+def test_no_hypervisor_at_start_stays_up_unready_then_recovers(tmp_path: Path) -> None:
+    async def body() -> None:
+        dev = tmp_path / "dev"
+        dev.mkdir()
+        node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
+        kubelet, proc = await started(node, "--device-count", "2")
+        try:
+            ready = json.loads(await proc.wait_http("/readyz", 503))
+            assert ready["conditions"]["hypervisor"]["ok"] is False
+            await asyncio.sleep(0.5)
+            assert kubelet.allocatable(RESOURCE) == 0
+            assert (await proc.http("/healthz"))[0] == 200
+            os.mknod(dev / "kvm", stat.S_IFCHR | 0o600, os.stat("/dev/kvm").st_rdev)
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 2, timeout=10)
+            await proc.wait_http("/readyz", 200)
+            await kubelet.admit(RESOURCE)
+        finally:
+            await proc.stop()
+            await kubelet.stop()
+
+    run(body())
