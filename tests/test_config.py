@@ -10,7 +10,8 @@ from hlplugin import config
 from hlplugin.cli import build_parser
 
 
-def resolve(argv: list[str], env: dict[str, str], command: str = "serve") -> tuple[config.Settings, list[str]]:
+def resolve(argv: list[str], env: dict[str, str],
+            command: str = "serve") -> tuple[config.Settings, list[str]]:
     args = build_parser().parse_args([command, *argv])
     names = {"serve": config.SERVE_OPTIONS, "bootstrap": config.BOOTSTRAP_OPTIONS}[command]
     return config.resolve(args, names, command, env)

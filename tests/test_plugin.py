@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import run
+from harness import eventually, run
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
@@ -98,13 +98,11 @@ def test_every_stream_gets_every_transition_and_ends_cleanly() -> None:
                 return await call.code()
 
             readers = [asyncio.create_task(drain(i, c)) for i, c in enumerate(streams)]
-            while any(len(s) < 1 for s in seen) or plugin.open_streams < 5:
-                await asyncio.sleep(0.01)
+            await eventually(lambda: all(seen) and plugin.open_streams == 5)
             for ok in (False, True, False, True):
                 tracker.set_condition("device", ok, "flap")
-                while any(len(s) < len(seen[0]) or s[-1] != ("Healthy" if ok else "Unhealthy")
-                          for s in seen):
-                    await asyncio.sleep(0.01)
+                want = "Healthy" if ok else "Unhealthy"
+                await eventually(lambda w=want: all(s[-1] == w for s in seen))  # type: ignore[misc]
             plugin.close_streams()
             codes = await asyncio.gather(*readers)
             assert codes == [grpc.StatusCode.OK] * 5
