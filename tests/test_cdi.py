@@ -733,7 +733,9 @@ def test_run_repairs_periodically_what_the_watcher_cannot_see(cdi_dir: Path,
     run(scenario())
     assert alias.read_bytes() == STALE  # the old inode, no longer our spec
     assert_desired(rig.path)
-    assert rig.repairs("stale") == 1
+    # A pass may land between the overwrite's truncate and its write (an empty or partial file),
+    # so how many repairs and which causes depend on timing; at least one happened.
+    assert sum(rig.repairs(c) for c in ("missing", "malformed", "stale", "metadata")) >= 1
 
 
 def test_not_creatable_directory_fails_then_recovers(tmp_path: Path) -> None:
