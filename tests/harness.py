@@ -39,6 +39,15 @@ def run(coroutine: Awaitable[T], timeout: float = 60.0) -> T:
     return asyncio.run(guarded())
 
 
+def die_with_parent() -> None:
+    """In a child before exec: SIGKILL it when the test process dies, so a killed test run
+    never leaves daemons behind (they would probe /dev/kvm and load the machine forever)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,7 +94,7 @@ class Daemon:
     async def start(self) -> Daemon:
         self.proc = await asyncio.create_subprocess_exec(
             *self.args, env=self.env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent)
         self._reader = asyncio.create_task(self._read())
         return self
 
