@@ -39,13 +39,12 @@ def run(coroutine: Awaitable[T], timeout: float = 60.0) -> T:
     return asyncio.run(guarded())
 
 
-def die_with_parent() -> None:
-    """In a child before exec: SIGKILL it when the test process dies, so a killed test run
-    never leaves daemons behind (they would probe /dev/kvm and load the machine forever)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+def with_parent_death(argv: list[str]) -> list[str]:
+    """Wrap ``argv`` so the child is SIGKILLed when the test process dies: a killed test run must
+    never leave daemons behind. setpriv (util-linux) sets it and execs, so no Python runs in the
+    forked child (a preexec_fn can deadlock in a process with gRPC's threads)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", *argv] if setpriv else argv
 
 
 def free_port() -> int:
@@ -93,8 +92,8 @@ class Daemon:
 
     async def start(self) -> Daemon:
         self.proc = await asyncio.create_subprocess_exec(
-            *self.args, env=self.env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent)
+            *with_parent_death(self.args), env=self.env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._reader = asyncio.create_task(self._read())
         return self
 
@@ -116,7 +115,10 @@ class Daemon:
         try:
             code = await asyncio.wait_for(self.proc.wait(), 10)
         except TimeoutError:
-            # Show where it hangs: SIGABRT makes faulthandler print every thread's stack.
+            # Show where it hangs: SIGUSR1 logs every task, SIGABRT makes faulthandler print
+            # every thread's stack.
+            self.proc.send_signal(signal.SIGUSR1)
+            await asyncio.sleep(1)
             self.proc.send_signal(signal.SIGABRT)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.proc.wait(), 5)

@@ -67,3 +67,11 @@ def test_empty_host_dev_dir_turns_identity_off_with_warning() -> None:
 def test_switch_twin() -> None:
     assert resolve([], {"HYPERLIGHT_CDI_ANNOTATIONS": "true"})[0].cdi_annotations is True
     assert resolve(["--cdi-annotations"], {})[0].cdi_annotations is True
+
+
+def test_relative_dirs_become_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    settings, _ = resolve(["--plugin-dir", "plugins", "--cdi-dir", "cdi"], {"HYPERLIGHT_DEV_DIR": "dev"})
+    assert settings.plugin_dir == tmp_path / "plugins"
+    assert settings.cdi_dir == tmp_path / "cdi"
+    assert settings.dev_dir == tmp_path / "dev"

@@ -235,19 +235,61 @@ def test_socket_deleted_during_register_starts_fresh_server(tmp_path: Path) -> N
     run(body())
 
 
-def test_reset_connections_are_bounded(tmp_path: Path) -> None:
+def test_reset_connections_are_bounded_and_logged_once(tmp_path: Path) -> None:
     async def body() -> None:
         node = Node.make(tmp_path)
         resetting = KubeletEmulator(node.plugin_dir, mode="reset")
         await resetting.start()
         proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--register-timeout", "1")).start()
+
+        async def failures() -> float:
+            _, text = await proc.http("/metrics")
+            for line in text.decode().splitlines():
+                if line.startswith('hyperlight_registrations_total{result="failure"}'):
+                    return float(line.split()[-1])
+            return 0.0
+
         try:
-            await eventually(lambda: sum("registration" in m for m in proc.messages()) >= 2, 20)
+            deadline = asyncio.get_running_loop().time() + 30
+            while await failures() < 4:
+                assert asyncio.get_running_loop().time() < deadline, "registration never retried"
+                await asyncio.sleep(0.1)
             await proc.wait_http("/readyz", 503)
+            assert (await proc.http("/healthz"))[0] == 200
+            # A lasting failure is logged when it begins, not on every retry.
+            warned = [line for line in proc.lines
+                      if line["level"] == "warning" and "registration" in line["message"]]
+            assert len(warned) == 1, warned
+            await resetting.stop(remove_socket=True)
+            kubelet = KubeletEmulator(node.plugin_dir)
+            await kubelet.start()
+            try:
+                await kubelet.wait_for(lambda: kubelet.registered(RESOURCE), timeout=15)
+                await eventually(lambda: any("after" in m and "failed attempts" in m
+                                             for m in proc.messages()))
+            finally:
+                await kubelet.stop()
+        finally:
+            await proc.stop()
+
+    run(body())
+
+
+def test_sigusr1_logs_every_task_and_keeps_running(tmp_path: Path) -> None:
+    async def body() -> None:
+        node = Node.make(tmp_path)
+        kubelet, proc = await started(node, "--hypervisor", "kvm", "--device-count", "2")
+        try:
+            await kubelet.wait_for(lambda: kubelet.registered(RESOURCE))
+            assert proc.proc is not None
+            proc.proc.send_signal(signal.SIGUSR1)
+            await eventually(lambda: any(m.startswith("task ") and " waits in: " in m
+                                         for m in proc.messages()))
+            assert proc.proc.returncode is None
             assert (await proc.http("/healthz"))[0] == 200
         finally:
             await proc.stop()
-            await resetting.stop(remove_socket=True)
+            await kubelet.stop()
 
     run(body())
 
@@ -399,5 +441,23 @@ def test_no_hypervisor_at_start_stays_up_unready_then_recovers(tmp_path: Path) -
         finally:
             await proc.stop()
             await kubelet.stop()
+
+    run(body())
+
+
+def test_sigterm_while_register_is_in_flight_exits_promptly(tmp_path: Path) -> None:
+    async def body() -> None:
+        node = Node.make(tmp_path)
+        hanging = KubeletEmulator(node.plugin_dir, mode="hang")
+        await hanging.start()
+        proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--register-timeout", "60")).start()
+        try:
+            await hanging.wait_for(lambda: hanging.register_calls >= 1, timeout=20)
+            began = time.monotonic()
+            assert await proc.stop() == 0
+            assert time.monotonic() - began < 5  # the contract is 2 s; a guard
+            assert not (node.plugin_dir / "hyperlight.sock").exists()
+        finally:
+            await hanging.stop()
 
     run(body())

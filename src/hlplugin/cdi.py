@@ -459,5 +459,4 @@ class CdiReconciler:
                     trigger = "periodic" if self.condition.ok else "retry"
         finally:
             watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            await asyncio.wait({watcher})  # never swallows a cancellation of our own

@@ -46,6 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _limit_malloc_arenas() -> None:
+    """glibc gives each thread that allocates its own arena; gRPC's threads allocate little, so
+    two arenas suffice and save resident memory on every node. Done before gRPC starts threads."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        m_arena_max = -8
+        ctypes.CDLL(None).mallopt(m_arena_max, 2)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     options = _COMMANDS[args.command][1]
@@ -57,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    f"(or HYPERLIGHT_PLUGIN_DIR): {problem}\n")
     logs.configure(settings.log_format, settings.log_level)
     config.log_warnings(warnings)
+    if args.command in ("serve", "bootstrap"):
+        _limit_malloc_arenas()
     if args.command == "serve":
         from hlplugin.plugin import serve
 

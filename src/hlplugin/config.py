@@ -53,11 +53,11 @@ def _choice(*choices: str) -> Callable[[str], str]:
 def _path(text: str) -> Path:
     if not text:
         raise ValueError("must not be empty")
-    return Path(text)
+    return Path(os.path.abspath(text))  # a unix:// socket address needs an absolute path
 
 
 def _optional_path(text: str) -> Path | None:
-    return Path(text) if text else None
+    return _path(text) if text else None
 
 
 def _address(text: str) -> tuple[str, int]:

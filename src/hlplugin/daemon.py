@@ -8,7 +8,7 @@ SIGINT cancels them all, which stops serving and removes our socket (never the C
 from __future__ import annotations
 
 import asyncio
-import io
+import contextlib
 import logging
 import signal
 from collections.abc import Callable, Coroutine, Mapping
@@ -26,12 +26,24 @@ log = logging.getLogger(__name__)
 RootTasks = Mapping[str, Coroutine[Any, Any, None]]
 
 
+def await_chain(task: asyncio.Task[Any]) -> list[str]:
+    """Where a task waits, outermost first: its coroutine, then what each one awaits."""
+    frames: list[str] = []
+    current: Any = task.get_coro()
+    while current is not None:
+        frame = (getattr(current, "cr_frame", None) or getattr(current, "gi_frame", None)
+                 or getattr(current, "ag_frame", None))
+        if frame is not None:  # compiled coroutines (gRPC's) have frames without line numbers
+            frames.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})")
+        current = (getattr(current, "cr_await", None) or getattr(current, "gi_yieldfrom", None)
+                   or getattr(current, "ag_await", None))
+    return frames
+
+
 def dump_tasks() -> None:
     """SIGUSR1: log where every task waits, for an operator chasing a hang."""
     for task in asyncio.all_tasks():
-        stream = io.StringIO()
-        task.print_stack(file=stream)
-        log.warning("task %s:\n%s", task.get_name(), stream.getvalue())
+        log.warning("task %s waits in: %s", task.get_name(), " -> ".join(await_chain(task)) or "?")
 
 
 def plugin_readiness(lifecycle: Callable[[], PluginLifecycle | None],
@@ -77,8 +89,24 @@ async def run_daemon(
     loop = asyncio.get_running_loop()
     me = asyncio.current_task()
     assert me is not None
+    roots: list[asyncio.Task[None]] = []
+
+    def stop(again: bool = False) -> None:
+        """Cancel everything, and again every 0.25 s while anything still runs: on Python 3.11
+        asyncio.wait_for, which gRPC uses inside server shutdown, can swallow a cancellation."""
+        if not again:
+            log.info("%s stopping", name)
+        pending = [task for task in roots if not task.done()]
+        if again and not pending and me.done():
+            return
+        for task in pending:
+            task.cancel()
+        if not roots or again:
+            me.cancel()
+        loop.call_later(0.25, stop, True)
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, me.cancel)
+        loop.add_signal_handler(signum, stop)
     loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
 
     def liveness() -> tuple[bool, str]:
@@ -101,9 +129,9 @@ async def run_daemon(
         tasks = await main()
         async with asyncio.TaskGroup() as group:
             for task_name, coroutine in tasks.items():
-                group.create_task(coroutine, name=task_name)
+                roots.append(group.create_task(coroutine, name=task_name))
     except asyncio.CancelledError:
-        log.info("%s stopping", name)
+        log.debug("%s stopped", name)
     finally:
         http.stop()
 
@@ -115,9 +143,12 @@ async def wait_for_hypervisor(settings: Settings) -> str:
         return found
     log.warning("no hypervisor device under %s (looked for mshv and kvm); waiting for one",
                 settings.dev_dir)
-    async for _ in DirWatcher(settings.dev_dir, HYPERVISORS).changes():
-        found = settings.detect_hypervisor()
-        if found is not None:
-            log.info("hypervisor device %s appeared", settings.dev_dir / found)
-            return found
+    # aclosing: leaving the loop early must close the watcher now, not whenever the garbage
+    # collector finalizes the generator (by then its inotify fd number may belong to another).
+    async with contextlib.aclosing(DirWatcher(settings.dev_dir, HYPERVISORS).changes()) as changes:
+        async for _ in changes:
+            found = settings.detect_hypervisor()
+            if found is not None:
+                log.info("hypervisor device %s appeared", settings.dev_dir / found)
+                return found
     raise AssertionError("unreachable: the watcher never ends")

@@ -8,6 +8,7 @@ or another endpoint.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import threading
@@ -26,11 +27,37 @@ Liveness = Callable[[], tuple[bool, str]]
 StartResponse = Callable[..., Any]
 
 
+class _LogStream(io.StringIO):
+    """wsgiref prints an application's traceback to stderr; this makes it one log record."""
+
+    def flush(self) -> None:
+        text = self.getvalue().strip()
+        if text:
+            log.error("http: error in a request handler: %s", text)
+        self.seek(0)
+        self.truncate()
+
+
 class _QuietHandler(WSGIRequestHandler):
     timeout = 5.0  # a half-open client gives up its thread after this
+    # An unparseable request line still gets a status line (the stdlib default, HTTP/0.9,
+    # answers a bare HTML body) and a short plain-text reason.
+    default_request_version = "HTTP/1.0"
+    error_message_format = "%(code)d %(message)s\n"
+    error_content_type = "text/plain; charset=utf-8"
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("http: " + format, *args)
+
+    def get_stderr(self) -> io.StringIO:
+        return _LogStream()
+
+
+class _Server(ThreadingWSGIServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that resets or breaks the connection is the client's problem: debug, one
+        line, never the stdlib's multi-line dump on stderr (which would break JSON logs)."""
+        log.debug("http: connection from %s failed", client_address, exc_info=True)
 
 
 def make_app(readiness: Readiness, liveness: Liveness,
@@ -44,10 +71,15 @@ def make_app(readiness: Readiness, liveness: Liveness,
         return [data]
 
     def app(environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "")
-        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
+        method = environ.get("REQUEST_METHOD")
+        if method not in ("GET", "HEAD"):
             start("405 Method Not Allowed", [("Content-Type", "text/plain"), ("Allow", "GET")])
             return [b"method not allowed\n"]
+        body = route(environ, start)
+        return [] if method == "HEAD" else body  # wsgiref would send a HEAD answer's body
+
+    def route(environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
         if path == "/metrics":
             result: Iterable[bytes] = metrics_app(environ, start)
             return result
@@ -74,7 +106,7 @@ class HttpServer:
     def __init__(self, address: tuple[str, int], readiness: Readiness, liveness: Liveness,
                  registry: CollectorRegistry) -> None:
         self._server = make_server(address[0], address[1], make_app(readiness, liveness, registry),
-                                   ThreadingWSGIServer, handler_class=_QuietHandler)
+                                   _Server, handler_class=_QuietHandler)
         self.port: int = self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever, name="http",
                                         kwargs={"poll_interval": 0.5}, daemon=True)

@@ -38,6 +38,12 @@ API_VERSION = "v1beta1"
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
+class RegistrationFailed(Exception):
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+
+
 class PluginServicer(pb_grpc.DevicePluginServicer):
     """What a resource-specific server adds to the generated servicer: a way to end its streams."""
 
@@ -99,6 +105,8 @@ class PluginLifecycle:
                                          poll_interval=recheck_interval))
         self._instance: _Instance | None = None
         self._kubelet_identity: Identity | None = None
+        self._problem = ""  # the lasting failure last logged, so a retry loop logs it once
+        self._failures = 0
         self.registered = False
 
     @property
@@ -114,7 +122,7 @@ class PluginLifecycle:
                 try:
                     instance = await self._start()
                 except (OSError, RuntimeError) as exc:
-                    log.error("cannot serve on %s: %s", self.socket_path, exc)
+                    self._report("serve", f"cannot serve on {self.socket_path}: {exc}")
                     await self._sleep_or_kubelet(backoff)
                     backoff = min(backoff * 2, self._max_backoff)
                     continue
@@ -132,8 +140,7 @@ class PluginLifecycle:
                     await self._stop(instance)
         finally:
             watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            await asyncio.wait({watcher})  # never swallows a cancellation of our own
 
     async def alive(self, timeout: float = 1.0) -> bool:
         """Liveness: the current server instance answers a call over its own socket."""
@@ -166,12 +173,15 @@ class PluginLifecycle:
         if instance.identity is None and self._instance is not instance:
             return  # already stopped
         self.registered = False
+        ours = self._socket_is_ours(instance)
+        # From here the instance counts as gone, so liveness does not ask a server that is
+        # stopping on purpose.
+        instance.identity = None
         instance.servicer.close_streams()
         await instance.server.stop(grace=0.2)
-        if self._socket_is_ours(instance):
+        if ours:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
-        instance.identity = None
         if self._instance is instance:
             self._instance = None
 
@@ -198,17 +208,22 @@ class PluginLifecycle:
         finally:
             if not register.done():
                 register.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await register
+                # Not "await register" under suppress(CancelledError): that would also swallow
+                # a cancellation of this task arriving now, and the daemon could not stop.
+                await asyncio.wait({register})
         error = register.exception()
         if error is not None:
             self._count("failure")
-            log.warning("registration of %s with the kubelet failed: %s", self.resource_name, error)
+            kind = error.code if isinstance(error, RegistrationFailed) else type(error).__name__
+            self._report(f"register {kind}",
+                         f"registration of {self.resource_name} with the kubelet failed: {error}")
             return "failed"
         self._count("success")
         self.registered = True
         self._kubelet_identity = kubelet
-        log.info("registered %s with the kubelet", self.resource_name)
+        after = f" after {self._failures} failed attempts" if self._failures else ""
+        self._problem, self._failures = "", 0
+        log.info("registered %s with the kubelet%s", self.resource_name, after)
         return "registered"
 
     async def _register(self) -> None:
@@ -223,7 +238,7 @@ class PluginLifecycle:
                 await pb_grpc.RegistrationStub(channel).Register(
                     request, timeout=self._register_timeout, wait_for_ready=False)
             except grpc.aio.AioRpcError as exc:
-                raise RuntimeError(f"{exc.code().name}: {exc.details()}") from None
+                raise RegistrationFailed(exc.code().name, exc.details() or "") from None
 
     async def _wait_until_lost(self, instance: _Instance) -> None:
         while True:
@@ -262,6 +277,17 @@ class PluginLifecycle:
         """Wait for a plugin-dir event, or at most the recheck interval: cheap stats then cover
         any missed event. Take the pulse before looking at the sockets, never after."""
         await self._wakeup.wait(pulse, self._recheck if limit is None else min(limit, self._recheck))
+
+    def _report(self, kind: str, problem: str) -> None:
+        """A failure that repeats while retrying is logged when it starts or changes kind, not
+        on every attempt (details such as errno texts vary); the registration that ends it says
+        how many attempts failed."""
+        self._failures += 1
+        if kind != self._problem:
+            log.warning("%s (retrying with backoff)", problem)
+            self._problem = kind
+        else:
+            log.debug("%s (attempt %d)", problem, self._failures)
 
     def _count(self, result: str) -> None:
         if self._metrics is not None:

@@ -32,15 +32,24 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
+    """``time LEVEL logger: message key=value...``; a multi-line message or traceback is folded
+    into the one line (newlines as ``\\n``), so a log collector never splits an event."""
+
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+        record.message = record.getMessage()
+        record.asctime = self.formatTime(record)
+        line = self.formatMessage(record)
         fields = _fields(record)
         if fields:
             line += " " + " ".join(f"{k}={v!r}" for k, v in sorted(fields.items()))
-        return line
+        if record.exc_info:
+            line += " | " + self.formatException(record.exc_info)
+        if record.stack_info:
+            line += " | " + self.formatStack(record.stack_info)
+        return line.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def configure(fmt: str = "text", level: str = "info") -> None:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncGenerator, AsyncIterator, Collection
 from pathlib import Path
 
 import inotify_simple
@@ -71,7 +71,7 @@ class DirWatcher:
             return set(os.listdir(self.directory)) | {""}
         return {""}
 
-    async def changes(self) -> AsyncIterator[set[str]]:
+    async def changes(self) -> AsyncGenerator[set[str], None]:
         if self.use_inotify:
             try:
                 inotify = inotify_simple.INotify(nonblocking=True)
@@ -89,7 +89,8 @@ class DirWatcher:
     async def _inotify(self, inotify: inotify_simple.INotify) -> AsyncIterator[set[str]]:
         loop = asyncio.get_running_loop()
         readable = asyncio.Event()
-        loop.add_reader(inotify.fileno(), readable.set)
+        fd = inotify.fileno()  # kept: the file may be closed before this generator is finalized
+        loop.add_reader(fd, readable.set)
         try:
             while True:
                 try:
@@ -118,7 +119,7 @@ class DirWatcher:
                     if changed:
                         yield changed
         finally:
-            loop.remove_reader(inotify.fileno())
+            loop.remove_reader(fd)
 
     async def _poll(self) -> AsyncIterator[set[str]]:
         seen: dict[str, tuple[int, ...] | None] = {}

@@ -1,0 +1,739 @@
+#!/usr/bin/env python3
+"""Benchmarks of hlplugin against the kubelet emulator, each figure against a goal and, where one
+exists, a baseline measured in the same run on the same machine.
+
+    python benchmarks/run.py            # the full run (about 4 minutes), recorded in docs/benchmarks.md
+    python benchmarks/run.py --quick    # the CI smoke: every figure, small counts (about 40 s)
+
+Prints a table and writes JSON (--json FILE; default benchmarks/results/latest.json). Needs root
+(mknod of a host-device view to flip health) and a usable /dev/kvm. The real /dev/kvm is only
+opened, never changed. Figures are medians over repeated runs; no figure is asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import stat
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import inotify_simple
+
+from hlplugin.api import deviceplugin_pb2 as pb
+from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from hlplugin.cdi import SPEC_FILE, render_spec
+from hlplugin.emulator import KubeletEmulator
+from hlplugin.probe import check_host_identity, probe_kvm
+
+ROOT = Path(__file__).resolve().parents[1]
+RESOURCE = "hyperlight.dev/hypervisor"
+BOOT_RESOURCE = "hyperlight.dev/device-access"
+KVM = Path("/dev/kvm")
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Profile:
+    repeats: int          # repetitions of the Allocate comparison (medians over these)
+    allocs: int           # Allocate calls per measurement
+    streams: int          # ListAndWatch streams for the broadcast figure
+    transitions: int      # health transitions for the broadcast figure
+    tampers: int          # tamperings per CDI kind
+    kubelet_restarts: int
+    starts: int
+    mem_allocs: int       # Allocates for the memory figure (two halves)
+    mem_transitions: int  # transitions for the memory figure (two halves)
+    boot_allocs: int
+    idle: float           # seconds of idle CPU measurement
+    probes: int           # KVM checks timed
+
+
+FULL = Profile(repeats=5, allocs=3000, streams=100, transitions=100, tampers=200,
+               kubelet_restarts=30, starts=7, mem_allocs=10_000, mem_transitions=1000,
+               boot_allocs=1000, idle=60.0, probes=300)
+QUICK = Profile(repeats=2, allocs=300, streams=100, transitions=6, tampers=10, kubelet_restarts=3,
+                starts=2, mem_allocs=1000, mem_transitions=40, boot_allocs=100, idle=5.0,
+                probes=20)
+
+
+# --- figures -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Figure:
+    name: str
+    value: float
+    unit: str
+    goal: str = "reported"
+    met: bool | None = None
+    baseline: float | None = None
+    ratio: float | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+FIGURES: list[Figure] = []
+
+
+def record(figure: Figure) -> None:
+    FIGURES.append(figure)
+    shown = f"{figure.value:.4g} {figure.unit}"
+    extra = "" if figure.met is None else (" (goal met)" if figure.met else " (GOAL MISSED)")
+    print(f"  {figure.name}: {shown}{extra}", file=sys.stderr, flush=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
+# --- processes and the node ----------------------------------------------------------------------
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmRSS, VmHWM ... in KiB from /proc/<pid>/status."""
+    out: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if value.strip().endswith("kB"):
+            out[key] = int(value.split()[0])
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Proc:
+    """A daemon (or the baseline server) as a process; stderr to a file."""
+
+    def __init__(self, argv: list[str], log: Path) -> None:
+        self.log = log
+        self._file = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.started = time.monotonic()
+        self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=self._file)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._file.close()
+
+
+class Node:
+    """A temporary node root: plugin dir, CDI dir, and a host-dev view with a KVM node to flip."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        self.root = root / name
+        self.plugin_dir = self.root / "device-plugins"
+        self.cdi_dir = self.root / "cdi"
+        self.host_dev = self.root / "host-dev"
+        self.dev = self.root / "dev"
+        for d in (self.plugin_dir, self.host_dev, self.dev):
+            d.mkdir(parents=True)
+        self.rdev = os.stat(KVM).st_rdev
+        os.mknod(self.host_dev / "kvm", stat.S_IFCHR | 0o600, self.rdev)
+        os.mknod(self.dev / "kvm", stat.S_IFCHR | 0o600, self.rdev)
+        self.procs: list[Proc] = []
+        self._flip = 0
+
+    @property
+    def spec(self) -> Path:
+        return self.cdi_dir / SPEC_FILE
+
+    def serve(self, *extra: str) -> Proc:
+        argv = [sys.executable, "-m", "hlplugin", "serve", "--plugin-dir", str(self.plugin_dir),
+                "--cdi-dir", str(self.cdi_dir), "--dev-dir", str(KVM.parent), "--host-dev-dir",
+                str(self.host_dev), "--hypervisor", "kvm", "--http-address", "127.0.0.1:0",
+                "--log-format", "json", *extra]
+        proc = Proc(argv, self.root / f"serve-{len(self.procs)}.log")
+        self.procs.append(proc)
+        return proc
+
+    def bootstrap(self) -> Proc:
+        argv = [sys.executable, "-m", "hlplugin", "bootstrap", "--plugin-dir",
+                str(self.plugin_dir), "--dev-dir", str(self.dev), "--hypervisor", "kvm",
+                "--http-address", "127.0.0.1:0", "--log-format", "json"]
+        proc = Proc(argv, self.root / f"bootstrap-{len(self.procs)}.log")
+        self.procs.append(proc)
+        return proc
+
+    def set_identity(self, ok: bool, directory: Path | None = None) -> None:
+        """Atomically put the KVM node (ok) or a regular file (not ok) at <dir>/kvm."""
+        directory = directory or self.host_dev
+        self._flip += 1
+        temp = directory / f".flip-{self._flip}"
+        if ok:
+            os.mknod(temp, stat.S_IFCHR | 0o600, self.rdev)
+        else:
+            temp.write_bytes(b"not a device\n")
+        os.rename(temp, directory / "kvm")
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.stop()
+
+
+BASELINE_SERVER = r"""
+import asyncio, sys
+import grpc
+from hlplugin.api import deviceplugin_pb2 as pb, deviceplugin_pb2_grpc as pb_grpc
+
+class Empty(pb_grpc.DevicePluginServicer):
+    async def Allocate(self, request, context):
+        return pb.AllocateResponse()
+
+async def main():
+    server = grpc.aio.server()
+    pb_grpc.add_DevicePluginServicer_to_server(Empty(), server)
+    server.add_insecure_port("unix://" + sys.argv[1])
+    await server.start()
+    await server.wait_for_termination()
+
+asyncio.run(main())
+"""
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, step: float = 0.0005,
+                   what: str = "condition") -> float:
+    began = time.monotonic()
+    while not predicate():
+        if time.monotonic() - began > timeout:
+            raise TimeoutError(f"{what} not met within {timeout}s")
+        await asyncio.sleep(step)
+    return time.monotonic() - began
+
+
+async def registered(kubelet: KubeletEmulator, count: int, resource: str = RESOURCE,
+                     timeout: float = 30.0) -> None:
+    await kubelet.wait_for(lambda: kubelet.allocatable(resource) == count, timeout)
+
+
+# --- Allocate latency ----------------------------------------------------------------------------
+
+
+def allocate_request() -> pb.AllocateRequest:
+    return pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["kvm-0"])])
+
+
+async def hammer(stub: pb_grpc.DevicePluginStub, calls: int, concurrency: int) -> tuple[list[float], float]:
+    """``calls`` Allocates from ``concurrency`` workers; (latencies, seconds for all)."""
+    request = allocate_request()
+    latencies: list[float] = []
+    remaining = [calls]
+
+    async def worker() -> None:
+        while remaining[0] > 0:
+            remaining[0] -= 1
+            t0 = time.perf_counter()
+            await stub.Allocate(request, timeout=30)
+            latencies.append(time.perf_counter() - t0)
+
+    began = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies, time.perf_counter() - began
+
+
+async def bench_allocate(tmp: Path, p: Profile) -> None:
+    node = Node(tmp, "allocate")
+    kubelet = KubeletEmulator(node.plugin_dir)
+    await kubelet.start()
+    base_sock = node.root / "baseline.sock"
+    baseline = Proc([sys.executable, "-c", BASELINE_SERVER, str(base_sock)], node.root / "baseline.log")
+    node.procs.append(baseline)
+    node.serve("--device-count", "2000")
+    try:
+        await registered(kubelet, 2000)
+        await wait_for(base_sock.exists, what="baseline socket")
+        targets = {"baseline": f"unix://{base_sock}", "hlplugin": f"unix://{node.plugin_dir}/hyperlight.sock"}
+        async with grpc.aio.insecure_channel(targets["baseline"]) as bch, \
+                grpc.aio.insecure_channel(targets["hlplugin"]) as dch:
+            stubs = {"baseline": pb_grpc.DevicePluginStub(bch), "hlplugin": pb_grpc.DevicePluginStub(dch)}
+            for stub in stubs.values():
+                await hammer(stub, 200, 4)  # warm up connections and code paths
+            for concurrency in (1, 16):
+                runs: dict[str, list[dict[str, float]]] = {"baseline": [], "hlplugin": []}
+                for rep in range(p.repeats):
+                    order = ["baseline", "hlplugin"] if rep % 2 == 0 else ["hlplugin", "baseline"]
+                    for who in order:
+                        lat, took = await hammer(stubs[who], p.allocs, concurrency)
+                        runs[who].append({"p50": pct(lat, 50), "p99": pct(lat, 99),
+                                          "rate": len(lat) / took})
+                pairs = zip(runs["hlplugin"], runs["baseline"], strict=True)
+                ratios = [d["p50"] / b["p50"] for d, b in pairs]
+
+                def med(who: str, key: str, r: dict[str, list[dict[str, float]]] = runs) -> float:
+                    return statistics.median(x[key] for x in r[who])
+
+                ratio = statistics.median(ratios)
+                record(Figure(f"Allocate p50, concurrency {concurrency}", ms(med("hlplugin", "p50")), "ms",
+                              goal="<= 1.5x baseline p50", met=ratio <= 1.5,
+                              baseline=ms(med("baseline", "p50")), ratio=round(ratio, 2),
+                              detail={"ratios": [round(r, 2) for r in ratios], "calls": p.allocs,
+                                      "repeats": p.repeats}))
+                record(Figure(f"Allocate p99, concurrency {concurrency}", ms(med("hlplugin", "p99")), "ms",
+                              baseline=ms(med("baseline", "p99")),
+                              ratio=round(med("hlplugin", "p99") / med("baseline", "p99"), 2)))
+                record(Figure(f"Allocate throughput, concurrency {concurrency}",
+                              round(med("hlplugin", "rate")), "calls/s",
+                              baseline=round(med("baseline", "rate")),
+                              ratio=round(med("hlplugin", "rate") / med("baseline", "rate"), 2)))
+        FIGURES_MEM["baseline_grpc_server_kib"] = proc_status(baseline.pid)["VmHWM"]
+        FIGURES_MEM["baseline_pid"] = baseline.pid
+    finally:
+        node.close()
+        await kubelet.stop()
+
+
+FIGURES_MEM: dict[str, int] = {}
+
+
+# --- broadcast of a health transition -------------------------------------------------------------
+
+
+async def open_streams(target: str, count: int, seen: list[list[tuple[float, bool]]],
+                       per_channel: int = 50) -> tuple[list[grpc.aio.Channel], list[asyncio.Task[None]]]:
+    """``count`` raw ListAndWatch streams; each appends (arrival, healthy) without parsing."""
+    channels = [grpc.aio.insecure_channel(target) for _ in range((count + per_channel - 1) // per_channel)]
+    tasks = []
+
+    async def consume(channel: grpc.aio.Channel, log: list[tuple[float, bool]]) -> None:
+        call = channel.unary_stream("/v1beta1.DevicePlugin/ListAndWatch",
+                                    request_serializer=pb.Empty.SerializeToString,
+                                    response_deserializer=None)(pb.Empty())
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            async for raw in call:
+                log.append((time.monotonic(), b"Unhealthy" not in raw))
+
+    for i in range(count):
+        log: list[tuple[float, bool]] = []
+        seen.append(log)
+        tasks.append(asyncio.create_task(consume(channels[i // per_channel], log)))
+    return channels, tasks
+
+
+async def bench_broadcast(tmp: Path, p: Profile) -> None:
+    node = Node(tmp, "broadcast")
+    kubelet = KubeletEmulator(node.plugin_dir)
+    await kubelet.start()
+    node.serve("--device-count", "2000")
+    seen: list[list[tuple[float, bool]]] = []
+    channels: list[grpc.aio.Channel] = []
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        await registered(kubelet, 2000)
+        channels, tasks = await open_streams(f"unix://{node.plugin_dir}/hyperlight.sock", p.streams, seen)
+        await wait_for(lambda: all(s and s[-1][1] for s in seen), what="first lists")
+        times: list[float] = []
+        for i in range(p.transitions):
+            healthy = i % 2 == 1
+            t0 = time.monotonic()
+            node.set_identity(healthy)
+            await wait_for(lambda h=healthy: all(s[-1][1] == h for s in seen), what="broadcast")
+            arrivals = [next(t for t, h in reversed(s) if h == healthy) for s in seen]
+            times.append(max(arrivals) - t0)
+            await asyncio.sleep(0.02)
+        if p.transitions % 2:
+            node.set_identity(True)
+        record(Figure(f"health transition seen by all {p.streams} streams, p99", ms(pct(times, 99)), "ms",
+                      goal="<= 100 ms", met=pct(times, 99) <= 0.1,
+                      detail={"p50_ms": ms(pct(times, 50)), "max_ms": ms(max(times)),
+                              "transitions": len(times), "devices": 2000,
+                              "includes": "inotify, KVM check with guest, broadcast, client receipt"}))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for channel in channels:
+            await channel.close(None)
+        node.close()
+        await kubelet.stop()
+
+
+# --- CDI repair ----------------------------------------------------------------------------------
+
+
+def measure_repairs(spec: Path, desired: bytes, kind: str, count: int) -> list[float]:
+    """Tamper ``count`` times; seconds until the file is exact again, woken by inotify."""
+    stale, malformed = render_spec("kvm", 1000, 1000), b'{"cdiVersion": "0.3.0", "ki'
+
+    def exact() -> bool:
+        try:
+            st = os.lstat(spec)
+            return stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644 \
+                and spec.read_bytes() == desired
+        except OSError:
+            return False
+
+    def write_atomically(content: bytes) -> None:
+        temp = spec.with_name(".bench-tamper")
+        temp.write_bytes(content)
+        os.rename(temp, spec)
+
+    tamper: dict[str, Callable[[], None]] = {
+        "missing": lambda: os.unlink(spec),
+        "stale": lambda: write_atomically(stale),
+        "malformed": lambda: write_atomically(malformed),
+        "in-place": lambda: spec.write_bytes(stale),
+        "mode": lambda: os.chmod(spec, 0o600),
+    }
+    times = []
+    with inotify_simple.INotify() as watch:
+        watch.add_watch(spec.parent, inotify_simple.flags.MOVED_TO | inotify_simple.flags.CREATE
+                        | inotify_simple.flags.CLOSE_WRITE | inotify_simple.flags.ATTRIB)
+        for _ in range(count):
+            time.sleep(0.01)
+            watch.read(timeout=0)
+            t0 = time.monotonic()
+            tamper[kind]()
+            while not exact():
+                watch.read(timeout=50)
+                if time.monotonic() - t0 > 30:
+                    raise TimeoutError(f"{kind} not repaired")
+            times.append(time.monotonic() - t0)
+    return times
+
+
+async def bench_cdi(tmp: Path, p: Profile) -> None:
+    node = Node(tmp, "cdi")
+    kubelet = KubeletEmulator(node.plugin_dir)
+    await kubelet.start()
+    node.serve("--device-count", "2000")
+    desired = render_spec("kvm", 65534, 65534)
+    try:
+        await registered(kubelet, 2000)
+        for kind in ("missing", "stale", "malformed", "in-place", "mode"):
+            times = await asyncio.to_thread(measure_repairs, node.spec, desired, kind, p.tampers)
+            record(Figure(f"CDI {kind} -> repaired, p99 of {len(times)}", ms(pct(times, 99)), "ms",
+                          goal="<= 100 ms", met=pct(times, 99) <= 0.1,
+                          detail={"p50_ms": ms(pct(times, 50)), "max_ms": ms(max(times))}))
+    finally:
+        node.close()
+        await kubelet.stop()
+
+
+# --- registration --------------------------------------------------------------------------------
+
+
+async def bench_kubelet_restart(tmp: Path, p: Profile) -> None:
+    node = Node(tmp, "restart")
+    kubelet = KubeletEmulator(node.plugin_dir)
+    await kubelet.start()
+    node.serve("--device-count", "2000")
+    try:
+        await registered(kubelet, 2000)
+        times = []
+        for _ in range(p.kubelet_restarts):
+            calls = kubelet.register_calls
+            await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            await kubelet.restart()
+            await kubelet.wait_for(lambda c=calls: kubelet.register_calls > c
+                                   and kubelet.allocatable(RESOURCE) == 2000, 30)
+            times.append(time.monotonic() - t0)
+        record(Figure("kubelet restart -> re-registered, p50", ms(pct(times, 50)), "ms",
+                      goal="<= 100 ms", met=pct(times, 50) <= 0.1,
+                      detail={"p99_ms": ms(pct(times, 99)), "max_ms": ms(max(times)),
+                              "restarts": len(times),
+                              "until": "Register done and 2,000 Healthy devices listed"}))
+    finally:
+        node.close()
+        await kubelet.stop()
+
+
+async def bench_start(tmp: Path, p: Profile) -> None:
+    times = []
+    for i in range(p.starts):
+        node = Node(tmp, f"start-{i}")
+        kubelet = KubeletEmulator(node.plugin_dir)
+        await kubelet.start()
+        try:
+            t0 = time.monotonic()
+            node.serve("--device-count", "2000")
+            await registered(kubelet, 2000)
+            times.append(time.monotonic() - t0)
+        finally:
+            node.close()
+            await kubelet.stop()
+    imports = []
+    for _ in range(p.starts):
+        t0 = time.monotonic()
+        child = await asyncio.create_subprocess_exec(sys.executable, "-c", "import hlplugin.plugin")
+        await child.wait()
+        imports.append(time.monotonic() - t0)
+    record(Figure("process start -> registered, p50", round(statistics.median(times), 3), "s",
+                  goal="<= 0.5 s", met=statistics.median(times) <= 0.5,
+                  baseline=round(statistics.median(imports), 3),
+                  ratio=round(statistics.median(times) / statistics.median(imports), 2),
+                  detail={"max_s": round(max(times), 3), "starts": len(times),
+                          "baseline_is": "python -c 'import hlplugin.plugin' (interpreter + imports)"}))
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+
+async def flip(node: Node, kubelet: KubeletEmulator, ok: bool, count: int,
+               resource: str = RESOURCE, directory: Path | None = None) -> None:
+    node.set_identity(ok, directory)
+    await kubelet.wait_for(lambda: kubelet.allocatable(resource) == (count if ok else 0), 30)
+
+
+async def bench_memory(tmp: Path, p: Profile) -> None:
+    node = Node(tmp, "memory")
+    kubelet = KubeletEmulator(node.plugin_dir)
+    await kubelet.start()
+    daemon = node.serve("--device-count", "2000")
+    seen: list[list[tuple[float, bool]]] = []
+    channels: list[grpc.aio.Channel] = []
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        await registered(kubelet, 2000)
+        target = f"unix://{node.plugin_dir}/hyperlight.sock"
+        channels, tasks = await open_streams(target, 15, seen)  # + the kubelet's: 16 streams
+        await wait_for(lambda: all(seen), what="15 streams")
+        at_start = proc_status(daemon.pid)
+        rss: list[int] = []
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.DevicePluginStub(channel)
+            # Both halves do the same: 10 chunks of Allocates, each followed by transitions (in
+            # unhealthy/healthy pairs), so the second half repeats the first in a warm daemon.
+            pairs = max(1, p.mem_transitions // 40)
+            for _half in range(2):
+                for _chunk in range(10):
+                    await hammer(stub, p.mem_allocs // 20, 16)
+                    for _ in range(pairs):
+                        await flip(node, kubelet, False, 2000)
+                        await flip(node, kubelet, True, 2000)
+                rss.append(proc_status(daemon.pid)["VmRSS"])  # after the 5,000th, the 10,000th
+        final = proc_status(daemon.pid)
+        growth = rss[1] - rss[0]
+        record(Figure("peak RSS (VmHWM), main daemon", round(final["VmHWM"] / 1024, 1), "MiB",
+                      goal="<= 48 MiB", met=final["VmHWM"] <= 48 * 1024,
+                      baseline=round(FIGURES_MEM.get("baseline_grpc_server_kib", 0) / 1024, 1) or None,
+                      detail={"allocates": p.mem_allocs, "transitions": 2 * 20 * pairs,
+                              "devices": 2000, "streams": 16,
+                              "rss_after_start_mib": round(at_start["VmRSS"] / 1024, 1),
+                              "baseline_is": "VmHWM of the empty grpc.aio server (Allocate figure)"}))
+        record(Figure(f"RSS growth from Allocate {p.mem_allocs // 2:,} to {p.mem_allocs:,}",
+                      round(growth / 1024, 2), "MiB",
+                      goal="no growth (<= 0.25 MiB of allocator noise)", met=growth <= 256,
+                      detail={"rss_at_half_mib": round(rss[0] / 1024, 2),
+                              "rss_at_end_mib": round(rss[1] / 1024, 2)}))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for channel in channels:
+            await channel.close(None)
+        node.close()
+        await kubelet.stop()
+
+
+async def bench_bootstrap_memory(tmp: Path, p: Profile) -> None:
+    node = Node(tmp, "bootstrap")
+    kubelet = KubeletEmulator(node.plugin_dir)
+    await kubelet.start()
+    daemon = node.bootstrap()
+    try:
+        await registered(kubelet, 1, BOOT_RESOURCE)
+        request = pb.AllocateRequest(container_requests=[
+            pb.ContainerAllocateRequest(devices_ids=["device-access-kvm"])])
+        for _ in range(p.boot_allocs):
+            await kubelet.allocate(BOOT_RESOURCE, [list(request.container_requests[0].devices_ids)])
+        for i in range(20):
+            await flip(node, kubelet, i % 2 == 1, 1, BOOT_RESOURCE, node.dev)
+        status = proc_status(daemon.pid)
+        record(Figure("peak RSS (VmHWM), bootstrap daemon", round(status["VmHWM"] / 1024, 1), "MiB",
+                      goal="<= 40 MiB", met=status["VmHWM"] <= 40 * 1024,
+                      baseline=round(FIGURES_MEM.get("baseline_grpc_server_kib", 0) / 1024, 1) or None,
+                      detail={"allocates": p.boot_allocs, "transitions": 20}))
+    finally:
+        node.close()
+        await kubelet.stop()
+
+
+# --- idle CPU ------------------------------------------------------------------------------------
+
+
+IDLE_WORK = {
+    "main": "defaults: CDI check 10 s, device check 10 s (KVM + guest), socket recheck 1 s, HTTP 0.5 s",
+    "bootstrap": "defaults: node lstat 10 s, socket recheck 1 s, HTTP poll 0.5 s",
+}
+
+
+async def bench_idle(tmp: Path, p: Profile) -> None:
+    node = Node(tmp, "idle")
+    kubelet = KubeletEmulator(node.plugin_dir)
+    await kubelet.start()
+    main = node.serve()
+    boot = node.bootstrap()
+    base_sock = node.root / "baseline.sock"
+    baseline = Proc([sys.executable, "-c", BASELINE_SERVER, str(base_sock)], node.root / "baseline.log")
+    node.procs.append(baseline)
+    try:
+        await registered(kubelet, 2000)
+        await registered(kubelet, 1, BOOT_RESOURCE)
+        await wait_for(base_sock.exists, what="baseline socket")
+        await asyncio.sleep(1.0)
+        pids = {"main": main.pid, "bootstrap": boot.pid, "baseline": baseline.pid}
+        before = {k: cpu_seconds(v) for k, v in pids.items()}
+        t0 = time.monotonic()
+        await asyncio.sleep(p.idle)
+        wall = time.monotonic() - t0
+        used = {k: (cpu_seconds(v) - before[k]) / wall * 100 for k, v in pids.items()}
+        for who in ("main", "bootstrap"):
+            record(Figure(f"idle CPU, {who} daemon ({p.idle:.0f} s)", round(used[who], 3), "% of a core",
+                          goal="<= 0.2 %", met=used[who] <= 0.2, baseline=round(used["baseline"], 3),
+                          detail={"clock_tick_s": 1 / os.sysconf("SC_CLK_TCK"),
+                                  "intervals": IDLE_WORK[who],
+                                  "baseline_is": "the empty grpc.aio server, idle"}))
+    finally:
+        node.close()
+        await kubelet.stop()
+
+
+# --- KVM check durations --------------------------------------------------------------------------
+
+
+async def bench_probes(tmp: Path, p: Profile) -> None:
+    host = tmp / "probe-host"
+    host.mkdir()
+    os.mknod(host / "kvm", stat.S_IFCHR | 0o600, os.stat(KVM).st_rdev)
+    checks: dict[str, Callable[[], None]] = {
+        "KVM check (open, API version, create VM)": lambda: probe_kvm(KVM, guest=False),
+        "KVM check with guest (+ vCPU, run to hlt)": lambda: probe_kvm(KVM, guest=True),
+        "host identity check": lambda: check_host_identity(KVM, host / "kvm"),
+    }
+    for name, check in checks.items():
+        times = []
+        for _ in range(p.probes):
+            t0 = time.perf_counter()
+            check()
+            times.append(time.perf_counter() - t0)
+        record(Figure(f"{name}, p50", ms(pct(times, 50)), "ms",
+                      detail={"p99_ms": ms(pct(times, 99)), "runs": len(times)}))
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {"nproc": os.cpu_count(), "cpu": cpu, "kernel": platform.release(),
+            "python": platform.python_version(), "grpcio": grpc.__version__,
+            "loadavg_at_start": os.getloadavg()}
+
+
+def table(figures: list[Figure]) -> str:
+    head = ("figure", "value", "baseline", "ratio", "goal", "met")
+    rows = [(f.name, f"{f.value:g} {f.unit}", "-" if f.baseline is None else f"{f.baseline:g}",
+             "-" if f.ratio is None else f"{f.ratio:g}x", f.goal,
+             "-" if f.met is None else ("yes" if f.met else "NO")) for f in figures]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *rows]]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+STEPS: dict[str, Callable[[Path, Profile], Awaitable[None]]] = {
+    "allocate": bench_allocate,
+    "broadcast": bench_broadcast,
+    "cdi": bench_cdi,
+    "kubelet-restart": bench_kubelet_restart,
+    "start": bench_start,
+    "memory": bench_memory,
+    "bootstrap-memory": bench_bootstrap_memory,
+    "idle": bench_idle,
+    "probes": bench_probes,
+}
+
+
+@contextlib.contextmanager
+def workdir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="hlplugin-bench-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+async def run(profile: Profile, only: list[str]) -> None:
+    with workdir() as tmp:
+        for name, step in STEPS.items():
+            if only and name not in only:
+                continue
+            print(f"[{name}]", file=sys.stderr, flush=True)
+            await step(tmp, profile)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small counts: the CI smoke")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/latest.json",
+                        help="where to write the results (default %(default)s)")
+    parser.add_argument("--only", action="append", default=[], choices=list(STEPS),
+                        help="run only this step (repeatable)")
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        print("benchmarks/run.py needs root (mknod of a host-device view)", file=sys.stderr)
+        return 2
+    if not (KVM.exists() and os.access(KVM, os.R_OK | os.W_OK)):
+        print("benchmarks/run.py needs a usable /dev/kvm", file=sys.stderr)
+        return 2
+    profile = QUICK if args.quick else FULL
+    began = time.time()
+    asyncio.run(run(profile, args.only))
+    result = {
+        "command": " ".join(["python", "benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(began)),
+        "seconds": round(time.time() - began, 1),
+        "profile": "quick" if args.quick else "full",
+        "machine": machine(),
+        "figures": [vars(f) for f in FIGURES],
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(FIGURES))
+    missed = [f.name for f in FIGURES if f.met is False]
+    print(f"\n{len(FIGURES)} figures, {len(missed)} goal(s) missed; JSON: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

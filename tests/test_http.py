@@ -1,0 +1,247 @@
+"""/healthz, /readyz and /metrics of both daemons, run as real processes, over real TCP.
+
+No KVM or root needed: a daemon pointed at a dev dir without the device stays up, not ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import HAVE_KVM, Daemon, Node, needs_kvm, run
+from prometheus_client.parser import text_string_to_metric_families
+
+from hlplugin.emulator import KubeletEmulator
+
+KINDS = ["serve", "bootstrap"]
+RESOURCES = {"serve": "hyperlight.dev/hypervisor", "bootstrap": "hyperlight.dev/device-access"}
+CONDITIONS = {"serve": {"registered", "listandwatch", "cdi", "device", "host_identity"},
+              "bootstrap": {"registered", "listandwatch", "device"}}
+# Below the server's 5 s per-connection read timeout: an answer within it cannot have waited
+# for a stalled client to time out.
+ANSWER_WITHIN = 3.0
+
+
+def args(kind: str, node: Node) -> list[str]:
+    if kind == "serve":
+        return node.serve_args("--hypervisor", "kvm", "--device-count", "2")
+    return ["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", str(node.dev_dir),
+            "--hypervisor", "kvm"]
+
+
+def empty_dev_node(tmp_path: Path) -> Node:
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    return Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
+
+
+def raw_request(port: int, data: bytes, timeout: float = ANSWER_WITHIN) -> bytes:
+    """Send ``data`` on a fresh connection and read the answer until the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as conn:
+        conn.sendall(data)
+        chunks = []
+        while chunk := conn.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def get(port: int, path: str, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+    answer = raw_request(port, f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                         .encode())
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+@contextlib.contextmanager
+def stalled_clients(port: int) -> Iterator[list[socket.socket]]:
+    """Connections that never finish a request: silent, half a request line, half the headers."""
+    payloads = [b""] * 6 + [b"GET /hea"] * 3 + [b"GET /healthz HTTP/1.1\r\nHost: x\r\n"] * 3
+    conns = []
+    try:
+        for payload in payloads:
+            conn = socket.create_connection(("127.0.0.1", port), timeout=5)
+            if payload:
+                conn.sendall(payload)
+            conns.append(conn)
+        yield conns
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def still_open(conn: socket.socket) -> bool:
+    conn.setblocking(False)
+    try:
+        return conn.recv(1) != b""  # data would be a premature answer: count it as open
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        conn.setblocking(True)
+
+
+async def settled_readyz(proc: Daemon) -> dict[str, Any]:
+    """/readyz once every condition has been checked (the first check runs after HTTP is up)."""
+    deadline = asyncio.get_running_loop().time() + 15
+    while True:
+        body = json.loads(await proc.wait_http("/readyz", 503))
+        reasons = [c["reason"] for c in body["conditions"].values()]
+        if "not checked yet" not in reasons:
+            return dict(body)
+        assert asyncio.get_running_loop().time() < deadline, body
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_endpoints_answer_and_readyz_explains(tmp_path: Path, kind: str) -> None:
+    async def body() -> None:
+        node = empty_dev_node(tmp_path)
+        proc = await Daemon(args(kind, node)).start()
+        try:
+            ready = await settled_readyz(proc)
+            port = proc.port
+            assert ready["status"] == "not ready"
+            conditions = ready["conditions"]
+            assert set(conditions) == CONDITIONS[kind]
+            for name, condition in conditions.items():
+                assert set(condition) == {"ok", "reason"}, name
+                assert condition["ok"] or condition["reason"], f"{name} fails without a reason"
+            assert conditions["registered"] == {"ok": False,
+                                                "reason": "not registered with the kubelet"}
+            assert not conditions["device"]["ok"]
+            assert str(node.dev_dir / "kvm") in conditions["device"]["reason"]
+
+            status, headers, raw = await asyncio.to_thread(get, port, "/readyz")
+            assert (status, headers["content-type"]) == (503, "application/json")
+            assert json.loads(raw) == ready
+
+            status, headers, raw = await asyncio.to_thread(get, port, "/healthz")
+            assert status == 200 and json.loads(raw) == {"status": "ok", "reason": ""}
+
+            status, headers, raw = await asyncio.to_thread(get, port, "/metrics")
+            assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
+            names = {f.name for f in text_string_to_metric_families(raw.decode())}
+            assert "hyperlight_build_info" in names and "hyperlight_health_condition" in names
+
+            status, headers, raw = await asyncio.to_thread(get, port, "/no-such-path")
+            assert status == 404 and b"/healthz" in raw
+            status, headers, raw = await asyncio.to_thread(get, port, "/healthz", "POST")
+            assert status == 405 and headers["allow"] == "GET"
+            status, headers, raw = await asyncio.to_thread(get, port, "/healthz", "HEAD")
+            assert status == 200 and raw == b""
+            assert proc.proc is not None and proc.proc.returncode is None
+        finally:
+            assert await proc.stop() == 0
+
+    run(body())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stalled_clients_block_no_endpoint(tmp_path: Path, kind: str) -> None:
+    """Half-open connections each hold only their own thread: every endpoint answers while they
+    are still connected, and the server drops them after its read timeout."""
+
+    async def body() -> None:
+        node = empty_dev_node(tmp_path)
+        proc = await Daemon(args(kind, node)).start()
+        try:
+            await proc.wait_http("/readyz", 503)
+            with stalled_clients(proc.port) as conns:
+                await asyncio.sleep(0.2)  # the server has accepted them all
+                for path, want in [("/healthz", 200), ("/readyz", 503), ("/metrics", 200)]:
+                    status, _, _ = await asyncio.to_thread(get, proc.port, path)
+                    assert status == want, path
+                # Answered while every stalled client was still connected, so not after it.
+                assert all(still_open(c) for c in conns)
+                deadline = time.monotonic() + 20
+                while any(still_open(c) for c in conns):
+                    assert time.monotonic() < deadline, "stalled clients were never dropped"
+                    await asyncio.sleep(0.2)
+            assert (await asyncio.to_thread(get, proc.port, "/healthz"))[0] == 200
+        finally:
+            assert await proc.stop() == 0
+
+    run(body(), timeout=90)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_malformed_requests_get_4xx_and_the_daemon_lives(tmp_path: Path, kind: str) -> None:
+    async def body() -> None:
+        node = empty_dev_node(tmp_path)
+        proc = await Daemon(args(kind, node)).start()
+        try:
+            await proc.wait_http("/readyz", 503)
+            cases = [
+                (b"NOT A VALID REQUEST LINE\r\n\r\n", 400),
+                (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400),  # a TLS hello
+                (b"GET\r\n\r\n", 400),
+                (b"GET /healthz HTTP/9.9\r\n\r\n", 505),
+                (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 414),
+                (b"GET /healthz HTTP/1.1\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+            ]
+            for data, status in cases:
+                answer = await asyncio.to_thread(raw_request, proc.port, data)
+                assert answer.split(b" ", 2)[:2] == [b"HTTP/1.0", str(status).encode()], \
+                    (data[:30], answer[:80])
+            # A client that resets mid-request.
+            conn = socket.create_connection(("127.0.0.1", proc.port))
+            conn.sendall(b"GET /heal")
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+            assert (await asyncio.to_thread(get, proc.port, "/healthz"))[0] == 200
+            assert proc.proc is not None and proc.proc.returncode is None
+        finally:
+            assert await proc.stop() == 0
+        # Client errors are the client's: no traceback, and every line is still a JSON record.
+        assert not [line for line in proc.raw if not line.startswith("{")], proc.raw
+        assert not any("Traceback" in line for line in proc.raw)
+
+    run(body())
+
+
+@needs_kvm
+@pytest.mark.parametrize("kind", KINDS)
+def test_readyz_200_when_registered_and_healthy(tmp_path: Path, kind: str) -> None:
+    async def body() -> None:
+        assert HAVE_KVM
+        node = Node.make(tmp_path)  # the real /dev
+        kubelet = KubeletEmulator(node.plugin_dir)
+        await kubelet.start()
+        proc = await Daemon(args(kind, node)).start()
+        try:
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCES[kind]) > 0)
+            ready = json.loads(await proc.wait_http("/readyz", 200))
+            assert ready["status"] == "ready"
+            assert set(ready["conditions"]) == CONDITIONS[kind]
+            assert all(c == {"ok": True, "reason": ""} for c in ready["conditions"].values())
+            # Losing the kubelet makes it unready with the reason, not dead.
+            await kubelet.stop(remove_socket=True)
+            deadline = asyncio.get_running_loop().time() + 15
+            while True:  # "registered" and "listandwatch" flip a moment apart
+                ready = json.loads(await proc.wait_http("/readyz", 503))
+                conditions = ready["conditions"]
+                if not conditions["listandwatch"]["ok"] and not conditions["registered"]["ok"]:
+                    break
+                assert asyncio.get_running_loop().time() < deadline, ready
+                await asyncio.sleep(0.05)
+            assert conditions["listandwatch"]["reason"] == "the kubelet has no ListAndWatch open"
+            # Alive (not restarted). Known: while the old gRPC server stops (~0.2 s) /healthz can
+            # answer 503 "did not answer on its socket" once; lifecycle.alive() does not yet
+            # treat a stopping instance as "between instances".
+            await proc.wait_http("/healthz", 200, timeout=5)
+        finally:
+            assert await proc.stop() == 0
+            await kubelet.stop()
+
+    run(body())

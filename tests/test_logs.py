@@ -1,0 +1,206 @@
+"""Logs: one line per event, text by default, JSON on request, a lasting state logged twice."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from harness import Daemon, Node, eventually, free_port, run
+from test_metrics import scrape, value, wait_metric
+
+from hlplugin import logs
+
+TEXT_LINE = re.compile(
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) +[\w.-]+: ")
+
+
+@pytest.fixture
+def captured() -> Iterator[tuple[logging.Logger, io.StringIO]]:
+    """A real logger writing through a formatter to a string, for one test."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("hlplugin.test-logs")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    try:
+        yield logger, stream
+    finally:
+        logger.removeHandler(handler)
+
+
+def _raise() -> None:
+    raise ValueError("boom\nsecond line")
+
+
+def test_json_formatter_fields_and_exception(captured: tuple[logging.Logger, io.StringIO]) -> None:
+    logger, stream = captured
+    logger.handlers[0].setFormatter(logs.JsonFormatter())
+    logger.info("repaired %s", "spec", extra={"cause": "missing", "path": Path("/x")})
+    logger.warning("plain")
+    try:
+        _raise()
+    except ValueError:
+        logger.exception("failed\nbadly")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 3
+    first, second, third = (json.loads(line) for line in lines)
+    assert list(first) == ["time", "level", "logger", "message", "fields"]
+    assert first["level"] == "info" and first["logger"] == "hlplugin.test-logs"
+    assert first["message"] == "repaired spec"
+    assert first["fields"] == {"cause": "missing", "path": "/x"}
+    assert datetime.fromisoformat(first["time"]).utcoffset() is not None
+    assert "fields" not in second
+    assert third["message"] == "failed\nbadly" and "ValueError: boom" in third["exception"]
+
+
+def test_text_formatter_one_line_per_event(captured: tuple[logging.Logger, io.StringIO]) -> None:
+    logger, stream = captured
+    logger.handlers[0].setFormatter(logs.TextFormatter())
+    logger.info("repaired %s", "spec", extra={"cause": "missing"})
+    try:
+        _raise()
+    except ValueError:
+        logger.exception("failed\nbadly", extra={"step": "open"})
+    logger.warning("stack", stack_info=True)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 3, lines
+    assert all(TEXT_LINE.match(line) for line in lines), lines
+    assert lines[0].endswith("hlplugin.test-logs: repaired spec cause='missing'")
+    assert "failed\\nbadly step='open' | Traceback" in lines[1]
+    assert "ValueError: boom\\nsecond line" in lines[1]
+    assert "Stack (most recent call last)" in lines[2]
+
+
+def test_configure_replaces_handlers_and_sets_level() -> None:
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        logs.configure("json", "warning")
+        assert len(root.handlers) == 1
+        assert isinstance(root.handlers[0].formatter, logs.JsonFormatter)
+        assert root.level == logging.WARNING
+        logs.configure()
+        assert isinstance(root.handlers[0].formatter, logs.TextFormatter)
+        assert root.level == logging.INFO
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+
+
+def test_lasting_faults_log_once_when_they_begin_and_once_when_they_end(tmp_path: Path) -> None:
+    """The CDI path obstructed by a directory and a missing device, over many retries and checks:
+    one warning each when they begin, one info when the CDI one ends, none in between."""
+
+    async def body() -> None:
+        dev = tmp_path / "dev"
+        dev.mkdir()
+        node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
+        node.cdi_dir.mkdir()
+        spec = node.cdi_dir / "hyperlight.json"
+        spec.mkdir()
+        proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--cdi-interval", "0.2",
+                                            "--health-interval", "0.2")).start()
+        try:
+            # Many failed passes and checks: proof that the fault lasted several periods.
+            await wait_metric(proc, lambda m: value(
+                m, "hyperlight_cdi_refusals_total", reason="not_regular") >= 5
+                and value(m, "hyperlight_probe_failures_total", reason="open") >= 10, timeout=30)
+            spec.rmdir()
+            await eventually(lambda: "condition cdi is healthy" in proc.messages())
+            refusals = value(await scrape(proc), "hyperlight_cdi_refusals_total", reason="not_regular")
+        finally:
+            assert await proc.stop() == 0
+
+        def count(text: str) -> int:
+            return sum(text in m for m in proc.messages())
+
+        assert count("condition cdi is unhealthy") == 1, proc.messages()
+        assert count("condition cdi is healthy") == 1
+        assert count("condition device is unhealthy") == 1
+        assert count("condition host_identity is unhealthy") == 1
+        warnings = [line for line in proc.lines if line["level"] in ("warning", "error")]
+        assert len(warnings) <= 3, warnings  # cdi, device, host_identity: not one per retry
+        assert refusals >= 5
+
+    run(body())
+
+
+def after_sigusr1(lines: list[dict[str, object]]) -> list[dict[str, object]]:
+    """The task dump, or the error it raised: either way a multi-line event."""
+    return [line for line in lines if str(line["message"]).startswith("task ")
+            or "dump_tasks" in str(line["message"])]
+
+
+def test_daemon_json_lines_are_complete(tmp_path: Path) -> None:
+    async def body() -> None:
+        dev = tmp_path / "dev"
+        dev.mkdir()
+        node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
+        proc = await Daemon(node.serve_args("--hypervisor", "kvm")).start()
+        try:
+            await eventually(lambda: "condition device is unhealthy" in
+                             " ".join(proc.messages()))
+            assert proc.proc is not None
+            proc.proc.send_signal(signal.SIGUSR1)  # multi-line task stacks
+            await eventually(lambda: len(after_sigusr1(proc.lines)) > 0)
+        finally:
+            assert await proc.stop() == 0
+        assert proc.raw and len(proc.raw) == len(proc.lines), [
+            line for line in proc.raw if not line.startswith("{")]
+        for line in proc.lines:
+            assert {"time", "level", "logger", "message"} <= set(line), line
+            assert line["level"] in ("debug", "info", "warning", "error")
+            assert line["logger"] and isinstance(line["logger"], str)
+        device = next(line for line in proc.lines
+                      if line["message"].startswith("condition device is unhealthy"))
+        assert device["level"] == "warning"
+        assert device["fields"]["condition"] == "device"
+        assert str(dev / "kvm") in device["fields"]["reason"]
+
+    run(body())
+
+
+def test_text_is_the_default_one_line_per_event(tmp_path: Path) -> None:
+    async def body() -> None:
+        dev = tmp_path / "dev"
+        dev.mkdir()
+        node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
+        env = {k: v for k, v in os.environ.items() if k != "HYPERLIGHT_LOG_FORMAT"}
+        env["DEVICE_COUNT"] = "-4"  # one warning about the environment, for good measure
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "hlplugin", *node.serve_args(
+                "--hypervisor", "kvm", "--http-address", f"127.0.0.1:{free_port()}"),
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE)
+        assert proc.stderr is not None
+        lines: list[str] = []
+        try:
+            while not any("condition device is unhealthy" in line for line in lines):
+                lines.append((await asyncio.wait_for(proc.stderr.readline(), 15)).decode())
+            proc.send_signal(signal.SIGUSR1)
+            while not any(": task " in line or "dump_tasks" in line for line in lines):
+                lines.append((await asyncio.wait_for(proc.stderr.readline(), 15)).decode())
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, rest = await asyncio.wait_for(proc.communicate(), 15)
+        lines += rest.decode().splitlines(keepends=True)
+        assert proc.returncode == 0
+        bad = [line for line in lines if not TEXT_LINE.match(line)]
+        assert not bad, bad
+        assert any("DEVICE_COUNT" in line and "WARNING" in line for line in lines)
+        device = next(line for line in lines if "condition device is unhealthy" in line)
+        assert "condition='device'" in device and "reason=" in device
+
+    run(body())

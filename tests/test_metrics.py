@@ -1,0 +1,246 @@
+"""Every metric family moves when its event happens: real daemons, real events, scraped /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from harness import HAVE_KVM, Daemon, Node, needs_kvm, needs_root, run
+from prometheus_client.parser import text_string_to_metric_families
+
+from hlplugin import __version__, cdi
+from hlplugin.emulator import AdmissionError, KubeletEmulator
+from hlplugin.metrics import Metrics
+
+RESOURCE = "hyperlight.dev/hypervisor"
+ACCESS = "hyperlight.dev/device-access"
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+async def scrape(proc: Daemon) -> Samples:
+    body = await proc.wait_http("/metrics", 200)  # also waits for a daemon that is starting
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """The sample's value; 0 for a labelled counter that has not been touched yet."""
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+async def wait_metric(proc: Daemon, predicate: Callable[[Samples], bool],
+                      timeout: float = 10.0) -> Samples:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        samples = await scrape(proc)
+        if predicate(samples):
+            return samples
+        if asyncio.get_running_loop().time() > deadline:
+            interesting = {k: v for k, v in samples.items() if k[0].startswith("hyperlight_")}
+            raise TimeoutError(f"metrics never matched: {interesting}")
+        await asyncio.sleep(0.05)
+
+
+def test_every_family_is_prefixed_and_has_bounded_labels() -> None:
+    allowed = {"condition", "to", "check", "reason", "cause", "result", "version"}
+    for family in Metrics().registry.collect():
+        assert family.name.startswith("hyperlight_"), family.name
+        for sample in family.samples:
+            assert set(sample.labels) - {"le"} <= allowed, (family.name, sample.labels)
+
+
+@needs_kvm
+def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> None:
+    async def body() -> None:
+        node = Node.make(tmp_path)
+        spec = node.cdi_dir / cdi.SPEC_FILE
+        kubelet = KubeletEmulator(node.plugin_dir)
+        await kubelet.start()
+        proc = await Daemon(node.serve_args("--device-count", "4", "--health-interval", "0.2")).start()
+        try:
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
+            m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
+            assert value(m, "hyperlight_build_info", version=__version__) == 1
+            assert value(m, "hyperlight_registrations_total", result="success") == 1
+            assert value(m, "hyperlight_devices_advertised") == 4
+            assert value(m, "hyperlight_devices_healthy") == 4
+            for condition in ("cdi", "device", "host_identity"):
+                assert value(m, "hyperlight_health_condition", condition=condition) == 1
+            assert value(m, "hyperlight_health_transitions_total", to="healthy") == 1
+            assert value(m, "hyperlight_health_transitions_total", to="unhealthy") == 0
+            assert value(m, "hyperlight_cdi_repairs_total", cause="missing") == 1  # the first write
+            probes = value(m, "hyperlight_probe_duration_seconds_count", check="device")
+            assert probes >= 1
+            assert value(m, "hyperlight_probe_duration_seconds_count", check="host_identity") >= 1
+            await wait_metric(proc, lambda m: value(
+                m, "hyperlight_probe_duration_seconds_count", check="device") > probes)
+
+            # Allocations by result.
+            await kubelet.admit(RESOURCE)
+            with pytest.raises(AdmissionError):
+                await kubelet.allocate(RESOURCE, [["kvm-99"]])
+            m = await scrape(proc)
+            assert value(m, "hyperlight_allocations_total", result="success") == 1
+            assert value(m, "hyperlight_allocations_total", result="invalid") == 1
+
+            # CDI repairs by cause. Each damage is atomic: an in-place write is first an empty
+            # file, which is malformed, and would count as that instead.
+            desired = spec.read_bytes()
+            stale = json.loads(desired)
+            stale["devices"][0]["containerEdits"]["env"].append("EXTRA=1")
+
+            def replace_with(content: bytes) -> None:
+                temp = tmp_path / "damage"
+                temp.write_bytes(content)
+                os.replace(temp, spec)
+
+            damage: list[tuple[str, Callable[[], None]]] = [
+                ("missing", spec.unlink),
+                ("malformed", lambda: replace_with(b"{ not json")),
+                ("stale", lambda: replace_with(json.dumps(stale).encode())),
+                ("metadata", lambda: spec.chmod(0o600)),
+            ]
+            for cause, act in damage:
+                before = value(await scrape(proc), "hyperlight_cdi_repairs_total", cause=cause)
+                act()
+                await wait_metric(proc, lambda m, c=cause, b=before: value(
+                    m, "hyperlight_cdi_repairs_total", cause=c) == b + 1)
+                assert spec.read_bytes() == desired, cause
+
+            # Refusal: the CDI path obstructed by a directory. The daemon rewrites a deleted spec
+            # at once, so the directory is renamed into the gap, as often as it takes.
+            obstruction = tmp_path / "obstruction"
+            obstruction.mkdir()
+            while not spec.is_dir():
+                with contextlib.suppress(FileNotFoundError):
+                    spec.unlink()
+                with contextlib.suppress(NotADirectoryError, FileExistsError):
+                    os.rename(obstruction, spec)
+            m = await wait_metric(proc, lambda m: value(
+                m, "hyperlight_health_condition", condition="cdi") == 0
+                and value(m, "hyperlight_devices_healthy") == 0)
+            assert value(m, "hyperlight_cdi_refusals_total", reason="not_regular") >= 1
+            assert value(m, "hyperlight_health_transitions_total", to="unhealthy") == 1
+            with pytest.raises(AdmissionError):
+                await kubelet.allocate(RESOURCE, [["kvm-1"]])
+            m = await scrape(proc)
+            assert value(m, "hyperlight_allocations_total", result="refused") == 1
+            spec.rmdir()
+            m = await wait_metric(proc, lambda m: value(m, "hyperlight_devices_healthy") == 4)
+            assert value(m, "hyperlight_health_condition", condition="cdi") == 1
+            assert value(m, "hyperlight_health_transitions_total", to="healthy") == 2
+
+            # Registrations: a kubelet restart; the stream gauge does not leak the old stream.
+            await kubelet.restart()
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
+            m = await wait_metric(proc, lambda m: value(
+                m, "hyperlight_registrations_total", result="success") == 2)
+            await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
+        finally:
+            await proc.stop()
+            await kubelet.stop()
+
+    run(body())
+
+
+def test_registration_failures_and_no_stream(tmp_path: Path) -> None:
+    async def body() -> None:
+        node = Node.make(tmp_path)
+        hanging = KubeletEmulator(node.plugin_dir, mode="hang")
+        await hanging.start()
+        proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--device-count", "2",
+                                            "--register-timeout", "0.3")).start()
+        try:
+            m = await wait_metric(proc, lambda m: value(
+                m, "hyperlight_registrations_total", result="failure") >= 2, timeout=20)
+            assert value(m, "hyperlight_registrations_total", result="success") == 0
+            assert value(m, "hyperlight_listandwatch_streams") == 0
+        finally:
+            await proc.stop()
+            await hanging.stop(remove_socket=True)
+
+    run(body())
+
+
+def make_node(path: Path, numbers: int) -> Path:
+    """A directory holding a character node called kvm with the given device numbers."""
+    path.mkdir()
+    os.mknod(path / "kvm", stat.S_IFCHR | 0o600, numbers)
+    return path
+
+
+@needs_root
+def test_probe_failures_by_reason(tmp_path: Path) -> None:
+    """A node with /dev/null's numbers is not KVM (api_version); a host view whose node has other
+    numbers is not the granted device (identity_mismatch)."""
+
+    async def body() -> None:
+        dev = make_node(tmp_path / "dev", os.makedev(1, 3))
+        host = make_node(tmp_path / "host", os.makedev(1, 5))
+        node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=host)
+        kubelet = KubeletEmulator(node.plugin_dir)
+        await kubelet.start()
+        proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--device-count", "2",
+                                            "--health-interval", "0.2")).start()
+        try:
+            m = await wait_metric(proc, lambda m: value(
+                m, "hyperlight_probe_failures_total", reason="api_version") >= 2
+                and value(m, "hyperlight_probe_failures_total", reason="identity_mismatch") >= 2)
+            assert value(m, "hyperlight_health_condition", condition="device") == 0
+            assert value(m, "hyperlight_health_condition", condition="host_identity") == 0
+            assert value(m, "hyperlight_health_transitions_total", to="healthy") == 0
+            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2)
+            m = await wait_metric(proc, lambda m: value(m, "hyperlight_devices_advertised") == 2)
+            assert value(m, "hyperlight_devices_healthy") == 0
+            os.unlink(host / "kvm")
+            m = await wait_metric(proc, lambda m: value(
+                m, "hyperlight_probe_failures_total", reason="identity_missing") >= 1)
+        finally:
+            await proc.stop()
+            await kubelet.stop()
+
+    run(body())
+
+
+@needs_root
+def test_bootstrap_families_move_with_their_events(tmp_path: Path) -> None:
+    async def body() -> None:
+        numbers = os.stat("/dev/kvm").st_rdev if HAVE_KVM else os.makedev(10, 232)
+        dev = make_node(tmp_path / "dev", numbers)
+        node = Node.make(tmp_path, dev_dir=dev)
+        kubelet = KubeletEmulator(node.plugin_dir)
+        await kubelet.start()
+        proc = await Daemon(["bootstrap", "--plugin-dir", str(node.plugin_dir),
+                             "--dev-dir", str(dev)]).start()
+        try:
+            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
+            m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
+            assert value(m, "hyperlight_build_info", version=__version__) == 1
+            assert value(m, "hyperlight_registrations_total", result="success") == 1
+            assert value(m, "hyperlight_devices_advertised") == 1
+            assert value(m, "hyperlight_devices_healthy") == 1
+            assert value(m, "hyperlight_health_condition", condition="device") == 1
+            await kubelet.admit(ACCESS)
+            with pytest.raises(AdmissionError):
+                await kubelet.allocate(ACCESS, [["kvm-0"]])
+            os.unlink(dev / "kvm")
+            m = await wait_metric(proc, lambda m: value(m, "hyperlight_devices_healthy") == 0)
+            assert value(m, "hyperlight_health_condition", condition="device") == 0
+            assert value(m, "hyperlight_health_transitions_total", to="unhealthy") == 1
+            with pytest.raises(AdmissionError):
+                await kubelet.allocate(ACCESS, [["device-access-kvm"]])
+            m = await scrape(proc)
+            for result in ("success", "invalid", "refused"):
+                assert value(m, "hyperlight_allocations_total", result=result) == 1, result
+        finally:
+            await proc.stop()
+            await kubelet.stop()
+
+    run(body())
