@@ -34,7 +34,7 @@ from hlplugin.cdi import (
 from hlplugin.health import Condition, HealthTracker
 from hlplugin.metrics import Metrics
 
-SCHEMA_DIR = Path(__file__).parents[2] / "shared/reference/cdi-schema"
+SCHEMA_DIR = Path(__file__).parent / "data" / "cdi-schema"
 DESIRED = render_spec("kvm", 65534, 65534)
 STALE = render_spec("kvm", 1000, 1000)  # well-formed, another uid/gid
 IS_ROOT = os.geteuid() == 0

@@ -651,8 +651,15 @@ def test_cdi_missing_stale_malformed_is_repaired_exactly(tmp_path: Path, kind: s
                     TAMPER[kind](r.spec)
                     times.append(await until(lambda: spec_is_exact(r.spec)))
                     await r.admit()
-                after = await r.repairs()
-                delta = {c: after[c] - before.get(c, 0) for c in after if after[c] != before.get(c)}
+                # The file is renamed into place a moment before the counter moves: poll it.
+                began = time.monotonic()
+                while True:
+                    after = await r.repairs()
+                    delta = {c: after[c] - before.get(c, 0) for c in after
+                             if after[c] != before.get(c)}
+                    if sum(delta.values()) >= 5 or time.monotonic() - began > GUARD:
+                        break
+                    await asyncio.sleep(0.01)
                 assert delta == {kind: 5}, delta  # each repair counted under its own cause
                 assert temp_files(node.cdi_dir) == []
                 assert r.kubelet.register_calls == 1  # repaired in place, no restart
