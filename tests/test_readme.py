@@ -24,7 +24,7 @@ QUICKSTART = (
     "pip install . && hlplugin demo      # install and run the main job: both daemons against a "
     "built-in kubelet emulator\n"
     "bash .ci/run                        # run the tests: installs podman, runc, shellcheck and the "
-    "Python test tools, then python -m pytest\n"
+    "Python test tools, lints, then python -m pytest\n"
     "```\n"
 )
 _USERS = (("serve", config.SERVE_OPTIONS), ("bootstrap", config.BOOTSTRAP_OPTIONS),
