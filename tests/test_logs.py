@@ -16,10 +16,11 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from harness import Daemon, Node, eventually, free_port, run
+from harness import Daemon, Node, eventually, run
 from test_metrics import scrape, value, wait_metric
 
 from hlplugin import logs
+from hlplugin.emulator import free_port
 
 TEXT_LINE = re.compile(
     r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) +[\w.-]+: ")

@@ -18,14 +18,9 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
@@ -33,7 +28,7 @@ from typing import Any, TextIO, TypeVar
 from prometheus_client.parser import text_string_to_metric_families
 
 from hlplugin import cdi, config, probe
-from hlplugin.emulator import AdmissionError, KubeletEmulator
+from hlplugin.emulator import AdmissionError, DaemonProcess, KubeletEmulator
 
 T = TypeVar("T")
 
@@ -48,72 +43,13 @@ class DemoError(Exception):
     """A step that should have worked did not; the demo stops and cleans up."""
 
 
-class Daemon:
-    """One `hlplugin` process with JSON logs kept in memory, to quote them and to show on failure."""
+class Daemon(DaemonProcess):
+    """A demo daemon: the user's HYPERLIGHT_* and DEVICE_* variables must not change the demo."""
 
     def __init__(self, name: str, args: list[str]) -> None:
-        self.name = name
-        self.port = _free_port()
-        self.args = [sys.executable, "-m", "hlplugin", *args,
-                     "--http-address", f"127.0.0.1:{self.port}", "--log-format", "json"]
-        self.proc: asyncio.subprocess.Process | None = None
-        self.lines: list[dict[str, Any]] = []
-        self.raw: list[str] = []
-        self._reader: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        # The user's HYPERLIGHT_* and DEVICE_* variables must not change the demo.
         twins = {o.env for o in config.OPTIONS.values() if o.env}
-        env = {k: v for k, v in os.environ.items() if k not in twins}
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.args, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE)
-        self._reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        assert self.proc is not None and self.proc.stderr is not None
-        async for line in self.proc.stderr:
-            text = line.decode(errors="replace").rstrip()
-            self.raw.append(text)
-            with contextlib.suppress(ValueError):
-                entry = json.loads(text)
-                if isinstance(entry, dict):
-                    self.lines.append(entry)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid if self.proc is not None else 0
-
-    def exited(self) -> int | None:
-        return self.proc.returncode if self.proc is not None else None
-
-    async def stop(self) -> int:
-        """SIGTERM, as the kubelet would send; SIGKILL only if it does not stop in time."""
-        if self.proc is None:
-            return 0
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = await asyncio.wait_for(self.proc.wait(), 10)
-        except TimeoutError:
-            self.proc.kill()
-            code = await self.proc.wait()
-        if self._reader is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._reader, 2)
-        return code
-
-    async def get(self, path: str) -> tuple[int, bytes]:
-        def fetch() -> tuple[int, bytes]:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
-                    return int(r.status), bytes(r.read())
-            except urllib.error.HTTPError as exc:
-                return exc.code, exc.read()
-            except OSError:
-                return 0, b""
-
-        return await asyncio.to_thread(fetch)
+        super().__init__(args, name=name,
+                         env={k: v for k, v in os.environ.items() if k not in twins})
 
     async def readyz(self) -> tuple[int, dict[str, Any]]:
         code, body = await self.get("/readyz")
@@ -437,11 +373,6 @@ def _make_root() -> Path:
     return root
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _duration(seconds: float) -> str:
