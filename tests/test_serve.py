@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -31,12 +33,23 @@ async def started(node: Node, *extra: str, env: dict[str, str] | None = None,
     return kubelet, proc
 
 
+@contextlib.asynccontextmanager
+async def running(node: Node, *extra: str,
+                  env: dict[str, str] | None = None) -> AsyncIterator[tuple[KubeletEmulator, Daemon]]:
+    """A kubelet emulator and `hlplugin serve` on ``node``; both stopped on the way out."""
+    kubelet, proc = await started(node, *extra, env=env)
+    try:
+        yield kubelet, proc
+    finally:
+        await proc.stop()
+        await kubelet.stop()
+
+
 @needs_kvm
 def test_registers_and_advertises_slots(tmp_path: Path) -> None:
     async def body() -> None:
         node = Node.make(tmp_path)
-        kubelet, proc = await started(node, "--device-count", "5")
-        try:
+        async with running(node, "--device-count", "5") as (kubelet, proc):
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 5)
             resource = kubelet.resources[RESOURCE]
             assert resource.endpoint == "hyperlight.sock"
@@ -46,9 +59,6 @@ def test_registers_and_advertises_slots(tmp_path: Path) -> None:
             assert set(resource.devices.values()) == {"Healthy"}
             assert kubelet.rejections == []
             await proc.wait_http("/readyz", 200)
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())
 
@@ -57,8 +67,7 @@ def test_registers_and_advertises_slots(tmp_path: Path) -> None:
 def test_allocate_answers_cdi_reference_per_container(tmp_path: Path) -> None:
     async def body() -> None:
         node = Node.make(tmp_path)
-        kubelet, proc = await started(node, "--device-count", "10")
-        try:
+        async with running(node, "--device-count", "10") as (kubelet, _proc):
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 10)
             one = await kubelet.admit(RESOURCE)
             assert len(one.container_responses) == 1
@@ -73,9 +82,6 @@ def test_allocate_answers_cdi_reference_per_container(tmp_path: Path) -> None:
                 await kubelet.allocate(RESOURCE, [["kvm-1"], ["kvm-999"]])
             assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
             assert "kvm-999" in refused.value.details
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())
 
@@ -84,16 +90,12 @@ def test_allocate_answers_cdi_reference_per_container(tmp_path: Path) -> None:
 def test_cdi_annotations_for_old_kubelets(tmp_path: Path) -> None:
     async def body() -> None:
         node = Node.make(tmp_path)
-        kubelet, proc = await started(node, "--device-count", "2", "--cdi-annotations")
-        try:
+        async with running(node, "--device-count", "2", "--cdi-annotations") as (kubelet, _proc):
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 2)
             response = await kubelet.allocate(RESOURCE, [["kvm-1"]])
             entry = response.container_responses[0]
             assert dict(entry.annotations) == {"cdi.k8s.io/hyperlight.dev_kvm-1": CDI_NAME}
             assert [d.name for d in entry.cdi_devices] == [CDI_NAME]
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())
 
@@ -104,8 +106,7 @@ def test_unusable_cdi_path_refuses_allocation_with_reason(tmp_path: Path) -> Non
         node = Node.make(tmp_path)
         node.cdi_dir.mkdir()
         (node.cdi_dir / "hyperlight.json").mkdir()  # a directory where our file belongs
-        kubelet, proc = await started(node, "--device-count", "2")
-        try:
+        async with running(node, "--device-count", "2") as (kubelet, proc):
             await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2)
             assert kubelet.allocatable(RESOURCE) == 0
             with pytest.raises(AdmissionError) as refused:
@@ -117,9 +118,6 @@ def test_unusable_cdi_path_refuses_allocation_with_reason(tmp_path: Path) -> Non
             (node.cdi_dir / "hyperlight.json").rmdir()
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 2)
             await kubelet.admit(RESOURCE)
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())
 
@@ -128,8 +126,7 @@ def test_unusable_cdi_path_refuses_allocation_with_reason(tmp_path: Path) -> Non
 def test_kubelet_restart_re_registers(tmp_path: Path) -> None:
     async def body() -> None:
         node = Node.make(tmp_path)
-        kubelet, proc = await started(node, "--device-count", "3")
-        try:
+        async with running(node, "--device-count", "3") as (kubelet, _proc):
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 3)
             for _ in range(3):
                 calls = kubelet.register_calls
@@ -138,9 +135,6 @@ def test_kubelet_restart_re_registers(tmp_path: Path) -> None:
                 await kubelet.wait_for(lambda c=calls: kubelet.allocatable(RESOURCE) == 3
                                        and kubelet.register_calls > c, timeout=10)
                 await kubelet.admit(RESOURCE)
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())
 
@@ -152,8 +146,7 @@ def test_own_socket_deleted_ends_old_streams_before_registering(tmp_path: Path) 
 
     async def body() -> None:
         node = Node.make(tmp_path)
-        kubelet, proc = await started(node, "--device-count", "3")
-        try:
+        async with running(node, "--device-count", "3") as (kubelet, _proc):
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 3)
             for _ in range(3):
                 calls = kubelet.register_calls
@@ -164,9 +157,6 @@ def test_own_socket_deleted_ends_old_streams_before_registering(tmp_path: Path) 
                 assert kubelet.registered(RESOURCE)
                 assert kubelet.allocatable(RESOURCE) == 3
                 await kubelet.admit(RESOURCE)
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())
 
@@ -278,8 +268,7 @@ def test_reset_connections_are_bounded_and_logged_once(tmp_path: Path) -> None:
 def test_sigusr1_logs_every_task_and_keeps_running(tmp_path: Path) -> None:
     async def body() -> None:
         node = Node.make(tmp_path)
-        kubelet, proc = await started(node, "--hypervisor", "kvm", "--device-count", "2")
-        try:
+        async with running(node, "--hypervisor", "kvm", "--device-count", "2") as (kubelet, proc):
             await kubelet.wait_for(lambda: kubelet.registered(RESOURCE))
             assert proc.proc is not None
             proc.proc.send_signal(signal.SIGUSR1)
@@ -287,9 +276,6 @@ def test_sigusr1_logs_every_task_and_keeps_running(tmp_path: Path) -> None:
                                          for m in proc.messages()))
             assert proc.proc.returncode is None
             assert (await proc.http("/healthz"))[0] == 200
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())
 
@@ -341,8 +327,7 @@ def test_invalid_env_values_fall_back_with_warning(tmp_path: Path) -> None:
     async def body() -> None:
         node = Node.make(tmp_path)
         env = {"DEVICE_COUNT": "-4", "DEVICE_UID": "4294967296", "DEVICE_GID": "abc"}
-        kubelet, proc = await started(node, env=env)
-        try:
+        async with running(node, env=env) as (kubelet, proc):
             await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2000)
             spec = json.loads((node.cdi_dir / "hyperlight.json").read_bytes())
             device_node = spec["devices"][0]["containerEdits"]["deviceNodes"][0]
@@ -350,9 +335,6 @@ def test_invalid_env_values_fall_back_with_warning(tmp_path: Path) -> None:
             warnings = [line["message"] for line in proc.lines if line["level"] == "warning"]
             for name in env:
                 assert any(name in w and "default" in w for w in warnings), (name, warnings)
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())
 
@@ -362,15 +344,11 @@ def test_env_twins_apply_and_flags_win(tmp_path: Path) -> None:
     async def body() -> None:
         node = Node.make(tmp_path)
         env = {"DEVICE_COUNT": "7", "DEVICE_UID": "1000", "DEVICE_GID": "1001"}
-        kubelet, proc = await started(node, "--device-gid", "2002", env=env)
-        try:
+        async with running(node, "--device-gid", "2002", env=env) as (kubelet, _proc):
             await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 7)
             spec = json.loads((node.cdi_dir / "hyperlight.json").read_bytes())
             device_node = spec["devices"][0]["containerEdits"]["deviceNodes"][0]
             assert (device_node["uid"], device_node["gid"]) == (1000, 2002)
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())
 
@@ -398,16 +376,12 @@ def test_socket_path_occupied_by_a_non_socket_is_not_deleted(tmp_path: Path) -> 
         node = Node.make(tmp_path)
         blocker = node.plugin_dir / "hyperlight.sock"
         blocker.write_text("not ours")
-        kubelet, proc = await started(node, "--hypervisor", "kvm")
-        try:
+        async with running(node, "--hypervisor", "kvm") as (kubelet, proc):
             await eventually(lambda: any("not a socket" in m for m in proc.messages()), 10)
             assert blocker.read_text() == "not ours"
             assert stat.S_ISREG(os.lstat(blocker).st_mode)
             blocker.unlink()
             await kubelet.wait_for(lambda: kubelet.registered(RESOURCE), timeout=15)
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())
 
@@ -427,8 +401,7 @@ def test_no_hypervisor_at_start_stays_up_unready_then_recovers(tmp_path: Path) -
         dev = tmp_path / "dev"
         dev.mkdir()
         node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
-        kubelet, proc = await started(node, "--device-count", "2")
-        try:
+        async with running(node, "--device-count", "2") as (kubelet, proc):
             ready = json.loads(await proc.wait_http("/readyz", 503))
             assert ready["conditions"]["hypervisor"]["ok"] is False
             await asyncio.sleep(0.5)
@@ -438,9 +411,6 @@ def test_no_hypervisor_at_start_stays_up_unready_then_recovers(tmp_path: Path) -
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 2, timeout=10)
             await proc.wait_http("/readyz", 200)
             await kubelet.admit(RESOURCE)
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())
 
