@@ -47,3 +47,11 @@ def test_auto_without_a_device_explains(tmp_path: Path) -> None:
     out = hlplugin("cdi", "--dev-dir", str(tmp_path))
     assert out.returncode == 1
     assert "--hypervisor" in out.stderr
+
+
+def test_accepts_the_serve_command_line(tmp_path: Path) -> None:
+    out = hlplugin("cdi", "--plugin-dir", str(tmp_path), "--cdi-dir", str(tmp_path),
+                   "--hypervisor", "kvm", "--device-count", "5", "--http-address", "127.0.0.1:0",
+                   "--cdi-annotations")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.encode() == cdi.render_spec("kvm", 65534, 65534)

@@ -139,8 +139,9 @@ SERVE_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor
                  "guest_check", "register_timeout")
 BOOTSTRAP_OPTIONS = ("plugin_dir", "dev_dir", "hypervisor", "http_address", "log_format",
                      "log_level", "register_timeout")
-CDI_OPTIONS = ("cdi_dir", "dev_dir", "hypervisor", "device_uid", "device_gid", "log_format",
-               "log_level")
+# `hlplugin cdi` takes the serve command line as it is, so an operator can paste it; only the
+# hypervisor, uid and gid shape the spec.
+CDI_OPTIONS = SERVE_OPTIONS
 DOCTOR_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor", "device_uid",
                   "device_gid", "probe_timeout", "log_format", "log_level")
 
