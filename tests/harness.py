@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import pytest
 
-from hlplugin.emulator import DaemonProcess
+from hlplugin.emulator import DaemonProcess, KubeletEmulator
 
 T = TypeVar("T")
 
@@ -71,6 +71,23 @@ class Daemon(DaemonProcess):
 
     async def http(self, path: str) -> tuple[int, bytes]:
         return await self.get(path)
+
+
+@contextlib.asynccontextmanager
+async def on_kubelet(node: Node, args: Sequence[str], env: dict[str, str] | None = None, *,
+                     mode: str = "normal") -> AsyncIterator[tuple[KubeletEmulator, Daemon]]:
+    """A kubelet emulator on ``node`` (``mode`` as KubeletEmulator's), then the daemon started
+    with ``args``; the daemon is stopped first on the way out, then the kubelet."""
+    kubelet = KubeletEmulator(node.plugin_dir, mode=mode)
+    await kubelet.start()
+    try:
+        proc = await Daemon(args, env).start()
+        try:
+            yield kubelet, proc
+        finally:
+            await proc.stop()
+    finally:
+        await kubelet.stop()
 
 
 @contextlib.asynccontextmanager

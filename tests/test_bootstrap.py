@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import HAVE_KVM, Daemon, Node, needs_kvm, needs_root, run
+from harness import HAVE_KVM, Daemon, Node, needs_kvm, needs_root, on_kubelet, run
 
 from hlplugin.emulator import AdmissionError, KubeletEmulator
 
@@ -35,10 +35,7 @@ def test_registers_one_slot_and_grants_exactly_the_device(tmp_path: Path) -> Non
     async def body() -> None:
         node = Node.make(tmp_path)
         dev = make_dev_dir(tmp_path)
-        kubelet = KubeletEmulator(node.plugin_dir)
-        await kubelet.start()
-        proc = await Daemon(bootstrap_args(node, dev)).start()
-        try:
+        async with on_kubelet(node, bootstrap_args(node, dev)) as (kubelet, proc):
             await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
             resource = kubelet.resources[ACCESS]
             assert resource.endpoint == "hyperlight-device-access.sock"
@@ -56,9 +53,6 @@ def test_registers_one_slot_and_grants_exactly_the_device(tmp_path: Path) -> Non
                 await kubelet.allocate(ACCESS, [["kvm-0"]])
             assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
             await proc.wait_http("/readyz", 200)
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())
 
@@ -69,10 +63,7 @@ def test_missing_device_refuses_and_recovers_without_restart(tmp_path: Path) -> 
         node = Node.make(tmp_path)
         dev = make_dev_dir(tmp_path)
         rdev = os.stat(dev / "kvm").st_rdev
-        kubelet = KubeletEmulator(node.plugin_dir)
-        await kubelet.start()
-        proc = await Daemon(bootstrap_args(node, dev, "--hypervisor", "kvm")).start()
-        try:
+        async with on_kubelet(node, bootstrap_args(node, dev, "--hypervisor", "kvm")) as (kubelet, proc):
             await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
             os.unlink(dev / "kvm")
             await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 0, timeout=5)
@@ -91,9 +82,6 @@ def test_missing_device_refuses_and_recovers_without_restart(tmp_path: Path) -> 
             await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1, timeout=5)
             await kubelet.admit(ACCESS)
             await proc.wait_http("/readyz", 200)
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())
 
@@ -103,18 +91,12 @@ def test_kubelet_restart_re_registers_bootstrap(tmp_path: Path) -> None:
     async def body() -> None:
         node = Node.make(tmp_path)
         dev = make_dev_dir(tmp_path)
-        kubelet = KubeletEmulator(node.plugin_dir)
-        await kubelet.start()
-        proc = await Daemon(bootstrap_args(node, dev)).start()
-        try:
+        async with on_kubelet(node, bootstrap_args(node, dev)) as (kubelet, _proc):
             await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
             for _ in range(2):
                 await kubelet.restart()
                 await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1, timeout=10)
                 await kubelet.admit(ACCESS)
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from harness import HAVE_KVM, Daemon, Node, needs_kvm, needs_root, run
+from harness import HAVE_KVM, Daemon, Node, needs_kvm, needs_root, on_kubelet, run
 from prometheus_client.parser import text_string_to_metric_families
 
 from hlplugin import __version__, cdi
@@ -61,10 +61,8 @@ def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> None:
     async def body() -> None:
         node = Node.make(tmp_path)
         spec = node.cdi_dir / cdi.SPEC_FILE
-        kubelet = KubeletEmulator(node.plugin_dir)
-        await kubelet.start()
-        proc = await Daemon(node.serve_args("--device-count", "4", "--health-interval", "0.2")).start()
-        try:
+        args = node.serve_args("--device-count", "4", "--health-interval", "0.2")
+        async with on_kubelet(node, args) as (kubelet, proc):
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
             m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
             assert value(m, "hyperlight_build_info", version=__version__) == 1
@@ -143,9 +141,6 @@ def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> None:
             m = await wait_metric(proc, lambda m: value(
                 m, "hyperlight_registrations_total", result="success") == 2)
             await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())
 
@@ -185,11 +180,8 @@ def test_probe_failures_by_reason(tmp_path: Path) -> None:
         dev = make_node(tmp_path / "dev", os.makedev(1, 3))
         host = make_node(tmp_path / "host", os.makedev(1, 5))
         node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=host)
-        kubelet = KubeletEmulator(node.plugin_dir)
-        await kubelet.start()
-        proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--device-count", "2",
-                                            "--health-interval", "0.2")).start()
-        try:
+        async with on_kubelet(node, node.serve_args("--hypervisor", "kvm", "--device-count", "2",
+                                            "--health-interval", "0.2")) as (kubelet, proc):
             m = await wait_metric(proc, lambda m: value(
                 m, "hyperlight_probe_failures_total", reason="api_version") >= 2
                 and value(m, "hyperlight_probe_failures_total", reason="identity_mismatch") >= 2)
@@ -202,9 +194,6 @@ def test_probe_failures_by_reason(tmp_path: Path) -> None:
             os.unlink(host / "kvm")
             m = await wait_metric(proc, lambda m: value(
                 m, "hyperlight_probe_failures_total", reason="identity_missing") >= 1)
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())
 
@@ -215,11 +204,8 @@ def test_bootstrap_families_move_with_their_events(tmp_path: Path) -> None:
         numbers = os.stat("/dev/kvm").st_rdev if HAVE_KVM else os.makedev(10, 232)
         dev = make_node(tmp_path / "dev", numbers)
         node = Node.make(tmp_path, dev_dir=dev)
-        kubelet = KubeletEmulator(node.plugin_dir)
-        await kubelet.start()
-        proc = await Daemon(["bootstrap", "--plugin-dir", str(node.plugin_dir),
-                             "--dev-dir", str(dev)]).start()
-        try:
+        async with on_kubelet(node, ["bootstrap", "--plugin-dir", str(node.plugin_dir),
+                             "--dev-dir", str(dev)]) as (kubelet, proc):
             await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
             m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
             assert value(m, "hyperlight_build_info", version=__version__) == 1
@@ -239,8 +225,5 @@ def test_bootstrap_families_move_with_their_events(tmp_path: Path) -> None:
             m = await scrape(proc)
             for result in ("success", "invalid", "refused"):
                 assert value(m, "hyperlight_allocations_total", result=result) == 1, result
-        finally:
-            await proc.stop()
-            await kubelet.stop()
 
     run(body())

@@ -11,12 +11,11 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
-from harness import Daemon, Node, eventually, needs_kvm, needs_root, run
+from harness import Daemon, Node, eventually, needs_kvm, needs_root, on_kubelet, run
 
 from hlplugin.emulator import AdmissionError, KubeletEmulator
 
@@ -33,16 +32,10 @@ async def started(node: Node, *extra: str, env: dict[str, str] | None = None,
     return kubelet, proc
 
 
-@contextlib.asynccontextmanager
-async def running(node: Node, *extra: str,
-                  env: dict[str, str] | None = None) -> AsyncIterator[tuple[KubeletEmulator, Daemon]]:
+def running(node: Node, *extra: str, env: dict[str, str] | None = None
+            ) -> contextlib.AbstractAsyncContextManager[tuple[KubeletEmulator, Daemon]]:
     """A kubelet emulator and `hlplugin serve` on ``node``; both stopped on the way out."""
-    kubelet, proc = await started(node, *extra, env=env)
-    try:
-        yield kubelet, proc
-    finally:
-        await proc.stop()
-        await kubelet.stop()
+    return on_kubelet(node, node.serve_args(*extra), env)
 
 
 @needs_kvm
