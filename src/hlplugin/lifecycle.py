@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import stat
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -68,6 +69,25 @@ def _socket_identity(path: Path) -> Identity | None:
     except OSError:
         return None
     return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
+
+
+async def _to_completion(work: Coroutine[Any, Any, None]) -> None:
+    """Finish bounded clean-up even when cancelled meanwhile, then re-raise the cancellation.
+
+    The daemon re-cancels every 0.25 s while stopping (see run_daemon); a server.stop() cut short
+    leaves a running server that the garbage collector shuts down after the loop has closed,
+    printing a traceback, and leaves its socket behind.
+    """
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    task.result()
 
 
 @dataclass
@@ -161,11 +181,24 @@ class PluginLifecycle:
         self._remove_stale_socket()
         servicer = self._make_servicer()
         server = grpc.aio.server()
-        pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
-        server.add_insecure_port(f"unix://{self.socket_path}")
-        await server.start()
+        try:
+            pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
+            server.add_insecure_port(f"unix://{self.socket_path}")
+        except BaseException:
+            await _to_completion(server.stop(None))  # never leave a server to the GC
+            raise
+        # start() binds the socket in a task of gRPC's own that a cancellation does not stop, so
+        # it runs to completion; then, cancelled or not, we know the socket and may remove it.
+        failure: BaseException | None = None
+        try:
+            await _to_completion(server.start())
+        except BaseException as exc:
+            failure = exc
         instance = _Instance(server, servicer, _socket_identity(self.socket_path))
         self._instance = instance
+        if failure is not None:
+            await self._stop(instance)
+            raise failure
         log.debug("serving %s on %s", self.resource_name, self.socket_path)
         return instance
 
@@ -178,12 +211,14 @@ class PluginLifecycle:
         # stopping on purpose.
         instance.identity = None
         instance.servicer.close_streams()
-        await instance.server.stop(grace=0.2)
-        if ours:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.socket_path)
-        if self._instance is instance:
-            self._instance = None
+        try:
+            await _to_completion(instance.server.stop(grace=0.2))
+        finally:
+            if ours:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.socket_path)
+            if self._instance is instance:
+                self._instance = None
 
     async def _register_when_possible(self, instance: _Instance) -> str:
         """Wait for a kubelet, then register; "lost" when our socket vanished meanwhile."""
