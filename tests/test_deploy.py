@@ -14,10 +14,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
+import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +35,12 @@ DEPLOY = ROOT / "deploy"
 GITHUB = ROOT / ".github"
 WORKFLOWS = sorted((GITHUB / "workflows").glob("*.yml"))
 KUSTOMIZATIONS = ("base", "overlays/kind", "overlays/aks", "examples", "overlays/kind/examples")
+# Each overlay with deploy/components/monitoring on top, as an operator's overlay includes it.
+MONITORED = {f"{o}+monitoring": o for o in ("overlays/kind", "overlays/aks")}
+# Prometheus Operator kinds: CRDs, so kubernetes-validate has no schema for them (it warns and
+# skips them); tests/test_monitoring.py checks them instead (promtool, and the PodMonitor's
+# selector and port against the DaemonSets).
+CRD_KINDS = {"PodMonitor", "PrometheusRule"}
 PLUGIN_KUSTOMIZATIONS = ("base", "overlays/kind", "overlays/aks")
 EXAMPLE_KUSTOMIZATIONS = ("examples", "overlays/kind/examples")
 K8S_VERSION = "1.34"
@@ -44,6 +52,11 @@ SUBCOMMAND = {MAIN: "serve", BOOTSTRAP: "bootstrap"}
 HTTP_PORT = {MAIN: 8080, BOOTSTRAP: 8081}
 # Peak RSS (VmHWM) in MiB as measured by benchmarks/run.py, recorded in docs/benchmarks.md.
 MEASURED_PEAK_MIB = {MAIN: 48.2, BOOTSTRAP: 45.0}
+# Seconds from container start to /healthz answering, at most, under the 200m CPU limit (a
+# cgroup CPU quota of 20 ms per 100 ms; 7 starts each, median 0.9 s), and from SIGTERM to exit.
+MEASURED_START_S = {MAIN: 1.31, BOOTSTRAP: 0.99}
+MEASURED_STOP_S = 0.8
+HEALTHZ_BUDGET_S = 2.0  # /healthz gives the event loop this long before answering 503
 KUBELET_DIR = "/var/lib/kubelet/device-plugins"
 WORKLOAD_UID = 65534
 
@@ -66,6 +79,7 @@ METRICS = (
     "hyperlight_devices_advertised",
     "hyperlight_devices_healthy",
     "hyperlight_build_info",
+    "hyperlight_ready",
 )
 
 
@@ -167,12 +181,21 @@ def shell_scripts() -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def rendered() -> dict[str, str]:
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     kubectl = tool("kubectl")
     out = {}
     for name in KUSTOMIZATIONS:
         result = run([kubectl, "kustomize", str(DEPLOY / name)])
         assert result.returncode == 0, f"kubectl kustomize deploy/{name}:\n{result.stderr}"
+        out[name] = result.stdout
+    for name, overlay in MONITORED.items():
+        work = tmp_path_factory.mktemp("monitored")
+        (work / "kustomization.yaml").write_text(yaml.safe_dump({  # kustomize wants relative paths
+            "resources": [os.path.relpath(DEPLOY / overlay, work)],
+            "components": [os.path.relpath(DEPLOY / "components/monitoring", work)],
+        }))
+        result = run([kubectl, "kustomize", str(work)])
+        assert result.returncode == 0, f"kubectl kustomize {name}:\n{result.stderr}"
         out[name] = result.stdout
     return out
 
@@ -220,7 +243,25 @@ def test_rendered_objects_validate_against_kubernetes_schemas(
     result = run([validate, "-k", K8S_VERSION, "--strict", *map(str, files)])
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    assert output.count("passed for resource") == sum(map(len, objects.values())), output
+    crds = [o for objs in objects.values() for o in objs if o["kind"] in CRD_KINDS]
+    assert len(crds) == 2 * len(MONITORED)
+    assert output.count("passed for resource") == sum(map(len, objects.values())) - len(crds), output
+    unvalidated = re.findall(r"Couldn't find schema for kind (\w+)", output)
+    assert sorted(unvalidated) == sorted(o["kind"] for o in crds), output
+
+
+def test_monitoring_component_adds_only_its_two_objects(
+    objects: dict[str, list[dict[str, Any]]],
+) -> None:
+    for name, overlay in MONITORED.items():
+        def key(o: dict[str, Any]) -> tuple[str, str]:
+            return o["kind"], o["metadata"]["name"]
+
+        added = sorted(map(key, objects[name]))
+        for obj in objects[overlay]:
+            added.remove(key(obj))
+        assert added == [("PodMonitor", "hyperlight"), ("PrometheusRule", "hyperlight")], name
+        assert [o for o in objects[name] if o["kind"] not in CRD_KINDS] == objects[overlay], name
 
 
 # --- the plugin's pods -----------------------------------------------------------------------
@@ -327,6 +368,88 @@ def test_no_container_mounts_anything_over_dev(objects: dict[str, list[dict[str,
                 for m in c.get("volumeMounts", []):
                     path = m["mountPath"].rstrip("/")
                     assert path != "/dev" and not path.startswith("/dev/"), (name, obj, m)
+
+
+@pytest.mark.parametrize("kustomization", PLUGIN_KUSTOMIZATIONS)
+def test_plugin_pods_start_stop_and_roll_without_traps(
+    objects: dict[str, list[dict[str, Any]]], kustomization: str
+) -> None:
+    operations = (ROOT / "docs/operations.md").read_text()
+    for name, ds in plugin_daemonsets(objects[kustomization]):
+        where = f"{kustomization}: {name}"
+        pod = ds["spec"]["template"]["spec"]
+        (c,) = containers(pod)
+        # A node-critical pod must come back after a reboot while the registry is unreachable.
+        assert c["imagePullPolicy"] == "IfNotPresent", where
+        # The image is built for amd64 only (release.yml below), and the probe runs x86 code.
+        assert pod["nodeSelector"]["kubernetes.io/arch"] == "amd64", where
+        # The first check comes after the measured start, so a normal start logs no failure.
+        startup = c["startupProbe"]
+        assert startup["httpGet"]["path"] == "/healthz", where
+        assert port_number(c, startup["httpGet"]["port"]) == HTTP_PORT[name], where
+        assert MEASURED_START_S[name] < startup["initialDelaySeconds"] <= 3 * MEASURED_START_S[name]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 20, "room for a slow start"
+        # Grace and liveness from the measured figures: a hung daemon's worst case, stated.
+        grace = pod["terminationGracePeriodSeconds"]
+        assert 3 * MEASURED_STOP_S <= grace <= 10, where
+        live = c["livenessProbe"]
+        assert live["timeoutSeconds"] > HEALTHZ_BUDGET_S, "the 503 must arrive before the timeout"
+        assert live["failureThreshold"] >= 2, "one slow answer must not restart a node's plugin"
+        worst = live["periodSeconds"] * live["failureThreshold"] + live["timeoutSeconds"] + grace
+        assert f"restarted within {worst} s" in operations, f"{where}: docs/operations.md"
+        # A broken node's NotReady pod must not stall every later rollout (docs: "Upgrade").
+        strategy = ds["spec"]["updateStrategy"]
+        assert strategy["type"] == "RollingUpdate", where
+        assert re.fullmatch(r"\d+%", str(strategy["rollingUpdate"]["maxUnavailable"])), where
+        assert strategy["rollingUpdate"]["maxSurge"] == 0, where
+        assert f"maxUnavailable: {strategy['rollingUpdate']['maxUnavailable']}" in operations
+    build = next(s for s in steps_of(workflow("release.yml"))
+                 if s.get("uses", "").startswith("docker/build-push"))  # fmt: skip
+    assert build["with"].get("platforms", "linux/amd64") == "linux/amd64", (
+        "a multi-arch release: widen the kubernetes.io/arch node selector")
+
+
+def test_examples_tolerate_the_dedicated_pool_taint(objects: dict[str, list[dict[str, Any]]]) -> None:
+    operations = (ROOT / "docs/operations.md").read_text()
+    taints = re.findall(r"--node-taints ([\w./-]+)=([\w.-]+):(\w+)", operations)
+    assert taints, "docs/operations.md suggests a taint for dedicated pools"
+    for kustomization in EXAMPLE_KUSTOMIZATIONS:
+        for obj, spec in pod_specs(objects[kustomization]):
+            for key, value, effect in taints:
+                assert any(
+                    t["key"] == key and t.get("effect", effect) == effect
+                    and (t["operator"] == "Exists" or t.get("value") == value)
+                    for t in spec.get("tolerations", [])
+                ), f"{kustomization}: {obj['kind']}/{obj['metadata']['name']} does not tolerate {key}"
+
+
+def test_kind_recipe_is_whole_in_the_readme_and_the_overlay() -> None:
+    """`kubectl apply -k deploy/overlays/kind` alone pulls an image no registry has: the README
+    and the overlay give every step, with the overlay's image tag and the cluster's names."""
+    overlay = yaml.safe_load((DEPLOY / "overlays/kind/kustomization.yaml").read_text())
+    (image,) = overlay["images"]
+    tag = f"{image['newName']}:{image['newTag']}"
+    cluster = yaml.safe_load((DEPLOY / "overlays/kind/kind-config.yaml").read_text())["name"]
+    steps = [
+        "kind create cluster --config deploy/overlays/kind/kind-config.yaml",
+        f"docker build -t {tag} .",
+        f"kind load docker-image {tag} --name {cluster}",
+        f"deploy/label-nodes.sh --hypervisor kvm {cluster}-control-plane",
+        "kubectl apply -k deploy/overlays/kind",
+        f"rollout status daemonset/{MAIN}",
+        "kubectl apply -k deploy/overlays/kind/examples",
+        "logs pod/hyperlight-vm-check",
+    ]
+    readme = (ROOT / "README.md").read_text()
+    deploy_section = readme[readme.index("## Deploy") :]
+    deploy_section = deploy_section[: deploy_section.index("\n## ", 1)]
+    header = (DEPLOY / "overlays/kind/kustomization.yaml").read_text().split("apiVersion:")[0]
+    for text, where in ((deploy_section, "README.md, Deploy"), (header, "deploy/overlays/kind")):
+        at = 0
+        for step in steps:  # each one after the one before
+            found = text.find(step, at)
+            assert found >= 0, f"{where} lacks {step!r} (after the steps before it)"
+            at = found + len(step)
 
 
 def test_running_as_root_is_explained_beside_the_setting() -> None:
@@ -571,6 +694,63 @@ def test_example_check_creates_a_vm_as_non_root() -> None:
     assert result.returncode == 0, result.stderr
     assert re.search(r"created a KVM VM as uid=(\d+) ", result.stdout), result.stdout
     assert "uid=0 " not in result.stdout
+
+
+def test_example_check_stops_on_sigterm_as_pid_1() -> None:
+    """In a container the script is PID 1, which the kernel gives no default action for SIGTERM:
+    it must handle the signal itself, or every stop of the worker waits out the grace period and
+    ends in SIGKILL. Run as the workload would be: PID 1 of its own PID namespace, UID 65534."""
+    kvm = Path("/dev/kvm")
+    if not kvm.exists():
+        pytest.skip("no /dev/kvm on this machine")
+    if os.geteuid() != 0:
+        pytest.skip("needs root: a PID namespace and a device node owned by the workload's UID")
+    unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
+    if unshare is None or setpriv is None:
+        pytest.skip("needs unshare and setpriv (util-linux)")
+    python = _python_for(WORKLOAD_UID)
+    if python is None:
+        pytest.skip(f"no Python that UID {WORKLOAD_UID} may run")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        work.chmod(0o755)
+        (work / "vm_check.py").write_text((DEPLOY / "examples/vm_check.py").read_text())
+        (work / "dev").mkdir(mode=0o755)
+        node = work / "dev" / "kvm"
+        os.mknod(node, stat.S_IFCHR | 0o600, kvm.stat().st_rdev)
+        os.chown(node, WORKLOAD_UID, WORKLOAD_UID)
+        proc = subprocess.Popen(
+            [unshare, "--pid", "--fork", setpriv, f"--reuid={WORKLOAD_UID}",
+             f"--regid={WORKLOAD_UID}", "--clear-groups", python, str(work / "vm_check.py"),
+             "--interval", "60", "--dev-dir", str(work / "dev")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            first = proc.stdout.readline()  # one check done: it now sleeps for 60 s
+            assert "created a KVM VM" in first, first + (proc.stderr.read() if proc.stderr else "")
+            (child,) = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                        and _ppid(p) == proc.pid]  # fmt: skip
+            nspid = re.search(r"^NSpid:\s+(.*)$", Path(f"/proc/{child}/status").read_text(), re.M)
+            assert nspid and nspid.group(1).split()[-1] == "1", "the script is PID 1 in its namespace"
+            started = time.monotonic()
+            os.kill(child, signal.SIGTERM)
+            code = proc.wait(timeout=10)
+            elapsed = time.monotonic() - started
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        rest = proc.stdout.read()
+    assert code == 0 and "stopping on SIGTERM" in rest, rest
+    assert elapsed < 5, f"took {elapsed:.1f} s to stop"
+
+
+def _ppid(proc_dir: Path) -> int:
+    try:
+        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 # --- image -----------------------------------------------------------------------------------
@@ -869,6 +1049,8 @@ def test_docs_cover_the_operators_questions() -> None:
         "Rollback",
         "/readyz",
         "DEVICE_COUNT",
+        "## Monitoring",
+        "## Probes and restarts",
         *METRICS,
     ):
         assert needle in operations, needle

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 from harness import HAVE_KVM, Daemon, Node, needs_kvm, needs_root, on_kubelet, run
+from harness import daemon as harness_daemon
 from prometheus_client.parser import text_string_to_metric_families
 
-from hlplugin import __version__, cdi
+from hlplugin import __version__, cdi, probe
 from hlplugin.emulator import AdmissionError, KubeletEmulator
 from hlplugin.metrics import Metrics
 
@@ -48,12 +49,64 @@ async def wait_metric(proc: Daemon, predicate: Callable[[Samples], bool],
         await asyncio.sleep(0.05)
 
 
+def series(samples: Samples) -> set[tuple[str, frozenset[tuple[str, str]]]]:
+    """The hyperlight_ series of a scrape (process_ ones come and go with the platform)."""
+    return {key for key in samples if key[0].startswith("hyperlight_")}
+
+
 def test_every_family_is_prefixed_and_has_bounded_labels() -> None:
     allowed = {"condition", "to", "check", "reason", "cause", "result", "version"}
     for family in Metrics().registry.collect():
+        if family.name.startswith(("process_", "python_")):  # prometheus_client's collectors
+            assert family.name in PROCESS_FAMILIES, family.name
+            continue
         assert family.name.startswith("hyperlight_"), family.name
         for sample in family.samples:
             assert set(sample.labels) - {"le"} <= allowed, (family.name, sample.labels)
+
+
+# Every value each labelled counter can take (README "Metrics"): all exported at 0 from the start.
+COUNTER_LABELS = {
+    "hyperlight_health_transitions_total": ("to", ("healthy", "unhealthy")),
+    "hyperlight_probe_failures_total": ("reason", probe.REASONS),
+    "hyperlight_cdi_repairs_total": ("cause", ("missing", "malformed", "stale", "metadata")),
+    "hyperlight_cdi_refusals_total": ("reason", ("not_regular", "write_failed")),
+    "hyperlight_allocations_total": ("result", ("success", "invalid", "refused")),
+    "hyperlight_registrations_total": ("result", ("success", "failure")),
+    "hyperlight_probe_duration_seconds_count": ("check", ("device", "host_identity")),
+}
+PROCESS_FAMILIES = {
+    "process_virtual_memory_bytes", "process_resident_memory_bytes", "process_start_time_seconds",
+    "process_cpu_seconds", "process_open_fds", "process_max_fds", "python_info",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("daemon", ["serve", "bootstrap"])
+def test_series_exist_from_the_start_without_created(tmp_path: Path, daemon: str) -> None:
+    """No kubelet, no hypervisor: nothing has happened, yet every counter series is there at 0,
+    the health conditions the daemon has are 0 ("not checked yet"), the process's own resource
+    use is exported, and no `_created` series is."""
+
+    async def body() -> None:
+        node = Node.make(tmp_path, dev_dir=tmp_path / "empty-dev")
+        (tmp_path / "empty-dev").mkdir()
+        args = (node.serve_args() if daemon == "serve" else
+                ["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", str(node.dev_dir)])
+        async with harness_daemon(args) as proc:
+            m = await scrape(proc)
+        for name, (label, values) in COUNTER_LABELS.items():
+            for v in values:
+                assert m.get((name, frozenset({(label, v)}))) == 0, f"{name}{{{label}={v!r}}}"
+        conditions = ("cdi", "device", "host_identity") if daemon == "serve" else ("device",)
+        for condition in conditions:
+            assert m[("hyperlight_health_condition", frozenset({("condition", condition)}))] == 0
+        assert m[("hyperlight_ready", frozenset())] == 0
+        assert not [k for k in m if k[0].endswith("_created")]
+        assert m[("process_resident_memory_bytes", frozenset())] > 1 << 20
+        assert m[("process_open_fds", frozenset())] > 3
+        assert ("process_cpu_seconds_total", frozenset()) in m
+
+    run(body())
 
 
 @needs_kvm
@@ -65,12 +118,14 @@ def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> None:
         async with on_kubelet(node, args) as (kubelet, proc):
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
             m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
+            first = series(m)
             assert value(m, "hyperlight_build_info", version=__version__) == 1
             assert value(m, "hyperlight_registrations_total", result="success") == 1
             assert value(m, "hyperlight_devices_advertised") == 4
             assert value(m, "hyperlight_devices_healthy") == 4
             for condition in ("cdi", "device", "host_identity"):
                 assert value(m, "hyperlight_health_condition", condition=condition) == 1
+            assert value(m, "hyperlight_ready") == 1 and (await proc.http("/readyz"))[0] == 200
             assert value(m, "hyperlight_health_transitions_total", to="healthy") == 1
             assert value(m, "hyperlight_health_transitions_total", to="unhealthy") == 0
             assert value(m, "hyperlight_cdi_repairs_total", cause="missing") == 1  # the first write
@@ -125,6 +180,7 @@ def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> None:
                 m, "hyperlight_health_condition", condition="cdi") == 0
                 and value(m, "hyperlight_devices_healthy") == 0)
             assert value(m, "hyperlight_cdi_refusals_total", reason="not_regular") >= 1
+            assert value(m, "hyperlight_ready") == 0 and (await proc.http("/readyz"))[0] == 503
             assert value(m, "hyperlight_health_transitions_total", to="unhealthy") == 1
             with pytest.raises(AdmissionError):
                 await kubelet.allocate(RESOURCE, [["kvm-1"]])
@@ -140,7 +196,8 @@ def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> None:
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
             m = await wait_metric(proc, lambda m: value(
                 m, "hyperlight_registrations_total", result="success") == 2)
-            await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
+            m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
+            assert series(m) == first, "every event moved a series that existed from the start"
 
     run(body())
 
@@ -153,8 +210,10 @@ def test_registration_failures_and_no_stream(tmp_path: Path) -> None:
         proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--device-count", "2",
                                             "--register-timeout", "0.3")).start()
         try:
+            first = series(await scrape(proc))
             m = await wait_metric(proc, lambda m: value(
                 m, "hyperlight_registrations_total", result="failure") >= 2, timeout=20)
+            assert series(m) == first
             assert value(m, "hyperlight_registrations_total", result="success") == 0
             assert value(m, "hyperlight_listandwatch_streams") == 0
         finally:
@@ -182,6 +241,7 @@ def test_probe_failures_by_reason(tmp_path: Path) -> None:
         node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=host)
         async with on_kubelet(node, node.serve_args("--hypervisor", "kvm", "--device-count", "2",
                                             "--health-interval", "0.2")) as (kubelet, proc):
+            first = series(await scrape(proc))
             m = await wait_metric(proc, lambda m: value(
                 m, "hyperlight_probe_failures_total", reason="api_version") >= 2
                 and value(m, "hyperlight_probe_failures_total", reason="identity_mismatch") >= 2)
@@ -194,6 +254,7 @@ def test_probe_failures_by_reason(tmp_path: Path) -> None:
             os.unlink(host / "kvm")
             m = await wait_metric(proc, lambda m: value(
                 m, "hyperlight_probe_failures_total", reason="identity_missing") >= 1)
+            assert series(m) == first
 
     run(body())
 
@@ -208,6 +269,7 @@ def test_bootstrap_families_move_with_their_events(tmp_path: Path) -> None:
                              "--dev-dir", str(dev)]) as (kubelet, proc):
             await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
             m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
+            first = series(m)
             assert value(m, "hyperlight_build_info", version=__version__) == 1
             assert value(m, "hyperlight_registrations_total", result="success") == 1
             assert value(m, "hyperlight_devices_advertised") == 1
@@ -225,5 +287,6 @@ def test_bootstrap_families_move_with_their_events(tmp_path: Path) -> None:
             m = await scrape(proc)
             for result in ("success", "invalid", "refused"):
                 assert value(m, "hyperlight_allocations_total", result=result) == 1, result
+            assert series(m) == first
 
     run(body())

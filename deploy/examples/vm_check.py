@@ -5,12 +5,13 @@ With KVM it opens /dev/kvm, checks the API version and creates an empty VM;
 with MSHV it opens /dev/mshv read-write. Exit status 0 means success.
 
     python3 vm_check.py                  # check once
-    python3 vm_check.py --interval 60    # check every 60 s until one fails
+    python3 vm_check.py --interval 60    # check every 60 s until one fails or SIGTERM
 """
 
 import argparse
 import fcntl
 import os
+import signal
 import sys
 import time
 
@@ -41,7 +42,15 @@ def check(dev_dir: str) -> str:
     raise RuntimeError(f"no hypervisor device in {dev_dir}: was hyperlight.dev/hypervisor requested?")
 
 
+def stop(signum: int, frame: object) -> None:
+    """SIGTERM: exit now. As a container's PID 1 the process would otherwise ignore it (the
+    kernel gives PID 1 no default action), and every pod stop would wait out the grace period."""
+    print("hyperlight-vm-check: stopping on SIGTERM", flush=True)
+    sys.exit(0)
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, stop)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--interval", type=float, default=0, help="repeat every N seconds")
     parser.add_argument("--dev-dir", default="/dev", help="where the device node is")

@@ -123,6 +123,9 @@ async def run_daemon(
             return False, "the event loop did not answer within 2 s"
         return ok, "" if ok else "the gRPC server did not answer on its socket"
 
+    # Read at every scrape, from the same conditions as /readyz: a readiness alert needs no
+    # kube-state-metrics, and cannot disagree with the probe.
+    metrics.ready.set_function(lambda: float(all(ok for ok, _ in readiness().values())))
     http = HttpServer(http_address, readiness, liveness, metrics.registry)
     http.start()
     try:
