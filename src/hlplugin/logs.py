@@ -202,6 +202,9 @@ def capture_stderr() -> StderrCapture:
         info = (args.exc_type, exc, args.exc_traceback) if exc is not None else None
         log.error("%s: %r", args.err_msg or "exception ignored", args.object, exc_info=info)
 
+    # Warnings as records written straight to the real stderr: some come at interpreter exit,
+    # after the pipe is gone ("coroutine ... was never awaited" from a library's finalizer).
+    logging.captureWarnings(True)
     sys.excepthook = excepthook
     threading.excepthook = thread_excepthook
     sys.unraisablehook = unraisablehook
