@@ -185,3 +185,14 @@ def test_argument_errors_print_the_subcommands_usage(argv: list[str],
     err = capsys.readouterr().err
     assert err.startswith(f"usage: hlplugin {argv[0]} "), err
     assert f"hlplugin {argv[0]}: error: argument {argv[1]}" in err
+
+
+def test_unknown_arguments_print_the_subcommands_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    from hlplugin.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["doctor", "--no-such-flag", "extra"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: hlplugin doctor "), err
+    assert err.endswith("hlplugin doctor: error: unrecognized arguments: --no-such-flag extra\n")

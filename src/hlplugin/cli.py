@@ -59,7 +59,10 @@ def _limit_malloc_arenas() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse reports these with the top level's usage; the command's is the help
+        getattr(args, "subparser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     options = _COMMANDS[args.command][1]
     resolution = config.resolve_sources(args, options, args.command)
     settings = resolution.settings
