@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import sys
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -73,9 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.subparser.error(f"argument --plugin-dir (or HYPERLIGHT_PLUGIN_DIR): {problem}")
     logs.configure(settings.log_format, settings.log_level)
     if daemon:
-        # Before gRPC is imported: its C core prints to fd 2 from its own threads, and only
-        # errors are worth a record.
-        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+        # Before gRPC is imported: its C core prints to fd 2 from its own threads (errors only,
+        # unless GRPC_VERBOSITY says otherwise).
         logs.capture_stderr()
         log.info("hlplugin %s %s starting; %s", args.command, __version__, resolution.describe(),
                  extra={"version": __version__,
