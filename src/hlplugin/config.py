@@ -29,7 +29,7 @@ MAX_DEVICE_COUNT = 50_000
 KUBELET_MAX_MESSAGE = 4 * 1024 * 1024
 
 # Durations: a tiny interval makes a periodic check a busy loop (a device check runs a VM, about
-# 1 ms of CPU: at 1 s that is 0.1 % of a core); a timeout under 0.1 s fails checks on a loaded
+# 1.3 ms: at 1 s that is 0.1 % of a core); a timeout under 0.1 s fails checks on a loaded
 # node; an interval over an hour, or a timeout over a minute, no longer bounds anything useful.
 INTERVAL_RANGE = (1.0, 3600.0)
 TIMEOUT_RANGE = (0.1, 60.0)
