@@ -37,6 +37,7 @@ import inotify_simple
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.cdi import SPEC_FILE, render_spec
+from hlplugin.config import KUBELET_MAX_MESSAGE, MAX_DEVICE_COUNT
 from hlplugin.emulator import KubeletEmulator
 from hlplugin.probe import check_host_identity, probe_kvm
 
@@ -560,6 +561,36 @@ async def bench_memory(tmp: Path, p: Profile) -> None:
         await kubelet.stop()
 
 
+async def bench_ceiling(tmp: Path, p: Profile) -> None:
+    """The main daemon at the DEVICE_COUNT ceiling: what its largest device list costs in memory
+    (two transitions, so both lists have been sent) and how far that list is from the kubelet's
+    4 MiB message limit."""
+    count = MAX_DEVICE_COUNT
+    peaks: list[int] = []
+    for run_index in range(p.repeats):
+        node = Node(tmp, f"ceiling-{run_index}")
+        kubelet = KubeletEmulator(node.plugin_dir)
+        await kubelet.start()
+        daemon = node.serve("--device-count", str(count))
+        try:
+            await registered(kubelet, count, timeout=120)
+            await flip(node, kubelet, False, count)
+            await flip(node, kubelet, True, count)
+            peaks.append(proc_status(daemon.pid)["VmHWM"])
+        finally:
+            node.close()
+            await kubelet.stop()
+    longest = pb.ListAndWatchResponse(devices=[
+        pb.Device(ID=f"mshv-{i}", health="Unhealthy") for i in range(count)]).ByteSize()
+    record(Figure(f"peak RSS (VmHWM), main daemon at DEVICE_COUNT {count:,}",
+                  round(statistics.median(peaks) / 1024, 1), "MiB",
+                  detail={"runs_kib": peaks, "transitions": 2}))
+    record(Figure(f"longest device list at DEVICE_COUNT {count:,}", longest, "bytes",
+                  goal="<= half the kubelet's 4 MiB limit", met=2 * longest <= KUBELET_MAX_MESSAGE,
+                  baseline=KUBELET_MAX_MESSAGE, ratio=round(longest / KUBELET_MAX_MESSAGE, 3),
+                  detail={"ids": f"mshv-0..mshv-{count - 1}", "health": "Unhealthy"}))
+
+
 async def bench_bootstrap_memory(tmp: Path, p: Profile) -> None:
     node = Node(tmp, "bootstrap")
     kubelet = KubeletEmulator(node.plugin_dir)
@@ -678,6 +709,7 @@ STEPS: dict[str, Callable[[Path, Profile], Awaitable[None]]] = {
     "kubelet-restart": bench_kubelet_restart,
     "start": bench_start,
     "memory": bench_memory,
+    "ceiling": bench_ceiling,
     "bootstrap-memory": bench_bootstrap_memory,
     "idle": bench_idle,
     "probes": bench_probes,

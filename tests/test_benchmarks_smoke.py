@@ -28,6 +28,8 @@ FIGURES = (
     "process start -> registered",
     "peak RSS (VmHWM), main daemon",
     "RSS growth from Allocate",
+    "peak RSS (VmHWM), main daemon at DEVICE_COUNT",
+    "longest device list at DEVICE_COUNT",
     "peak RSS (VmHWM), bootstrap daemon",
     "idle CPU, main daemon",
     "idle CPU, bootstrap daemon",

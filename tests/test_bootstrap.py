@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import HAVE_KVM, Daemon, Node, needs_kvm, needs_root, on_kubelet, run
+from harness import HAVE_KVM, Daemon, Node, daemon, eventually, needs_kvm, needs_root, on_kubelet, run
 
 from hlplugin.emulator import AdmissionError, KubeletEmulator
 
@@ -153,5 +153,30 @@ def test_both_daemons_on_one_kubelet(tmp_path: Path) -> None:
                 await main.stop()
             await boot.stop()
             await kubelet.stop()
+
+    run(body())
+
+
+def test_auto_without_a_device_says_what_it_looks_for_and_where(tmp_path: Path) -> None:
+    """--hypervisor auto (what the manifests deploy) on a node with neither node: /readyz names
+    the search, as the main daemon's ``hypervisor`` condition does, and drops it once one appears."""
+
+    async def body() -> None:
+        node = Node.make(tmp_path)
+        dev = tmp_path / "empty-dev"
+        dev.mkdir()
+        async with daemon(bootstrap_args(node, dev, "--hypervisor", "auto")) as proc:
+            ready = json.loads(await proc.wait_http("/readyz", 503))
+            assert ready["conditions"]["hypervisor"] == {
+                "ok": False, "reason": f"no mshv or kvm device under {dev}"}
+            (dev / "kvm").write_text("not a device")  # found by name; then checked as a node
+            await eventually(lambda: "hypervisor device" in " ".join(proc.messages()))
+            want = {"ok": False, "reason": f"{dev / 'kvm'} is not a character device"}
+            for _ in range(200):  # the readiness this answers is set just after that log line
+                ready = json.loads(await proc.wait_http("/readyz", 503))
+                if ready["conditions"]["device"] == want:
+                    break
+            assert ready["conditions"]["device"] == want
+            assert "hypervisor" not in ready["conditions"]
 
     run(body())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -836,7 +837,7 @@ def test_read_only_storage_fails_keeps_the_old_spec_and_recovers(tmp_path: Path)
             assert rig.refusals("write_failed") == 1
             assert not (await rig.rec.ensure()).ok
             async with running(rig.rec):
-                await wait_until(lambda: rig.refusals("write_failed") >= 4)
+                await wait_until(lambda: rig.refusals("write_failed") >= 5)
                 assert rig.path.read_bytes() == STALE  # never deleted
                 remount(mnt, "rw")
                 await wait_until(lambda: rig.cdi.ok)
@@ -876,3 +877,26 @@ def test_full_filesystem_fails_cleans_its_temp_file_and_recovers(tmp_path: Path)
         run(scenario())
         assert_desired(rig.path)
         assert temp_files(cdi_dir) == []
+
+
+def test_run_never_passes_more_often_than_the_floor(cdi_dir: Path) -> None:
+    """An interval of 0 (an in-process caller; the CLI refuses it) is not a busy loop."""
+    from hlplugin.health import MIN_PERIOD
+
+    passes: list[float] = []
+
+    def clock() -> float:  # called once at the end of every pass
+        passes.append(time.monotonic())
+        return passes[-1]
+
+    rig = Rig(cdi_dir, interval=0, clock=clock)
+
+    async def scenario() -> None:
+        async with running(rig.rec):
+            await wait_until(lambda: len(passes) >= 5)
+
+    run(scenario())
+    assert rig.cdi.ok
+    # The first pass's own write may wake the watcher once; the passes after it are periodic.
+    gaps = [b - a for a, b in itertools.pairwise(passes[1:5])]
+    assert min(gaps) >= MIN_PERIOD * 0.9, gaps

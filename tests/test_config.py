@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,3 +76,123 @@ def test_relative_dirs_become_absolute(tmp_path: Path, monkeypatch: pytest.Monke
     assert settings.plugin_dir == tmp_path / "plugins"
     assert settings.cdi_dir == tmp_path / "cdi"
     assert settings.dev_dir == tmp_path / "dev"
+
+
+@pytest.mark.parametrize("value", [
+    "1_000", "\u0661\u0662", "\uff11\uff12", "99999999999999999999", "+5", "5.0", "0x10", "",
+    str(config.MAX_DEVICE_COUNT + 1),
+])
+def test_device_count_takes_ascii_digits_up_to_the_ceiling_only(value: str) -> None:
+    settings, warnings = resolve([], {"DEVICE_COUNT": value})
+    assert settings.device_count == 2000
+    assert len(warnings) == 1 and "DEVICE_COUNT" in warnings[0]
+    assert f"from 1 to {config.MAX_DEVICE_COUNT}" in warnings[0]
+
+
+def test_device_count_ceiling_is_inclusive() -> None:
+    settings, warnings = resolve([], {"DEVICE_COUNT": f" {config.MAX_DEVICE_COUNT} "})
+    assert (settings.device_count, warnings) == (config.MAX_DEVICE_COUNT, [])
+    assert resolve(["--device-count", "1"], {})[0].device_count == 1
+
+
+def test_device_list_at_the_ceiling_fits_the_kubelet_message_limit_twice_over() -> None:
+    """The longest list the ceiling allows (mshv names, all Unhealthy) as the plugin builds it."""
+    from hlplugin.health import HealthTracker
+    from hlplugin.plugin import HypervisorPlugin
+
+    async def gate() -> Any:
+        raise AssertionError("not called")
+
+    plugin = HypervisorPlugin("mshv", config.MAX_DEVICE_COUNT, HealthTracker(required=()), gate)
+    message = plugin._lists[False]
+    assert len(message.devices) == config.MAX_DEVICE_COUNT
+    assert {d.health for d in message.devices} == {"Unhealthy"}
+    assert message.ByteSize() * 2 <= config.KUBELET_MAX_MESSAGE
+    # ... while twice the ceiling's worth is more than half way to it: the ceiling is not arbitrary.
+    bigger = HypervisorPlugin("mshv", 4 * config.MAX_DEVICE_COUNT, HealthTracker(required=()), gate)
+    assert bigger._lists[False].ByteSize() > config.KUBELET_MAX_MESSAGE
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("DEVICE_UID", "\u0661"), ("DEVICE_GID", "1_0"), ("HYPERLIGHT_HTTP_ADDRESS", "0.0.0.0:\uff18\uff10"),
+])
+def test_other_integers_take_ascii_digits_only(name: str, value: str) -> None:
+    settings, warnings = resolve([], {name: value})
+    assert len(warnings) == 1 and name in warnings[0], warnings
+    field = {"HYPERLIGHT_HTTP_ADDRESS": "http_address"}.get(name, name.lower())
+    assert getattr(settings, field) == config.OPTIONS[field].default
+
+
+INTERVALS = ("cdi_interval", "health_interval")
+TIMEOUTS = ("probe_timeout", "register_timeout")
+
+
+@pytest.mark.parametrize("name", INTERVALS + TIMEOUTS)
+def test_durations_accept_their_range_inclusive(name: str) -> None:
+    low, high = config.INTERVAL_RANGE if name in INTERVALS else config.TIMEOUT_RANGE
+    flag = config.OPTIONS[name].flag
+    for value in (low, high):
+        assert getattr(resolve([flag, f"{value:g}"], {})[0], name) == value
+    assert getattr(resolve([flag, f"{low:g}s"], {})[0], name) == low
+
+
+@pytest.mark.parametrize("name", INTERVALS + TIMEOUTS)
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e9", "0.000001", "-3", "0", "1_0",
+                                   "\u0661", "below", "above"])
+def test_durations_out_of_range_name_the_range(name: str, value: str) -> None:
+    low, high = config.INTERVAL_RANGE if name in INTERVALS else config.TIMEOUT_RANGE
+    value = {"below": f"{low * 0.99:g}", "above": f"{high * 1.01:g}"}.get(value, value)
+    option = config.OPTIONS[name]
+    assert option.env is not None
+    settings, warnings = resolve([], {option.env: value})
+    assert getattr(settings, name) == option.default
+    assert len(warnings) == 1
+    assert f"must be a number of seconds from {low:g} to {high:g}" in warnings[0], warnings
+
+
+def test_provenance_of_every_setting() -> None:
+    args = build_parser().parse_args(["bootstrap", "--hypervisor", "kvm"])
+    resolution = config.resolve_sources(
+        args, config.BOOTSTRAP_OPTIONS, "bootstrap",
+        {"HYPERLIGHT_LOG_LEVEL": "debug", "HYPERLIGHT_REGISTER_TIMEOUT": "nan",
+         "HYPERLIGHT_HYPERVISOR": "mshv"})
+    assert resolution.sources == {
+        "plugin_dir": "default", "dev_dir": "default", "hypervisor": "flag",
+        "http_address": "default", "log_format": "default", "log_level": "environment",
+        "register_timeout": "default",  # invalid in the environment: the default runs
+    }
+    assert resolution.settings.log_level == "debug" and resolution.settings.hypervisor == "kvm"
+    assert len(resolution.warnings) == 1
+    assert resolution.describe() == (
+        "from flags: hypervisor=kvm; from the environment: log_level=debug; defaults: "
+        "plugin_dir=/var/lib/kubelet/device-plugins, dev_dir=/dev, http_address=0.0.0.0:8081, "
+        "log_format=text, register_timeout=5.0")
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--device-count", str(config.MAX_DEVICE_COUNT + 1)],
+    ["serve", "--cdi-interval", "1e9"],
+    ["bootstrap", "--register-timeout", "nan"],
+    ["bootstrap", "--plugin-dir", "/" + "p" * 100],
+])
+def test_argument_errors_print_the_subcommands_usage(argv: list[str],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from hlplugin.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: hlplugin {argv[0]} "), err
+    assert f"hlplugin {argv[0]}: error: argument {argv[1]}" in err
+
+
+def test_unknown_arguments_print_the_subcommands_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    from hlplugin.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["doctor", "--no-such-flag", "extra"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: hlplugin doctor "), err
+    assert err.endswith("hlplugin doctor: error: unrecognized arguments: --no-such-flag extra\n")

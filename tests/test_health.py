@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import stat
 import threading
@@ -366,3 +367,30 @@ def test_regression_host_node_disappearance_publishes_unhealthy(tmp_path: Path) 
                 await task
 
     run(scenario())
+
+
+def test_run_never_checks_more_often_than_the_floor(tmp_path: Path) -> None:
+    """An interval of 0 (an in-process caller; the CLI refuses it) is not a busy loop."""
+    from hlplugin.health import MIN_PERIOD
+
+    checks: list[float] = []
+
+    def clock() -> float:  # called once at the end of every check
+        checks.append(time.monotonic())
+        return checks[-1]
+
+    async def scenario() -> None:
+        mon = DeviceMonitor(HealthTracker(REQUIRED), "kvm", tmp_path, None, interval=0,
+                            device_probe=ok, clock=clock)
+        task = asyncio.create_task(mon.run())
+        try:
+            await until(lambda: len(checks) >= 5)
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    run(scenario())
+    # The watcher's start may wake the loop once; the checks after it are periodic.
+    gaps = [b - a for a, b in itertools.pairwise(checks[1:5])]
+    assert min(gaps) >= MIN_PERIOD * 0.9, gaps

@@ -19,7 +19,7 @@ import pytest
 from harness import Daemon, Node, eventually, run
 from test_metrics import scrape, value, wait_metric
 
-from hlplugin import logs
+from hlplugin import __version__, logs
 from hlplugin.emulator import free_port
 
 TEXT_LINE = re.compile(
@@ -111,13 +111,13 @@ def test_lasting_faults_log_once_when_they_begin_and_once_when_they_end(tmp_path
         node.cdi_dir.mkdir()
         spec = node.cdi_dir / "hyperlight.json"
         spec.mkdir()
-        proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--cdi-interval", "0.2",
-                                            "--health-interval", "0.2")).start()
+        proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--cdi-interval", "1",
+                                            "--health-interval", "1")).start()
         try:
             # Many failed passes and checks: proof that the fault lasted several periods.
             await wait_metric(proc, lambda m: value(
                 m, "hyperlight_cdi_refusals_total", reason="not_regular") >= 5
-                and value(m, "hyperlight_probe_failures_total", reason="open") >= 10, timeout=30)
+                and value(m, "hyperlight_probe_failures_total", reason="open") >= 3, timeout=30)
             spec.rmdir()
             await eventually(lambda: "condition cdi is healthy" in proc.messages())
             refusals = value(await scrape(proc), "hyperlight_cdi_refusals_total", reason="not_regular")
@@ -203,5 +203,142 @@ def test_text_is_the_default_one_line_per_event(tmp_path: Path) -> None:
         assert any("DEVICE_COUNT" in line and "WARNING" in line for line in lines)
         device = next(line for line in lines if "condition device is unhealthy" in line)
         assert "condition='device'" in device and "reason=" in device
+
+    run(body())
+
+
+HOSTILE = "id\x1b[2J\x00\x07\x7f\x9b31m\u2028\u202e\ud800\tend"
+ESCAPED = "id\\x1b[2J\\x00\\x07\\x7f\\x9b31m\\u2028\\u202e\\ud800\\tend"
+
+
+def _hostile_exception() -> None:
+    raise ValueError(f"bad {HOSTILE}")
+
+
+def test_text_escapes_every_control_character(captured: tuple[logging.Logger, io.StringIO]) -> None:
+    """A request's bytes in the message, a field and a traceback: nothing reaches the line raw
+    that could drive a terminal or split a line; printable text of any script stays as it is."""
+    logger, stream = captured
+    logger.handlers[0].setFormatter(logs.TextFormatter())
+    try:
+        _hostile_exception()
+    except ValueError:
+        logger.exception("unknown device %s (caf\u00e9, \u65e5\u672c)", HOSTILE,
+                         extra={"device": HOSTILE})
+    (line,) = stream.getvalue().splitlines()
+    assert line.isprintable(), [c for c in line if not c.isprintable()]
+    assert f"unknown device {ESCAPED} (caf\u00e9, \u65e5\u672c)" in line
+    assert "device='id\\x1b[2J" in line  # the field, escaped by repr
+    assert f"ValueError: bad {ESCAPED}" in line  # the traceback
+
+
+def test_json_escapes_every_control_character(captured: tuple[logging.Logger, io.StringIO]) -> None:
+    logger, stream = captured
+    logger.handlers[0].setFormatter(logs.JsonFormatter())
+    try:
+        _hostile_exception()
+    except ValueError:
+        logger.exception("unknown device %s", HOSTILE, extra={"device": HOSTILE})
+    (line,) = stream.getvalue().splitlines()
+    assert line.isascii() and line.isprintable()
+    entry = json.loads(line)
+    assert entry["message"] == f"unknown device {HOSTILE}"
+    assert entry["fields"]["device"] == HOSTILE
+    assert f"ValueError: bad {HOSTILE}" in entry["exception"]
+
+
+FOREIGN = r'''
+import logging, os, sys, threading
+from hlplugin import __version__, logs
+
+logs.configure(sys.argv[1])
+logs.capture_stderr()
+logging.getLogger("hlplugin.test").info("our own record")
+import grpc  # a real C-core failure: binding where no directory is
+from concurrent import futures
+try:
+    grpc.server(futures.ThreadPoolExecutor(1)).add_insecure_port("unix:///no/such/dir/x.sock")
+except RuntimeError:
+    pass
+os.write(2, b"W1130 11:20:07.152595     339 chttp2_transport.cc:1] a warning\n")
+print("printed by the interpreter \x1b[31m red", file=sys.stderr, flush=True)
+thread = threading.Thread(target=lambda: 1 / 0, name="doomed")
+thread.start()
+thread.join()
+raise ValueError("boom\nsecond line")
+'''
+
+
+def _foreign(fmt: str) -> tuple[int, list[str]]:
+    env = {**os.environ, "GRPC_VERBOSITY": "ERROR"}
+    result = subprocess.run([sys.executable, "-c", FOREIGN, fmt], capture_output=True,
+                            text=True, timeout=60, env=env)
+    return result.returncode, result.stderr.splitlines()
+
+
+def test_everything_on_stderr_is_one_json_record_per_line() -> None:
+    """gRPC's C core, the interpreter's own prints and uncaught exceptions (main thread and
+    another) all come out as JSON records, one per line, nothing raw."""
+    code, lines = _foreign("json")
+    assert code == 1  # an uncaught exception still fails the process
+    entries = [json.loads(line) for line in lines]  # raises on any line that is not JSON
+    by_logger: dict[str, list[dict[str, object]]] = {}
+    for entry in entries:
+        by_logger.setdefault(str(entry["logger"]), []).append(entry)
+    assert [e["message"] for e in by_logger["hlplugin.test"]] == ["our own record"]
+    core = by_logger["grpc"]
+    add_port = [e for e in core if "add_port" in str(e.get("fields"))]
+    assert add_port and add_port[0]["level"] == "error", core
+    assert "Failed to add port" in str(add_port[0]["message"])
+    assert any(e["level"] == "warning" and e["message"] == "a warning" for e in core), core
+    (printed,) = by_logger["stderr"]
+    assert printed["message"] == "printed by the interpreter \x1b[31m red"
+    uncaught = by_logger["hlplugin"]
+    assert len(uncaught) == 2, uncaught
+    assert uncaught[0]["message"] == "uncaught ZeroDivisionError in thread doomed: division by zero"
+    assert uncaught[1]["message"] == "uncaught ValueError: boom\nsecond line"
+    assert "Traceback" in str(uncaught[1]["exception"])
+
+
+def test_foreign_lines_in_text_format_are_text_records() -> None:
+    code, lines = _foreign("text")
+    assert code == 1
+    bad = [line for line in lines if not TEXT_LINE.match(line)]
+    assert not bad, bad
+    assert any(" ERROR   grpc: Failed to add port" in line and "add_port.cc" in line
+               for line in lines), lines
+    assert any("stderr: printed by the interpreter \\x1b[31m red" in line for line in lines)
+    assert sum("uncaught" in line for line in lines) == 2
+
+
+def test_daemon_json_stderr_includes_grpc_bind_failures(tmp_path: Path) -> None:
+    """A daemon whose socket cannot be bound (no plugin directory) in JSON mode: gRPC's repeated
+    add_port lines are JSON records like the rest, and the start-up line says where each setting
+    came from."""
+
+    async def body() -> None:
+        missing = tmp_path / "no-plugin-dir"
+        env = {"HYPERLIGHT_REGISTER_TIMEOUT": "2.5", "HYPERLIGHT_HTTP_ADDRESS": "garbage"}
+        proc = await Daemon(["bootstrap", "--plugin-dir", str(missing), "--dev-dir", "/dev",
+                             "--hypervisor", "kvm"], env).start()
+        try:
+            await eventually(lambda: sum(
+                line["logger"] == "grpc" and "add_port" in str(line.get("fields"))
+                for line in proc.lines) >= 2, timeout=20)
+        finally:
+            assert await proc.stop() == 0
+        assert proc.raw and len(proc.raw) == len(proc.lines), [
+            line for line in proc.raw if not line.startswith("{")]
+        start = proc.lines[0]
+        assert start["message"].startswith(f"hlplugin bootstrap {__version__} starting; ")
+        assert start["fields"]["version"] == __version__
+        assert start["fields"]["sources"] == {
+            "plugin_dir": "flag", "dev_dir": "flag", "hypervisor": "flag",
+            "http_address": "flag",  # the harness passes it, so the environment's is unused
+            "log_format": "flag", "log_level": "default", "register_timeout": "environment"}
+        assert start["fields"]["settings"]["register_timeout"] == "2.5"
+        assert start["fields"]["settings"]["plugin_dir"] == str(missing)
+        assert "from the environment: register_timeout=2.5" in start["message"]
+        assert "defaults: log_level=info" in start["message"]
 
     run(body())

@@ -114,7 +114,7 @@ def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> None:
     async def body() -> None:
         node = Node.make(tmp_path)
         spec = node.cdi_dir / cdi.SPEC_FILE
-        args = node.serve_args("--device-count", "4", "--health-interval", "0.2")
+        args = node.serve_args("--device-count", "4", "--health-interval", "1")
         async with on_kubelet(node, args) as (kubelet, proc):
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
             m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
@@ -240,7 +240,7 @@ def test_probe_failures_by_reason(tmp_path: Path) -> None:
         host = make_node(tmp_path / "host", os.makedev(1, 5))
         node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=host)
         async with on_kubelet(node, node.serve_args("--hypervisor", "kvm", "--device-count", "2",
-                                            "--health-interval", "0.2")) as (kubelet, proc):
+                                            "--health-interval", "1")) as (kubelet, proc):
             first = series(await scrape(proc))
             m = await wait_metric(proc, lambda m: value(
                 m, "hyperlight_probe_failures_total", reason="api_version") >= 2

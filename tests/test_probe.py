@@ -326,6 +326,21 @@ def test_stuck_helper_times_out_and_blocks_a_second_helper(gate: Gate) -> None:
     asyncio.run(scenario())
 
 
+def test_a_sub_second_budget_is_reported_as_it_is(gate: Gate) -> None:
+    """A 0.25 s budget is "0.25s" in the reason, never rounded to "0.2s" or "0.0s"."""
+    runner = BoundedRunner(budget=0.25, name="quarter-test")
+
+    async def scenario() -> None:
+        with pytest.raises(ProbeError) as info:
+            await runner.run(gate)
+        assert str(info.value).endswith("check timed out after 0.25s")
+        with pytest.raises(ProbeError) as again:
+            await runner.run(gate, budget=0.04)
+        assert "still stuck after 0.04s" in str(again.value)
+
+    asyncio.run(scenario())
+
+
 def test_next_call_waits_for_a_helper_that_finishes_within_its_budget(gate: Gate) -> None:
     runner = BoundedRunner(budget=0.1)
 

@@ -89,9 +89,11 @@ async def bootstrap(settings: Settings) -> None:
     tracker = HealthTracker(required=("device",))
     track_health_metrics(tracker, metrics)
     holder: list[PluginLifecycle] = []
+    hypervisor: list[str] = []
 
     async def setup() -> RootTasks:
         hv = await wait_for_hypervisor(settings)
+        hypervisor.append(hv)
         node = settings.dev_dir / hv
         problem = node_problem(node)
         tracker.set_condition("device", not problem, problem)
@@ -105,5 +107,11 @@ async def bootstrap(settings: Settings) -> None:
     def current() -> PluginLifecycle | None:
         return holder[0] if holder else None
 
-    await run_daemon("hlplugin bootstrap", settings.http_address,
-                     plugin_readiness(current, tracker), current, metrics, setup)
+    def readiness() -> dict[str, tuple[bool, str]]:
+        conditions = plugin_readiness(current, tracker)()
+        if not hypervisor:  # what auto looks for and where, as the main daemon says it
+            conditions["hypervisor"] = (False, f"no mshv or kvm device under {settings.dev_dir}")
+        return conditions
+
+    await run_daemon("hlplugin bootstrap", settings.http_address, readiness, current, metrics,
+                     setup)

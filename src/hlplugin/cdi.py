@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hlplugin.health import Condition, HealthTracker
+from hlplugin.health import MIN_PERIOD, Condition, HealthTracker
 from hlplugin.metrics import Metrics
 from hlplugin.watch import FILE_EVENTS, DirWatcher
 
@@ -446,7 +446,7 @@ class CdiReconciler:
             while True:
                 poke.clear()
                 if (await self.reconcile(trigger)).ok:
-                    delay, backoff = self.interval, _FIRST_BACKOFF
+                    delay, backoff = max(self.interval, MIN_PERIOD), _FIRST_BACKOFF
                 else:
                     delay = min(backoff, self.max_backoff)
                     backoff = min(backoff * 2, self.max_backoff)

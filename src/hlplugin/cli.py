@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, options) in _COMMANDS.items():
         sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(subparser=sub)  # errors found after parsing print this command's usage
         config.add_options(sub, options, name)
         if name == "cdi":
             sub.add_argument("--check", type=Path, metavar="FILE",
@@ -57,17 +58,29 @@ def _limit_malloc_arenas() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse reports these with the top level's usage; the command's is the help
+        getattr(args, "subparser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     options = _COMMANDS[args.command][1]
-    settings, warnings = config.resolve(args, options, args.command)
-    if args.command in ("serve", "bootstrap"):
+    resolution = config.resolve_sources(args, options, args.command)
+    settings = resolution.settings
+    daemon = args.command in ("serve", "bootstrap")
+    if daemon:
         problem = config.socket_path_problem(settings.plugin_dir)
         if problem:
-            build_parser().exit(2, f"hlplugin {args.command}: error: argument --plugin-dir "
-                                   f"(or HYPERLIGHT_PLUGIN_DIR): {problem}\n")
+            args.subparser.error(f"argument --plugin-dir (or HYPERLIGHT_PLUGIN_DIR): {problem}")
     logs.configure(settings.log_format, settings.log_level)
-    config.log_warnings(warnings)
-    if args.command in ("serve", "bootstrap"):
+    if daemon:
+        # Before gRPC is imported: its C core prints to fd 2 from its own threads (errors only,
+        # unless GRPC_VERBOSITY says otherwise).
+        logs.capture_stderr()
+        log.info("hlplugin %s %s starting; %s", args.command, __version__, resolution.describe(),
+                 extra={"version": __version__,
+                        "settings": {n: config.show(getattr(settings, n)) for n in options},
+                        "sources": resolution.sources})
+    config.log_warnings(resolution.warnings)
+    if daemon:
         _limit_malloc_arenas()
     if args.command == "serve":
         from hlplugin.plugin import serve

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,25 +21,66 @@ UINT32_MAX = 4_294_967_295
 HYPERVISORS = ("kvm", "mshv")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text.strip(), 10)
-    if value <= 0:
-        raise ValueError(f"must be a positive integer, got {text!r}")
-    return value
+# The kubelet refuses a gRPC message over 4 MiB, so a device list larger than that makes its
+# ListAndWatch fail and the node's capacity silently drop to 0. 50,000 IDs ("mshv-49999", all
+# "Unhealthy", the longest form) serialize to 1.24 MB: 3.4x under the limit. The daemon's peak RSS
+# at that count is in docs/security.md (it, not the message, is what a larger count would cost).
+MAX_DEVICE_COUNT = 50_000
+KUBELET_MAX_MESSAGE = 4 * 1024 * 1024
+
+# Durations: a tiny interval makes a periodic check a busy loop (a device check runs a VM, about
+# 1.3 ms: at 1 s that is 0.1 % of a core); a timeout under 0.1 s fails checks on a loaded
+# node; an interval over an hour, or a timeout over a minute, no longer bounds anything useful.
+INTERVAL_RANGE = (1.0, 3600.0)
+TIMEOUT_RANGE = (0.1, 60.0)
+
+# ASCII only: int() also takes Arabic-Indic and full-width digits, and "1_000".
+_DIGITS = re.compile(r"[0-9]{1,20}")
+_DECIMAL = re.compile(r"(?:[0-9]{1,20}(?:\.[0-9]{0,20})?|\.[0-9]{1,20})(?:[eE][+-]?[0-9]{1,3})?")
 
 
-def _uint32(text: str) -> int:
-    value = int(text.strip(), 10)
-    if not 0 <= value <= UINT32_MAX:
-        raise ValueError(f"must be between 0 and {UINT32_MAX} (the CDI uint32 range), got {text!r}")
-    return value
+def _ascii_int(text: str) -> int:
+    stripped = text.strip()
+    if not _DIGITS.fullmatch(stripped):
+        raise ValueError(f"must be a whole number in ASCII digits, got {text[:40]!r}")
+    return int(stripped, 10)
 
 
-def _seconds(text: str) -> float:
-    value = float(text.strip().removesuffix("s"))
-    if not 0 < value < 86_400 or value != value:
-        raise ValueError(f"must be a number of seconds above 0, got {text!r}")
-    return value
+def _int_range(low: int, high: int, why: str = "") -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = _ascii_int(text)
+        except ValueError:
+            value = -1
+        if not low <= value <= high:
+            raise ValueError(f"must be a whole number from {low} to {high}{why}, got {text[:40]!r}")
+        return value
+
+    return parse
+
+
+_device_count = _int_range(1, MAX_DEVICE_COUNT,
+                           " (a longer device list nears the kubelet's 4 MiB message limit)")
+_uint32 = _int_range(0, UINT32_MAX, " (the CDI uint32 range)")
+
+
+def _seconds_range(low: float, high: float) -> Callable[[str], float]:
+    """Seconds within [low, high], as a plain ASCII decimal with an optional "s"; never NaN or inf."""
+
+    def parse(text: str) -> float:
+        stripped = text.strip().removesuffix("s")
+        value = float(stripped) if _DECIMAL.fullmatch(stripped) else math.nan
+        if not low <= value <= high:  # NaN fails every comparison
+            raise ValueError(f"must be a number of seconds from {low:g} to {high:g}, got {text[:40]!r}")
+        return value
+
+    return parse
+
+
+_interval = _seconds_range(*INTERVAL_RANGE)
+_timeout = _seconds_range(*TIMEOUT_RANGE)
+_INTERVALS = f"{INTERVAL_RANGE[0]:g}-{INTERVAL_RANGE[1]:g}"
+_TIMEOUTS = f"{TIMEOUT_RANGE[0]:g}-{TIMEOUT_RANGE[1]:g}"
 
 
 def _choice(*choices: str) -> Callable[[str], str]:
@@ -64,9 +107,9 @@ def _address(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep:
         raise ValueError(f"must be HOST:PORT, got {text!r}")
-    number = int(port, 10)
+    number = int(port, 10) if _DIGITS.fullmatch(port) else -1
     if not 0 <= number <= 65535:
-        raise ValueError(f"port must be 0-65535, got {port!r}")
+        raise ValueError(f"port must be 0-65535, got {port[:40]!r}")
     return host.strip("[]") or "0.0.0.0", number
 
 
@@ -106,8 +149,8 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
            _optional_path, "host /dev view for the device identity check; empty turns it off", "DIR"),
     Option("hypervisor", "--hypervisor", "HYPERLIGHT_HYPERVISOR", "auto",
            _choice("auto", *HYPERVISORS), "auto prefers mshv over kvm", "auto|kvm|mshv"),
-    Option("device_count", "--device-count", "DEVICE_COUNT", 2000, _positive_int,
-           "number of shareable slots advertised", "N"),
+    Option("device_count", "--device-count", "DEVICE_COUNT", 2000, _device_count,
+           f"number of shareable slots advertised, 1-{MAX_DEVICE_COUNT}", "N"),
     Option("device_uid", "--device-uid", "DEVICE_UID", 65534, _uint32,
            "owner of the device node inside workload containers", "N"),
     Option("device_gid", "--device-gid", "DEVICE_GID", 65534, _uint32,
@@ -121,16 +164,16 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
     Option("cdi_annotations", "--cdi-annotations", "HYPERLIGHT_CDI_ANNOTATIONS", False, _bool,
            "also name the CDI device in Allocate annotations (kubelets older than 1.29)",
            is_switch=True),
-    Option("cdi_interval", "--cdi-interval", "HYPERLIGHT_CDI_INTERVAL", 10.0, _seconds,
-           "seconds between periodic CDI spec checks", "SECONDS"),
-    Option("health_interval", "--health-interval", "HYPERLIGHT_HEALTH_INTERVAL", 10.0, _seconds,
-           "seconds between periodic device checks", "SECONDS"),
-    Option("probe_timeout", "--probe-timeout", "HYPERLIGHT_PROBE_TIMEOUT", 2.0, _seconds,
-           "budget of one device check", "SECONDS"),
+    Option("cdi_interval", "--cdi-interval", "HYPERLIGHT_CDI_INTERVAL", 10.0, _interval,
+           f"seconds between periodic CDI spec checks, {_INTERVALS}", "SECONDS"),
+    Option("health_interval", "--health-interval", "HYPERLIGHT_HEALTH_INTERVAL", 10.0, _interval,
+           f"seconds between periodic device checks, {_INTERVALS}", "SECONDS"),
+    Option("probe_timeout", "--probe-timeout", "HYPERLIGHT_PROBE_TIMEOUT", 2.0, _timeout,
+           f"budget of one device check, {_TIMEOUTS}", "SECONDS"),
     Option("guest_check", "--guest-check", "HYPERLIGHT_GUEST_CHECK", True, _bool,
            "run a tiny guest on KVM as part of each device check", "true|false"),
-    Option("register_timeout", "--register-timeout", "HYPERLIGHT_REGISTER_TIMEOUT", 5.0, _seconds,
-           "bound of one Register call to the kubelet", "SECONDS"),
+    Option("register_timeout", "--register-timeout", "HYPERLIGHT_REGISTER_TIMEOUT", 5.0, _timeout,
+           f"bound of one Register call to the kubelet, {_TIMEOUTS}", "SECONDS"),
 )}
 
 SERVE_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor", "device_count",
@@ -224,6 +267,75 @@ def add_options(parser: argparse.ArgumentParser, names: Sequence[str], command: 
                                 metavar=option.metavar, help=help_text)
 
 
+FLAG, ENVIRONMENT, DEFAULT = "flag", "environment", "default"
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Settings, the warnings to log, and where each setting came from (FLAG, ENVIRONMENT or
+    DEFAULT; an invalid environment value counts as DEFAULT, since the default is what runs)."""
+
+    settings: Settings
+    warnings: list[str]
+    sources: dict[str, str]
+
+    def describe(self) -> str:
+        """The effective settings grouped by source, for the one start-up line."""
+        groups = []
+        for source, title in ((FLAG, "from flags"), (ENVIRONMENT, "from the environment"),
+                              (DEFAULT, "defaults")):
+            names = [name for name, came in self.sources.items() if came == source]
+            if names:
+                shown = ", ".join(f"{name}={show(getattr(self.settings, name))}" for name in names)
+                groups.append(f"{title}: {shown}")
+        return "; ".join(groups) or "no settings"
+
+
+def show(value: Any) -> str:
+    """A setting as an operator would type it."""
+    if isinstance(value, tuple):
+        return f"{value[0]}:{value[1]}"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "(empty)"
+    return str(value)
+
+
+def resolve_sources(
+    args: argparse.Namespace,
+    names: Sequence[str],
+    command: str,
+    environ: Mapping[str, str] | None = None,
+) -> Resolution:
+    """Combine flags, environment and defaults, remembering which one each setting came from."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    warnings: list[str] = []
+    for name in names:
+        option = OPTIONS[name]
+        default = DEFAULT_OVERRIDES.get(command, {}).get(name, option.default)
+        value = getattr(args, name, _UNSET)
+        source = FLAG
+        if value is _UNSET and option.env and option.env in env:
+            raw = env[option.env]
+            source = ENVIRONMENT
+            try:
+                value = option.parse(raw)
+            except ValueError as exc:
+                warnings.append(f"ignoring {option.env}={raw[:40]!r}: {exc}; using the default "
+                                f"{default!r}")
+        if value is _UNSET:
+            value, source = default, DEFAULT
+        values[name] = value
+        sources[name] = source
+    settings = Settings(**values)
+    if "host_dev_dir" in names and settings.host_dev_dir is None:
+        warnings.append("host device identity check is off (--host-dev-dir is empty)")
+    return Resolution(settings, warnings, sources)
+
+
 def resolve(
     args: argparse.Namespace,
     names: Sequence[str],
@@ -231,24 +343,8 @@ def resolve(
     environ: Mapping[str, str] | None = None,
 ) -> tuple[Settings, list[str]]:
     """Combine flags, environment and defaults; return the settings and the warnings to log."""
-    env = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    warnings: list[str] = []
-    for name in names:
-        option = OPTIONS[name]
-        default = DEFAULT_OVERRIDES.get(command, {}).get(name, option.default)
-        value = getattr(args, name, _UNSET)
-        if value is _UNSET and option.env and option.env in env:
-            raw = env[option.env]
-            try:
-                value = option.parse(raw)
-            except ValueError as exc:
-                warnings.append(f"ignoring {option.env}={raw!r}: {exc}; using the default {default!r}")
-        values[name] = default if value is _UNSET else value
-    settings = Settings(**values)
-    if "host_dev_dir" in names and settings.host_dev_dir is None:
-        warnings.append("host device identity check is off (--host-dev-dir is empty)")
-    return settings, warnings
+    resolution = resolve_sources(args, names, command, environ)
+    return resolution.settings, resolution.warnings
 
 
 def log_warnings(warnings: Sequence[str]) -> None:

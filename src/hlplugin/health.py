@@ -114,6 +114,10 @@ class HealthTracker:
 _DEVICE = "device"
 _IDENTITY = "host_identity"
 
+# Periodic loops never run more often than this, whatever interval they are given: the CLI's
+# floor is higher (config.INTERVAL_RANGE), this one keeps an in-process caller from a busy loop.
+MIN_PERIOD = 0.1
+
 
 class DeviceMonitor:
     """Feeds conditions "device" and "host_identity" of a HealthTracker.
@@ -242,7 +246,7 @@ class DeviceMonitor:
             while True:
                 wake.clear()  # events from here on cause another check after this one
                 await self.check()
-                await wait_event(wake, self.interval)
+                await wait_event(wake, max(self.interval, MIN_PERIOD))
         finally:
             for feeder in feeders:
                 feeder.cancel()

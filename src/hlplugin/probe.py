@@ -319,12 +319,18 @@ class BoundedRunner:
                     break
             if not await _wait(previous, deadline - loop.time()):
                 raise ProbeError(
-                    f"the previous check is still stuck after {budget:.1f}s; not starting another",
+                    f"the previous check is still stuck after {seconds_text(budget)}s; not starting another",
                     step="budget", reason="budget")
         if not await _wait(helper, deadline - loop.time()):
-            raise ProbeError(f"check timed out after {budget:.1f}s", step="timeout",
+            raise ProbeError(f"check timed out after {seconds_text(budget)}s", step="timeout",
                              reason="timeout")
         return helper.result()
+
+
+def seconds_text(seconds: float) -> str:
+    """``seconds`` to one decimal unless that would round it ("0.25", never "0.2" or "0.0")."""
+    text = f"{seconds:.1f}"
+    return text if float(text) == seconds else f"{seconds:g}"
 
 
 def _work(fn: Callable[[], T], helper: concurrent.futures.Future[T]) -> None:
