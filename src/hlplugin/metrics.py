@@ -41,6 +41,9 @@ class Metrics:
         self.registrations = Counter(
             f"{PREFIX}_registrations", "Registrations with the kubelet by result.", ["result"],
             registry=r)
+        self.reregistrations = Counter(
+            f"{PREFIX}_reregistrations",
+            "Registrations started anew by the plugin itself, by reason.", ["reason"], registry=r)
         self.streams = Gauge(
             f"{PREFIX}_listandwatch_streams", "Open ListAndWatch streams.", registry=r)
         self.devices_advertised = Gauge(
