@@ -78,6 +78,15 @@ def _socket_identity(path: Path) -> Identity | None:
     return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
 
 
+def new_server(servicer: PluginServicer) -> grpc.aio.Server:
+    """A gRPC server for ``servicer`` that refuses requests larger than it accepts, before they are
+    parsed (RESOURCE_EXHAUSTED)."""
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", servicer.max_request_bytes)])
+    pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
+    return server
+
+
 @dataclass
 class _Instance:
     server: grpc.aio.Server
@@ -184,9 +193,7 @@ class PluginLifecycle:
         self._remove_stale_socket()
         servicer = self._make_servicer()
         servicer.on_streams_changed = self._wakeup.fire
-        server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", servicer.max_request_bytes)])
-        pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
+        server = new_server(servicer)
         server.add_insecure_port(f"unix://{self.socket_path}")
         await server.start()
         instance = _Instance(server, servicer, _socket_identity(self.socket_path))
