@@ -134,7 +134,7 @@ class PluginLifecycle:
         """One line for /readyz: "" when registered, else why not (the latest failure)."""
         if self.registered:
             return ""
-        return self.problem or f"not registered with the kubelet (registering {self.resource_name})"
+        return self.problem or "not registered with the kubelet"
 
     @property
     def open_streams(self) -> int:
@@ -300,11 +300,11 @@ class PluginLifecycle:
                     idle_since = loop.time()
                 limit = idle_since + self._stream_grace - loop.time()
                 if limit <= 0:
-                    what = ("ended its ListAndWatch stream" if streamed
-                            else "opened no ListAndWatch stream after Register")
-                    log.warning("the kubelet %s of %s and opened none for %.1f s; registering "
-                                "anew", what, self.resource_name, self._stream_grace,
-                                extra={"reason": "stream_ended"})
+                    what = ("ended its ListAndWatch stream of %s and opened none for %.1f s"
+                            if streamed else
+                            "opened no ListAndWatch stream of %s within %.1f s of Register")
+                    log.warning(f"the kubelet {what}; registering anew", self.resource_name,
+                                self._stream_grace, extra={"reason": "stream_ended"})
                     if self._metrics is not None:
                         self._metrics.reregistrations.labels(reason="stream_ended").inc()
                     return "stream_ended"
