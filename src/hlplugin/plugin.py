@@ -74,6 +74,7 @@ class TrackedDevicePlugin(PluginServicer):
         self.max_request_bytes = REQUEST_SLACK_BYTES + sum(len(i) + 8 for i in self.device_ids)
         self.on_streams_changed: Callable[[], None] | None = None
         self._closed = False
+        self._refusing = False
         self._wake = asyncio.Event()
         self._follower: asyncio.Task[None] | None = None
         # Built once: a 2,000-device list is the same message on every transition.
@@ -105,8 +106,11 @@ class TrackedDevicePlugin(PluginServicer):
     async def ListAndWatch(self, request: pb.Empty,
                            context: Context) -> AsyncIterator[pb.ListAndWatchResponse]:
         if self.open_streams >= self.max_streams:
-            log.warning("refused a ListAndWatch stream: %d are open already (at most %d)",
-                        self.open_streams, self.max_streams)
+            # Logged once while at the bound, so a client retrying in a loop cannot flood the log.
+            log.log(logging.DEBUG if self._refusing else logging.WARNING,
+                    "refused a ListAndWatch stream: %d are open already (at most %d)",
+                    self.open_streams, self.max_streams)
+            self._refusing = True
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.open_streams} ListAndWatch streams are open already, the most this plugin "
@@ -158,6 +162,8 @@ class TrackedDevicePlugin(PluginServicer):
 
     def _stream_opened(self, delta: int) -> None:
         self.open_streams += delta
+        if self.open_streams < self.max_streams:
+            self._refusing = False
         if self.metrics is not None:
             self.metrics.streams.inc(delta)
         if self.open_streams and self._follower is None and not self._closed:
