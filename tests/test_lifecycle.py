@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import grpc
 import pytest
 from harness import eventually, run
 
@@ -222,6 +223,15 @@ def test_one_byte_longer_plugin_dir_exits_2_naming_the_flag(
         capsys: pytest.CaptureFixture[str]) -> None:
     plugin_dir = plugin_dir_of_length(config.MAX_SOCKET_PATH + 1)
     assert config.socket_path_problem(plugin_dir)
+
+    async def bind() -> None:
+        """The limit is not stricter than gRPC: one byte more does not bind."""
+        server = grpc.aio.server()
+        with pytest.raises(RuntimeError, match="Failed to bind"):
+            server.add_insecure_port(f"unix://{plugin_dir / config.LONGEST_SOCKET}")
+        await server.stop(None)
+
+    run(bind())
     with pytest.raises(SystemExit) as exited:
         cli.main(["bootstrap", "--plugin-dir", str(plugin_dir)])
     assert exited.value.code == 2
