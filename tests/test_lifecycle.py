@@ -4,8 +4,10 @@ after the kubelet ends its stream, why registration fails, and the socket path l
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -38,6 +40,7 @@ def healthy_tracker() -> HealthTracker:
 def short_dir() -> Path:
     """A fresh directory under /tmp: pytest's tmp_path can be too long for a socket path."""
     path = Path(tempfile.mkdtemp(prefix="hlp-", dir="/tmp"))
+    atexit.register(shutil.rmtree, path, True)
     return path
 
 

@@ -37,9 +37,9 @@ SOCKET = "hyperlight.sock"
 Gate = Callable[[], Awaitable[HealthState]]
 
 
-# Bounds on what a DevicePlugin client may ask (docs/security.md, "Bounds"). The kubelet opens one
-# ListAndWatch stream per registration and sends one container per Allocate call, with IDs we
-# advertised; everything past these bounds is refused before any work is done for it.
+# Bounds on what a DevicePlugin client may ask (docs/security.md, "Bounds on the device-plugin
+# socket"). The kubelet opens one ListAndWatch stream per registration and sends one container
+# per Allocate call, with IDs we advertised; past these bounds a call is refused at once.
 MAX_STREAMS = 8
 MAX_CONTAINERS = 128
 MAX_ID_BYTES = 128
@@ -49,7 +49,8 @@ REQUEST_SLACK_BYTES = 64 * 1024
 
 
 def quote(text: str, limit: int = QUOTE_CHARS) -> str:
-    """``text`` for a message or log line: escaped (repr), cut to ``limit`` characters."""
+    """``text`` for a message or log line: cut to ``limit`` characters, then escaped (repr), so
+    neither a huge input nor a control character reaches a client or the log as it came."""
     if len(text) <= limit:
         return repr(text)
     return f"{text[:limit]!r}... ({len(text.encode(errors='replace'))} bytes)"
