@@ -39,6 +39,7 @@ from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.cdi import SPEC_FILE, render_spec
 from hlplugin.config import KUBELET_MAX_MESSAGE, MAX_DEVICE_COUNT
 from hlplugin.emulator import KubeletEmulator
+from hlplugin.plugin import MAX_STREAMS
 from hlplugin.probe import check_host_identity, probe_kvm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,10 +65,12 @@ class Profile:
     probes: int           # KVM checks timed
 
 
-FULL = Profile(repeats=5, allocs=3000, streams=100, transitions=100, tampers=200,
+# The most raw streams the daemon serves next to the kubelet's (it refuses more).
+RAW_STREAMS = MAX_STREAMS - 1
+FULL = Profile(repeats=5, allocs=3000, streams=RAW_STREAMS, transitions=100, tampers=200,
                kubelet_restarts=30, starts=7, mem_allocs=10_000, mem_transitions=1000,
                boot_allocs=1000, idle=60.0, probes=300)
-QUICK = Profile(repeats=2, allocs=300, streams=100, transitions=6, tampers=10, kubelet_restarts=3,
+QUICK = Profile(repeats=2, allocs=300, streams=RAW_STREAMS, transitions=6, tampers=10, kubelet_restarts=3,
                 starts=2, mem_allocs=1000, mem_transitions=40, boot_allocs=100, idle=5.0,
                 probes=20)
 
@@ -521,8 +524,8 @@ async def bench_memory(tmp: Path, p: Profile) -> None:
     try:
         await registered(kubelet, 2000)
         target = f"unix://{node.plugin_dir}/hyperlight.sock"
-        channels, tasks = await open_streams(target, 15, seen)  # + the kubelet's: 16 streams
-        await wait_for(lambda: all(seen), what="15 streams")
+        channels, tasks = await open_streams(target, RAW_STREAMS, seen)  # + the kubelet's
+        await wait_for(lambda: all(seen), what=f"{RAW_STREAMS} streams")
         at_start = proc_status(daemon.pid)
         rss: list[int] = []
         async with grpc.aio.insecure_channel(target) as channel:
@@ -543,7 +546,7 @@ async def bench_memory(tmp: Path, p: Profile) -> None:
                       goal="<= 48 MiB", met=final["VmHWM"] <= 48 * 1024,
                       baseline=round(FIGURES_MEM.get("baseline_grpc_server_kib", 0) / 1024, 1) or None,
                       detail={"allocates": p.mem_allocs, "transitions": 2 * 20 * pairs,
-                              "devices": 2000, "streams": 16,
+                              "devices": 2000, "streams": RAW_STREAMS + 1,
                               "rss_after_start_mib": round(at_start["VmRSS"] / 1024, 1),
                               "baseline_is": "VmHWM of the empty grpc.aio server (Allocate figure)"}))
         record(Figure(f"RSS growth from Allocate {p.mem_allocs // 2:,} to {p.mem_allocs:,}",

@@ -20,7 +20,7 @@ FIGURES = (
     "Allocate p99, concurrency 1",
     "Allocate p50, concurrency 16",
     "Allocate p99, concurrency 16",
-    "health transition seen by all 100 streams",
+    "health transition seen by all",
     "CDI missing -> repaired",
     "CDI stale -> repaired",
     "CDI malformed -> repaired",

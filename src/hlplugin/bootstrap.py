@@ -53,10 +53,7 @@ class DeviceAccessPlugin(TrackedDevicePlugin):
 
     async def Allocate(self, request: pb.AllocateRequest,
                        context: Context) -> pb.AllocateResponse:
-        unknown = self.unknown_ids(request)
-        if unknown:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
-                               f"unknown device IDs {', '.join(unknown[:5])}", "invalid")
+        await self.check_request(request, context)
         problem = node_problem(self.node)
         if problem:
             await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION,

@@ -224,8 +224,9 @@ class Settings:
         return None
 
 
-# sun_path holds 108 bytes including the terminating NUL.
-MAX_SOCKET_PATH = 107
+# sun_path holds 108 bytes including the terminating NUL, but a gRPC server binding
+# "unix://PATH" checks everything after "unix:", so "//" counts: PATH may have 105 bytes.
+MAX_SOCKET_PATH = 105
 LONGEST_SOCKET = "hyperlight-device-access.sock"
 
 

@@ -55,7 +55,8 @@ def plugin_readiness(lifecycle: Callable[[], PluginLifecycle | None],
         registered = current is not None and current.registered
         streams = current.open_streams if current is not None else 0
         conditions = {
-            "registered": (registered, "" if registered else "not registered with the kubelet"),
+            "registered": (registered, current.status if current is not None
+                           else "not registered with the kubelet"),
             "listandwatch": (streams > 0, "" if streams else "the kubelet has no ListAndWatch open"),
         }
         state = tracker.state

@@ -35,7 +35,7 @@ T = TypeVar("T")
 HYPERVISOR_RESOURCE = "hyperlight.dev/hypervisor"
 ACCESS_RESOURCE = "hyperlight.dev/device-access"
 _GARBAGE = b"{ this is not a CDI spec\n"
-_MAX_SOCKET_PATH = 107
+_MAX_SOCKET_PATH = config.MAX_SOCKET_PATH  # what a gRPC server can bind
 _WAIT = 20.0  # guard for every wait; a healthy run needs a fraction of it
 
 

@@ -8,7 +8,8 @@ allocatable, marks a resource's devices unhealthy when any of its streams ends, 
 admission when Allocate returns an error.
 
 ``mode`` fakes a broken kubelet: "hang" accepts Register and never answers; "reset" accepts
-connections and closes them at once.
+connections and closes them at once. ``end_stream`` ends a resource's ListAndWatch while the
+kubelet stays up, as the kubelet does when that stream or its endpoint fails.
 """
 
 from __future__ import annotations
@@ -129,6 +130,15 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
     async def restart(self) -> None:
         await self.stop()
         await self.start()
+
+    async def end_stream(self, name: str) -> None:
+        """Cancel ``name``'s ListAndWatch call and stay up: like the kubelet, the resource's devices
+        turn unhealthy and its endpoint stops until the plugin registers again."""
+        resource = self.resources.get(name)
+        if resource is None or resource.stream is None:
+            raise KeyError(f"{name} has no ListAndWatch stream")
+        resource.stream.cancel()
+        await asyncio.wait({resource.stream})
 
     async def _reset_connections(self) -> None:
         loop = asyncio.get_running_loop()

@@ -8,7 +8,10 @@ the kubelet's rules (see ../shared/notes/kubelet-device-manager.md):
   socket disappears or kubelet.sock is replaced, the old server instance is stopped (ending its
   ListAndWatch streams, which the kubelet tracks per resource) before a fresh one registers.
 - A failed registration stops that server and removes its socket; the retry starts a fresh one
-  after a capped backoff that a new kubelet.sock cuts short.
+  after a capped backoff that a new kubelet.sock cuts short. Waiting for a missing plugin dir or
+  kubelet.sock counts as a failed attempt per backoff step, so every cause shows the same way.
+- The kubelet may end its ListAndWatch stream and stay up (its endpoint stops): a registered
+  instance with no stream for ``stream_grace`` seconds is stopped and a fresh one registers.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import contextlib
 import logging
 import os
 import stat
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,12 +46,16 @@ class RegistrationFailed(Exception):
     def __init__(self, code: str, details: str) -> None:
         super().__init__(f"{code}: {details}")
         self.code = code
+        self.details = details
 
 
 class PluginServicer(pb_grpc.DevicePluginServicer):
-    """What a resource-specific server adds to the generated servicer: a way to end its streams."""
+    """What a resource-specific server adds to the generated servicer: a way to end its streams,
+    a stream count with a hook called when it changes, and the largest request it accepts."""
 
     open_streams: int
+    max_request_bytes: int = 4 * 1024 * 1024
+    on_streams_changed: Callable[[], None] | None = None
 
     def close_streams(self) -> None:
         raise NotImplementedError
@@ -90,6 +97,15 @@ async def _to_completion(work: Coroutine[Any, Any, None]) -> None:
     task.result()
 
 
+def new_server(servicer: PluginServicer) -> grpc.aio.Server:
+    """A gRPC server for ``servicer`` that refuses requests larger than it accepts, before they are
+    parsed (RESOURCE_EXHAUSTED)."""
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", servicer.max_request_bytes)])
+    pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
+    return server
+
+
 @dataclass
 class _Instance:
     server: grpc.aio.Server
@@ -109,6 +125,7 @@ class PluginLifecycle:
         min_backoff: float = 0.1,
         max_backoff: float = 5.0,
         recheck_interval: float = 1.0,
+        stream_grace: float = 3.0,
         metrics: Metrics | None = None,
     ) -> None:
         self.plugin_dir = plugin_dir
@@ -120,14 +137,23 @@ class PluginLifecycle:
         self._min_backoff = min_backoff
         self._max_backoff = max_backoff
         self._recheck = recheck_interval
+        self._stream_grace = stream_grace
         self._metrics = metrics
         self._wakeup = Wakeup(DirWatcher(plugin_dir, {socket_name, KUBELET_SOCKET},
                                          poll_interval=recheck_interval))
         self._instance: _Instance | None = None
         self._kubelet_identity: Identity | None = None
-        self._problem = ""  # the lasting failure last logged, so a retry loop logs it once
+        self._problem = ""  # the kind of lasting failure last logged, so a retry loop logs it once
         self._failures = 0
         self.registered = False
+        self.problem = ""  # why the latest attempt could not register, for /readyz
+
+    @property
+    def status(self) -> str:
+        """One line for /readyz: "" when registered, else why not (the latest failure)."""
+        if self.registered:
+            return ""
+        return self.problem or "not registered with the kubelet"
 
     @property
     def open_streams(self) -> int:
@@ -142,7 +168,9 @@ class PluginLifecycle:
                 try:
                     instance = await self._start()
                 except (OSError, RuntimeError) as exc:
-                    self._report("serve", f"cannot serve on {self.socket_path}: {exc}")
+                    problem = self._dir_problem()
+                    self._fail("serve" if not problem else "plugin dir",
+                               problem or f"cannot serve on {self.socket_path}: {exc}")
                     await self._sleep_or_kubelet(backoff)
                     backoff = min(backoff * 2, self._max_backoff)
                     continue
@@ -150,8 +178,8 @@ class PluginLifecycle:
                     outcome = await self._register_when_possible(instance)
                     if outcome == "registered":
                         backoff = self._min_backoff
-                        await self._wait_until_lost(instance)
-                        log.info("kubelet restarted or our socket was removed; registering anew")
+                        if await self._wait_until_lost(instance) == "lost":
+                            log.info("kubelet restarted or our socket was removed; registering anew")
                     elif outcome == "failed":
                         await self._stop(instance)
                         await self._sleep_or_kubelet(backoff)
@@ -178,11 +206,14 @@ class PluginLifecycle:
     # -- steps ---------------------------------------------------------------------------------
 
     async def _start(self) -> _Instance:
+        problem = self._dir_problem()
+        if problem:
+            raise RuntimeError(problem)  # before gRPC tries, and logs its own line every retry
         self._remove_stale_socket()
         servicer = self._make_servicer()
-        server = grpc.aio.server()
+        servicer.on_streams_changed = self._wakeup.fire
+        server = new_server(servicer)
         try:
-            pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
             server.add_insecure_port(f"unix://{self.socket_path}")
         except BaseException:
             await _to_completion(server.stop(None))  # never leave a server to the GC
@@ -221,15 +252,23 @@ class PluginLifecycle:
                 self._instance = None
 
     async def _register_when_possible(self, instance: _Instance) -> str:
-        """Wait for a kubelet, then register; "lost" when our socket vanished meanwhile."""
+        """Wait for a kubelet, then register; "lost" when our socket vanished meanwhile. Each
+        backoff step spent without kubelet.sock counts as a failed attempt, after a first wait of
+        one recheck interval: a restarting kubelet deletes our socket before it serves anew."""
+        wait: float | None = self._recheck
+        backoff = self._min_backoff
         while True:
-            pulse = self._wakeup.pulse()
             if not self._socket_is_ours(instance):
                 return "lost"
             kubelet = _socket_identity(self.kubelet_path)
             if kubelet is not None:
                 break
-            await self._wait(pulse)
+            if wait is None:
+                self._fail("no kubelet.sock", self._kubelet_problem())
+            await self._sleep_or_kubelet(backoff if wait is None else wait)
+            if wait is None:
+                backoff = min(backoff * 2, self._max_backoff)
+            wait = None
         register = asyncio.create_task(self._register(), name="register")
         try:
             while not register.done():
@@ -248,16 +287,15 @@ class PluginLifecycle:
                 await asyncio.wait({register})
         error = register.exception()
         if error is not None:
-            self._count("failure")
             kind = error.code if isinstance(error, RegistrationFailed) else type(error).__name__
-            self._report(f"register {kind}",
-                         f"registration of {self.resource_name} with the kubelet failed: {error}")
+            self._fail(f"register {kind}", f"registration of {self.resource_name} with the "
+                       f"kubelet failed: {self._explain(error)}")
             return "failed"
         self._count("success")
         self.registered = True
         self._kubelet_identity = kubelet
         after = f" after {self._failures} failed attempts" if self._failures else ""
-        self._problem, self._failures = "", 0
+        self._problem, self._failures, self.problem = "", 0, ""
         log.info("registered %s with the kubelet%s", self.resource_name, after)
         return "registered"
 
@@ -275,14 +313,36 @@ class PluginLifecycle:
             except grpc.aio.AioRpcError as exc:
                 raise RegistrationFailed(exc.code().name, exc.details() or "") from None
 
-    async def _wait_until_lost(self, instance: _Instance) -> None:
+    async def _wait_until_lost(self, instance: _Instance) -> str:
+        """"lost" when our socket or kubelet.sock changed; "stream_ended" when the kubelet has had
+        no ListAndWatch stream open for the grace period (it opens one right after Register, and
+        ends it when its endpoint fails while it stays up), which only a new registration mends."""
+        loop = asyncio.get_running_loop()
+        idle_since: float | None = loop.time()
+        streamed = False
         while True:
             pulse = self._wakeup.pulse()
             if not self._socket_is_ours(instance):
-                return
+                return "lost"
             if _socket_identity(self.kubelet_path) != self._kubelet_identity:
-                return
-            await self._wait(pulse)
+                return "lost"
+            limit: float | None = None
+            if instance.servicer.open_streams:
+                idle_since, streamed = None, True
+            else:
+                if idle_since is None:
+                    idle_since = loop.time()
+                limit = idle_since + self._stream_grace - loop.time()
+                if limit <= 0:
+                    what = ("ended its ListAndWatch stream of %s and opened none for %.1f s"
+                            if streamed else
+                            "opened no ListAndWatch stream of %s within %.1f s of Register")
+                    log.warning(f"the kubelet {what}; registering anew", self.resource_name,
+                                self._stream_grace, extra={"reason": "stream_ended"})
+                    if self._metrics is not None:
+                        self._metrics.reregistrations.labels(reason="stream_ended").inc()
+                    return "stream_ended"
+            await self._wait(pulse, limit)
 
     async def _sleep_or_kubelet(self, delay: float) -> None:
         """Back off, but retry at once when a new kubelet.sock appears."""
@@ -312,6 +372,38 @@ class PluginLifecycle:
         """Wait for a plugin-dir event, or at most the recheck interval: cheap stats then cover
         any missed event. Take the pulse before looking at the sockets, never after."""
         await self._wakeup.wait(pulse, self._recheck if limit is None else min(limit, self._recheck))
+
+    def _dir_problem(self) -> str:
+        try:
+            st = os.stat(self.plugin_dir)
+        except FileNotFoundError:
+            return (f"{self.plugin_dir} does not exist (is --plugin-dir the kubelet's "
+                    f"device-plugins directory?)")
+        except OSError as exc:
+            return f"cannot use {self.plugin_dir}: {exc.strerror} (errno {exc.errno})"
+        return "" if stat.S_ISDIR(st.st_mode) else f"{self.plugin_dir} is not a directory"
+
+    def _kubelet_problem(self) -> str:
+        if os.path.lexists(self.kubelet_path):
+            return f"{self.kubelet_path} is not a socket"
+        return (self._dir_problem() or f"no kubelet.sock at {self.kubelet_path} (is the kubelet "
+                f"running, and is --plugin-dir its device-plugins directory?)")
+
+    def _explain(self, error: BaseException) -> str:
+        if not isinstance(error, RegistrationFailed):
+            return f"{type(error).__name__}: {error}"
+        if error.code == "DEADLINE_EXCEEDED":
+            return (f"Register timed out after {self._register_timeout:g} s ({error.code}: the "
+                    f"kubelet at {self.kubelet_path} did not answer)")
+        if error.code == "UNAVAILABLE":
+            return f"the kubelet at {self.kubelet_path} is unreachable ({error})"
+        return f"the kubelet refused with {error}"
+
+    def _fail(self, kind: str, problem: str) -> None:
+        """An attempt that could not register: counted, and shown by /readyz."""
+        self._count("failure")
+        self.problem = problem
+        self._report(kind, problem)
 
     def _report(self, kind: str, problem: str) -> None:
         """A failure that repeats while retrying is logged when it starts or changes kind, not

@@ -41,6 +41,7 @@ CDI_REPAIR_CAUSES = ("missing", "malformed", "stale", "metadata")
 CDI_REFUSAL_REASONS = ("not_regular", "write_failed")
 ALLOCATION_RESULTS = ("success", "invalid", "refused")
 REGISTRATION_RESULTS = ("success", "failure")
+REREGISTRATION_REASONS = ("stream_ended",)
 
 
 class Metrics:
@@ -79,6 +80,9 @@ class Metrics:
         self.registrations = Counter(
             f"{PREFIX}_registrations", "Registrations with the kubelet by result.", ["result"],
             registry=r)
+        self.reregistrations = Counter(
+            f"{PREFIX}_reregistrations",
+            "Registrations started anew by the plugin itself, by reason.", ["reason"], registry=r)
         self.streams = Gauge(
             f"{PREFIX}_listandwatch_streams", "Open ListAndWatch streams.", registry=r)
         self.devices_advertised = Gauge(
@@ -93,6 +97,7 @@ class Metrics:
             self.cdi_refusals: CDI_REFUSAL_REASONS,
             self.allocations: ALLOCATION_RESULTS,
             self.registrations: REGISTRATION_RESULTS,
+            self.reregistrations: REREGISTRATION_REASONS,
         })
 
 

@@ -164,7 +164,11 @@ class Wakeup:
     async def wait(self, pulse: asyncio.Event, limit: float) -> None:
         await wait_event(pulse, limit)
 
+    def fire(self) -> None:
+        """Wake the waiters now, as a watched change would (for changes seen elsewhere)."""
+        fired, self._event = self._event, asyncio.Event()
+        fired.set()
+
     async def run(self) -> None:
         async for _ in self._watcher.changes():
-            fired, self._event = self._event, asyncio.Event()
-            fired.set()
+            self.fire()

@@ -1,0 +1,242 @@
+"""PluginLifecycle in-process against the kubelet emulator, over real unix sockets: re-registration
+after the kubelet ends its stream, why registration fails, and the socket path limit's edge."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+from harness import eventually, run
+
+from hlplugin import cli, config
+from hlplugin.bootstrap import SOCKET as ACCESS_SOCKET
+from hlplugin.bootstrap import DeviceAccessPlugin
+from hlplugin.daemon import plugin_readiness
+from hlplugin.emulator import KubeletEmulator
+from hlplugin.health import HealthState, HealthTracker
+from hlplugin.lifecycle import PluginLifecycle
+from hlplugin.metrics import Metrics
+from hlplugin.plugin import HypervisorPlugin
+
+RESOURCE = "hyperlight.dev/hypervisor"
+ACCESS = "hyperlight.dev/device-access"
+
+
+def healthy_tracker() -> HealthTracker:
+    tracker = HealthTracker(required=("device",))
+    tracker.set_condition("device", True)
+    return tracker
+
+
+def short_dir() -> Path:
+    """A fresh directory under /tmp: pytest's tmp_path can be too long for a socket path."""
+    path = Path(tempfile.mkdtemp(prefix="hlp-", dir="/tmp"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+@asynccontextmanager
+async def lifecycle(plugin_dir: Path, resource: str = RESOURCE, metrics: Metrics | None = None,
+                    **options: float) -> AsyncIterator[PluginLifecycle]:
+    tracker = healthy_tracker()
+
+    async def gate() -> HealthState:
+        return tracker.state
+
+    plugin = PluginLifecycle(plugin_dir, "hyperlight.sock", resource,
+                             lambda: HypervisorPlugin("kvm", 4, tracker, gate, metrics=metrics),
+                             metrics=metrics, **options)
+    task = asyncio.create_task(plugin.run())
+    try:
+        yield plugin
+    finally:
+        task.cancel()
+        await asyncio.wait({task})
+
+
+def sample(metrics: Metrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+# --- the kubelet ends its stream and stays up (issue 11 #3) --------------------------------------
+
+
+def test_stream_ended_by_the_kubelet_registers_anew_after_the_grace(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def body() -> None:
+        plugin_dir = short_dir()
+        kubelet = KubeletEmulator(plugin_dir)
+        await kubelet.start()
+        metrics = Metrics()
+        try:
+            async with lifecycle(plugin_dir, metrics=metrics, stream_grace=0.3) as plugin:
+                await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
+                await kubelet.wait_for(lambda: plugin.open_streams == 1)
+                for round_ in (1, 2):
+                    calls = kubelet.register_calls
+                    await kubelet.end_stream(RESOURCE)  # the kubelet stays up, kubelet.sock too
+                    assert kubelet.allocatable(RESOURCE) == 0
+                    await kubelet.wait_for(lambda c=calls: kubelet.register_calls > c  # type: ignore[misc]
+                                           and kubelet.allocatable(RESOURCE) == 4)
+                    await kubelet.wait_for(lambda: plugin.open_streams == 1 and plugin.registered)
+                    assert sample(metrics, "hyperlight_reregistrations_total",
+                                  reason="stream_ended") == round_
+                await kubelet.admit(RESOURCE)
+                assert sample(metrics, "hyperlight_registrations_total", result="success") == 3
+        finally:
+            await kubelet.stop()
+
+    with caplog.at_level(logging.INFO, logger="hlplugin.lifecycle"):
+        run(body())
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == ["the kubelet ended its ListAndWatch stream of hyperlight.dev/hypervisor and "
+                      "opened none for 0.3 s; registering anew"] * 2
+
+
+def test_a_stream_that_reopens_within_the_grace_changes_nothing() -> None:
+    async def body() -> None:
+        plugin_dir = short_dir()
+        kubelet = KubeletEmulator(plugin_dir)
+        await kubelet.start()
+        metrics = Metrics()
+        try:
+            async with lifecycle(plugin_dir, metrics=metrics, stream_grace=30) as plugin:
+                await kubelet.wait_for(lambda: plugin.open_streams == 1)
+                await kubelet.end_stream(RESOURCE)
+                await kubelet.wait_for(lambda: plugin.open_streams == 0)
+                assert plugin.registered  # within the grace: still the same registration
+                assert kubelet.register_calls == 1
+                assert sample(metrics, "hyperlight_reregistrations_total",
+                              reason="stream_ended") == 0
+        finally:
+            await kubelet.stop()
+
+    run(body())
+
+
+# --- registration failures say why and count every attempt (issue 12) ----------------------------
+
+
+@pytest.mark.parametrize("cause", ["missing dir", "no kubelet.sock", "refused", "hangs"])
+def test_registration_failure_names_its_cause_and_counts_every_attempt(
+        cause: str, caplog: pytest.LogCaptureFixture) -> None:
+    async def body() -> None:
+        base = short_dir()
+        plugin_dir = base / "device-plugins" if cause == "missing dir" else base
+        resource = "example.kubernetes.io/hypervisor" if cause == "refused" else RESOURCE
+        broken = KubeletEmulator(plugin_dir, mode="hang") if cause == "hangs" else None
+        if broken is not None:
+            await broken.start()
+        elif cause == "refused":
+            broken = KubeletEmulator(plugin_dir)
+            await broken.start()
+        metrics = Metrics()
+        want = {
+            "missing dir": f"{plugin_dir} does not exist",
+            "no kubelet.sock": f"no kubelet.sock at {plugin_dir / 'kubelet.sock'}",
+            "refused": "the kubelet refused with UNKNOWN: invalid name of device plugin socket",
+            "hangs": "Register timed out after 0.2 s (DEADLINE_EXCEEDED",
+        }[cause]
+        try:
+            async with lifecycle(plugin_dir, resource, metrics, register_timeout=0.2,
+                                 min_backoff=0.01, max_backoff=0.05, recheck_interval=0.1,
+                                 ) as plugin:
+                readiness = plugin_readiness(lambda: plugin, healthy_tracker())
+                failed = {"result": "failure"}
+                await eventually(
+                    lambda: sample(metrics, "hyperlight_registrations_total", **failed) >= 3)
+                ok, reason = readiness()["registered"]
+                assert not ok
+                assert want in reason, reason
+                if broken is not None:
+                    await broken.stop(remove_socket=True)
+                if cause == "refused":
+                    return
+                kubelet = KubeletEmulator(plugin_dir)
+                await kubelet.start()
+                try:
+                    await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
+                    assert readiness()["registered"] == (True, "")
+                    assert plugin.problem == ""
+                finally:
+                    await kubelet.stop()
+        finally:
+            if broken is not None:
+                await broken.stop()
+
+    with caplog.at_level(logging.DEBUG, logger="hlplugin.lifecycle"):
+        run(body())
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    # A lasting state is logged when it starts (and when it changes), not on every attempt...
+    assert len(warned) == 1, warned
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG
+             and "attempt" in r.getMessage()]
+    assert len(debug) >= 2
+    if cause != "refused":
+        # ...and when it ends, with the number of attempts that failed.
+        assert any("registered hyperlight.dev/hypervisor with the kubelet after" in r.getMessage()
+                   and "failed attempts" in r.getMessage() for r in caplog.records)
+
+
+# --- the socket path limit at its edge (issue 11 #9) ---------------------------------------------
+
+
+def plugin_dir_of_length(total: int) -> Path:
+    """A directory whose device-access socket path has exactly ``total`` bytes."""
+    base = short_dir()
+    pad = total - len(f"{base}/") - len(f"/{config.LONGEST_SOCKET}")
+    path = base / ("d" * pad)
+    path.mkdir()
+    assert len(os.fsencode(path / config.LONGEST_SOCKET)) == total
+    return path
+
+
+def test_longest_accepted_plugin_dir_binds_and_registers() -> None:
+    plugin_dir = plugin_dir_of_length(config.MAX_SOCKET_PATH)
+    assert config.LONGEST_SOCKET == ACCESS_SOCKET
+    assert config.socket_path_problem(plugin_dir) == ""
+
+    async def body() -> None:
+        kubelet = KubeletEmulator(plugin_dir)
+        await kubelet.start()
+        tracker = healthy_tracker()
+        plugin = PluginLifecycle(plugin_dir, ACCESS_SOCKET, ACCESS,
+                                 lambda: DeviceAccessPlugin("kvm", Path("/dev"), tracker))
+        task = asyncio.create_task(plugin.run())
+        try:
+            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
+        finally:
+            task.cancel()
+            await asyncio.wait({task})
+            await kubelet.stop()
+
+    run(body())
+
+
+def test_one_byte_longer_plugin_dir_exits_2_naming_the_flag(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    plugin_dir = plugin_dir_of_length(config.MAX_SOCKET_PATH + 1)
+    assert config.socket_path_problem(plugin_dir)
+
+    async def bind() -> None:
+        """The limit is not stricter than gRPC: one byte more does not bind."""
+        server = grpc.aio.server()
+        with pytest.raises(RuntimeError, match="Failed to bind"):
+            server.add_insecure_port(f"unix://{plugin_dir / config.LONGEST_SOCKET}")
+        await server.stop(None)
+
+    run(bind())
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bootstrap", "--plugin-dir", str(plugin_dir)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--plugin-dir" in err and "too long" in err
