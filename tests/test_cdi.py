@@ -22,13 +22,13 @@ from typing import Any, TypeVar
 import pytest
 
 from hlplugin.cdi import (
+    CDI_VERSION,
     KIND,
     SPEC_FILE,
     TEMP_PREFIX,
     CdiReconciler,
     check_file,
     desired_spec,
-    minimum_version,
     qualified_name,
     render_spec,
 )
@@ -183,7 +183,7 @@ def test_desired_spec_is_exactly_the_documented_content() -> None:
             "name": "kvm",
             "containerEdits": {
                 "deviceNodes": [{"path": "/dev/kvm", "type": "c", "permissions": "rw",
-                                 "uid": 65534, "gid": 65533}],
+                                 "fileMode": 0o666, "uid": 65534, "gid": 65533}],
                 "env": ["HYPERLIGHT_HYPERVISOR=kvm", "HYPERLIGHT_DEVICE_PATH=/dev/kvm"],
             },
         }],
@@ -202,59 +202,40 @@ def test_rendered_bytes_are_deterministic() -> None:
     assert render_spec("kvm", 1, 2) != first
 
 
-def _with_edit(key: str, value: Any, *, device_level: bool = True) -> dict[str, Any]:
-    spec = desired_spec("kvm", 65534, 65534)
-    edits = spec["devices"][0]["containerEdits"] if device_level else spec.setdefault(
-        "containerEdits", {})
-    edits[key] = value
-    return spec
+def test_device_node_mode_is_stated_as_a_decimal_json_number() -> None:
+    # Without fileMode, containerd 2.x gives the container's node the host's mode (0600 here), so
+    # only DEVICE_UID could open it. JSON has no octal: Go decodes 438 into os.FileMode 0o666.
+    node = json.loads(render_spec("kvm", 65534, 65534))["devices"][0]["containerEdits"][
+        "deviceNodes"][0]
+    assert node["fileMode"] == 438 == 0o666
+    assert type(node["fileMode"]) is int
+    assert b'"fileMode": 438,' in render_spec("kvm", 65534, 65534)
 
 
-def _with_node_field(key: str, value: Any) -> dict[str, Any]:
-    spec = desired_spec("kvm", 65534, 65534)
-    spec["devices"][0]["containerEdits"]["deviceNodes"][0][key] = value
-    return spec
+# Fields each CDI version up to CDI_VERSION (0.3.0) knows; anything newer would need a newer
+# cdiVersion (see the version table in tests/data/cdi-schema's source, SPEC.md).
+FIELDS_0_3_0 = {
+    "spec": {"cdiVersion", "kind", "devices", "containerEdits"},
+    "device": {"name", "containerEdits"},
+    "edits": {"env", "deviceNodes", "hooks", "mounts"},
+    "node": {"path", "type", "major", "minor", "fileMode", "permissions", "uid", "gid"},
+}
 
 
-def _with(key: str, value: Any, *, device_level: bool = False) -> dict[str, Any]:
-    spec = desired_spec("kvm", 65534, 65534)
-    (spec["devices"][0] if device_level else spec)[key] = value
-    return spec
-
-
-@pytest.mark.parametrize(("spec", "version"), [
-    (desired_spec("kvm", 65534, 65534), "0.3.0"),
-    (_with_edit("mounts", [{"hostPath": "/a", "containerPath": "/b"}]), "0.3.0"),
-    (_with_edit("mounts", [{"hostPath": "/a", "containerPath": "/b", "type": "bind"}]), "0.4.0"),
-    (_with_edit("mounts", [{"hostPath": "/a", "containerPath": "/b", "type": "bind"}],
-                device_level=False), "0.4.0"),
-    (_with_node_field("hostPath", "/dev/kvm"), "0.5.0"),
-    (_with_node_field("hostPath", ""), "0.3.0"),
-    (_with("devices", [{"name": "0kvm", "containerEdits": {}}]), "0.5.0"),
-    (_with("annotations", {"a": "b"}), "0.6.0"),
-    (_with("annotations", {"a": "b"}, device_level=True), "0.6.0"),
-    (_with("kind", "hyperlight.dev/hyper.visor"), "0.6.0"),
-    (_with_edit("additionalGids", [5]), "0.7.0"),
-    (_with_edit("additionalGids", [5], device_level=False), "0.7.0"),
-    (_with_edit("intelRdt", {"closID": "x"}), "0.7.0"),
-    (_with_edit("intelRdt", {"enableMonitoring": True}), "1.1.0"),
-    (_with_edit("intelRdt", {"schemata": []}), "1.1.0"),
-    (_with_edit("netDevices", [{"hostInterfaceName": "eth0", "name": "eth1"}]), "1.1.0"),
-    (_with_edit("netDevices", [{"hostInterfaceName": "eth0", "name": "eth1"}],
-                device_level=False), "1.1.0"),
-], ids=["ours", "mount", "mount-type", "spec-mount-type", "hostPath", "empty-hostPath",
-        "digit-name", "annotations", "device-annotations", "dotted-kind", "additionalGids",
-        "spec-additionalGids", "intelRdt", "rdt-monitoring", "rdt-schemata", "netDevices",
-        "spec-netDevices"])
-def test_minimum_version_follows_the_version_table(spec: dict[str, Any], version: str) -> None:
-    assert minimum_version(spec) == version
-
-
-def test_minimum_version_takes_the_newest_requirement() -> None:
-    spec = _with_node_field("hostPath", "/dev/kvm")
-    spec["devices"][0]["containerEdits"]["netDevices"] = [{"hostInterfaceName": "a", "name": "b"}]
-    spec["annotations"] = {"a": "b"}
-    assert minimum_version(spec) == "1.1.0"
+@pytest.mark.parametrize("hypervisor", ["kvm", "mshv"])
+def test_cdi_version_covers_every_field_we_write(hypervisor: str) -> None:
+    spec = desired_spec(hypervisor, 65534, 65534)
+    assert spec["cdiVersion"] == CDI_VERSION == "0.3.0"
+    assert set(spec) <= FIELDS_0_3_0["spec"]
+    vendor, _, name = spec["kind"].partition("/")
+    assert vendor and "." not in name  # a dot in the name segment needs 0.6.0
+    for device in spec["devices"]:
+        assert set(device) <= FIELDS_0_3_0["device"]
+        assert device["name"][0].isalpha()  # a leading digit needs 0.5.0
+        edits = device["containerEdits"]
+        assert set(edits) <= FIELDS_0_3_0["edits"]
+        for node in edits["deviceNodes"]:
+            assert set(node) <= FIELDS_0_3_0["node"]  # hostPath would need 0.5.0
 
 
 @pytest.mark.skipif(VALIDATOR is None, reason=f"CDI reference schema not found at {SCHEMA_DIR}")
@@ -355,6 +336,8 @@ STALE_CASES = {
     "type": _mutate(lambda s: _node(s).update(type="b")),
     "permissions": _mutate(lambda s: _node(s).update(permissions="rwm")),
     "uid": _mutate(lambda s: _node(s).update(uid=0)),
+    "fileMode": _mutate(lambda s: _node(s).update(fileMode=0o600)),
+    "no-fileMode": _mutate(lambda s: _node(s).pop("fileMode")),
     "gid": _mutate(lambda s: _node(s).update(gid=0)),
     "env": _mutate(lambda s: _edits(s)["env"].append("EXTRA=1")),
     "cdiVersion": _mutate(lambda s: s.update(cdiVersion="0.6.0")),
@@ -375,6 +358,7 @@ MALFORMED_CASES = {
     "binary": b"\xff\xfe\x00garbage",
     "devices-not-list": _mutate(lambda s: s.update(devices="kvm")),
     "uid-string": _mutate(lambda s: _node(s).update(uid="65534")),
+    "fileMode-octal-string": _mutate(lambda s: _node(s).update(fileMode="0666")),
     "env-not-strings": _mutate(lambda s: _edits(s).update(env=[1])),
     "edits-not-object": _mutate(lambda s: s["devices"][0].update(containerEdits=[])),
     "no-kind": _mutate(lambda s: s.pop("kind")),

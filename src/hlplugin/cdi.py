@@ -20,7 +20,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,103 +46,38 @@ def qualified_name(hypervisor: str) -> str:
     return f"{KIND}={hypervisor}"
 
 
-# --- minimum cdiVersion --------------------------------------------------------------------------
-# Consumers reject a cdiVersion newer than they know (podman 4.3 rejects 0.6.0), so we declare the
-# oldest version whose fields we use. The rules mirror the spec's version table; 0.8.0 and 1.0.0
-# changed only the Go API and add no rule.
-
-
-def _edits(spec: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
-    """Every containerEdits object: the spec's own and each device's."""
-    for owner in (spec, *_devices(spec)):
-        edits = owner.get("containerEdits")
-        if isinstance(edits, Mapping):
-            yield edits
-
-
-def _devices(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    devices = spec.get("devices")
-    return [d for d in devices if isinstance(d, Mapping)] if isinstance(devices, list) else []
-
-
-def _items(edits: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
-    value = edits.get(key)
-    return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []
-
-
-def _needs_0_4(spec: Mapping[str, Any]) -> bool:
-    return any(m.get("type") for e in _edits(spec) for m in _items(e, "mounts"))
-
-
-def _needs_0_5(spec: Mapping[str, Any]) -> bool:
-    names = [d.get("name") for d in _devices(spec)]
-    if any(isinstance(n, str) and n and not n[0].isalpha() for n in names):
-        return True
-    return any(n.get("hostPath") for e in _edits(spec) for n in _items(e, "deviceNodes"))
-
-
-def _needs_0_6(spec: Mapping[str, Any]) -> bool:
-    if spec.get("annotations") or any(d.get("annotations") for d in _devices(spec)):
-        return True
-    vendor, _, kind_name = str(spec.get("kind", "")).partition("/")
-    return bool(vendor) and "." in kind_name
-
-
-def _needs_0_7(spec: Mapping[str, Any]) -> bool:
-    return any("intelRdt" in e or e.get("additionalGids") for e in _edits(spec))
-
-
-def _needs_1_1(spec: Mapping[str, Any]) -> bool:
-    for e in _edits(spec):
-        rdt = e.get("intelRdt")
-        if e.get("netDevices"):
-            return True
-        if isinstance(rdt, Mapping) and (rdt.get("schemata") is not None
-                                         or rdt.get("enableMonitoring") is True):
-            return True
-    return False
-
-
-_EARLIEST = "0.3.0"
-# Oldest first, as in the spec's table.
-VERSION_RULES: tuple[tuple[str, Callable[[Mapping[str, Any]], bool]], ...] = (
-    ("0.4.0", _needs_0_4),  # type on mounts
-    ("0.5.0", _needs_0_5),  # hostPath on device nodes; device names not starting with a letter
-    ("0.6.0", _needs_0_6),  # annotations; dots in the name segment of kind
-    ("0.7.0", _needs_0_7),  # intelRdt; additionalGids
-    ("1.1.0", _needs_1_1),  # netDevices; intelRdt schemata/enableMonitoring
-)
-
-
-def minimum_version(spec: Mapping[str, Any]) -> str:
-    """The oldest cdiVersion that supports every field ``spec`` uses."""
-    for version, needs in VERSION_RULES[::-1]:
-        if needs(spec):
-            return version
-    return _EARLIEST
-
-
 # --- desired content -----------------------------------------------------------------------------
 
 
+# Consumers reject a cdiVersion newer than they know (podman 4.3 rejects 0.6.0) and one older than
+# the fields a spec uses need. Every field we write (fileMode included) is in the spec since its
+# first tagged release, 0.3.0; the schema test and the podman test guard this.
+CDI_VERSION = "0.3.0"
+# The mode of the node *in the container* (the host's node is untouched). Stated because runtimes
+# disagree when it is missing: runc, under podman, makes it 0666; containerd 2.x copies the host's
+# mode (0600 or 0660 root:kvm), so a workload whose UID is not DEVICE_UID gets EACCES. 0666 lets
+# any UID in the container open the one device it was allocated: the container's /dev is its own,
+# the device cgroup admits this node only, and nothing else becomes reachable.
+DEVICE_FILE_MODE = 0o666
+
+
 def desired_spec(hypervisor: str, uid: int, gid: int) -> dict[str, Any]:
-    """One device, ``<hypervisor>``: its node, owned by the workload's uid/gid, and two env vars."""
+    """One device, ``<hypervisor>``: its node (owned by uid/gid, mode 0666), and two env vars."""
     device_path = f"/dev/{hypervisor}"
-    spec: dict[str, Any] = {
-        "cdiVersion": "",
+    return {
+        "cdiVersion": CDI_VERSION,
         "kind": KIND,
         "devices": [{
             "name": hypervisor,
             "containerEdits": {
+                # JSON has no octal: fileMode is Go's os.FileMode, a decimal number (438).
                 "deviceNodes": [{"path": device_path, "type": "c", "permissions": "rw",
-                                 "uid": uid, "gid": gid}],
+                                 "fileMode": DEVICE_FILE_MODE, "uid": uid, "gid": gid}],
                 "env": [f"HYPERLIGHT_HYPERVISOR={hypervisor}",
                         f"HYPERLIGHT_DEVICE_PATH={device_path}"],
             },
         }],
     }
-    spec["cdiVersion"] = minimum_version(spec)
-    return spec
 
 
 def render_spec(hypervisor: str, uid: int, gid: int) -> bytes:
@@ -245,7 +180,7 @@ def _edits_well_formed(edits: Any) -> bool:
         if any(k in node and not isinstance(node[k], str)
                for k in ("type", "permissions", "hostPath")):
             return False
-        if any(k in node and type(node[k]) is not int for k in ("uid", "gid", "major", "minor")):
+        if any(k in node and type(node[k]) is not int for k in ("uid", "gid", "major", "minor", "fileMode")):
             return False
     return True
 
