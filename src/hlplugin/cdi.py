@@ -55,7 +55,8 @@ def qualified_name(hypervisor: str) -> str:
 
 # Consumers reject a cdiVersion newer than they know (podman 4.3 rejects 0.6.0) and one older than
 # the fields a spec uses need. Every field we write (fileMode included) is in the spec since its
-# first tagged release, 0.3.0; the schema test and the podman test guard this.
+# first tagged release, 0.3.0. test_cdi_version_covers_every_field_we_write and the podman tests
+# (podman 4.3.1 resolves our spec) guard this.
 CDI_VERSION = "0.3.0"
 # The mode of the node *in the container* (the host's node is untouched). Stated because runtimes
 # disagree when it is missing: runc, under podman, makes it 0666; containerd 2.x copies the host's
