@@ -659,10 +659,9 @@ class Swapper:
     run, keeps exchanging its own object, a symlink or a directory, with whatever is at our path
     (renameat2 RENAME_EXCHANGE, as fast as it can); or ("gap") keeps moving its symlink from our
     path to its side name and back (RENAME_NOREPLACE), so that our path is now missing, now the
-    symlink. By its
-    own doing the object is always either at our path or at its side name; so after a pass, if
-    it is at neither, the repair replaced it. What the exchanges move to the side name is what a
-    runtime could have read at our path.
+    symlink. None of its moves destroys anything, so its object is always either at our path or
+    at its side name; if after a pass it is at neither, the repair replaced it. What the
+    exchanges move to the side name is what a runtime could have read at our path.
     """
 
     def __init__(self, cdi_dir: Path, target: Path) -> None:
@@ -785,7 +784,8 @@ def test_a_symlink_or_directory_swapped_in_during_repairs_is_never_replaced(
     assert tally["replaced"] == 0, f"the swapped-in object was replaced: {tally}, {outcomes}"
     assert target.read_bytes() == b"not yours\n"
     assert rig.refusals("write_failed") == 0, outcomes
-    assert tally["rounds"] >= 500 and tally["ours_seen"] > 0, tally
+    # At least 200 rounds even on a loaded machine; the old code lost the object in 4-6 % of them.
+    assert tally["rounds"] >= 200 and tally["ours_seen"] > 0, tally
 
 
 def test_other_files_in_the_directory_are_left_alone(cdi_dir: Path) -> None:
