@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import errno
 import itertools
 import json
 import logging
 import os
+import platform
 import shutil
 import socket
 import stat
@@ -22,13 +25,13 @@ from typing import Any, TypeVar
 import pytest
 
 from hlplugin.cdi import (
+    CDI_VERSION,
     KIND,
     SPEC_FILE,
     TEMP_PREFIX,
     CdiReconciler,
     check_file,
     desired_spec,
-    minimum_version,
     qualified_name,
     render_spec,
 )
@@ -183,7 +186,7 @@ def test_desired_spec_is_exactly_the_documented_content() -> None:
             "name": "kvm",
             "containerEdits": {
                 "deviceNodes": [{"path": "/dev/kvm", "type": "c", "permissions": "rw",
-                                 "uid": 65534, "gid": 65533}],
+                                 "fileMode": 0o666, "uid": 65534, "gid": 65533}],
                 "env": ["HYPERLIGHT_HYPERVISOR=kvm", "HYPERLIGHT_DEVICE_PATH=/dev/kvm"],
             },
         }],
@@ -202,59 +205,40 @@ def test_rendered_bytes_are_deterministic() -> None:
     assert render_spec("kvm", 1, 2) != first
 
 
-def _with_edit(key: str, value: Any, *, device_level: bool = True) -> dict[str, Any]:
-    spec = desired_spec("kvm", 65534, 65534)
-    edits = spec["devices"][0]["containerEdits"] if device_level else spec.setdefault(
-        "containerEdits", {})
-    edits[key] = value
-    return spec
+def test_device_node_mode_is_stated_as_a_decimal_json_number() -> None:
+    # Without fileMode, containerd 2.x gives the container's node the host's mode (0600 here), so
+    # only DEVICE_UID could open it. JSON has no octal: Go decodes 438 into os.FileMode 0o666.
+    node = json.loads(render_spec("kvm", 65534, 65534))["devices"][0]["containerEdits"][
+        "deviceNodes"][0]
+    assert node["fileMode"] == 438 == 0o666
+    assert type(node["fileMode"]) is int
+    assert b'"fileMode": 438,' in render_spec("kvm", 65534, 65534)
 
 
-def _with_node_field(key: str, value: Any) -> dict[str, Any]:
-    spec = desired_spec("kvm", 65534, 65534)
-    spec["devices"][0]["containerEdits"]["deviceNodes"][0][key] = value
-    return spec
+# Fields each CDI version up to CDI_VERSION (0.3.0) knows; anything newer would need a newer
+# cdiVersion (see the version table in tests/data/cdi-schema's source, SPEC.md).
+FIELDS_0_3_0 = {
+    "spec": {"cdiVersion", "kind", "devices", "containerEdits"},
+    "device": {"name", "containerEdits"},
+    "edits": {"env", "deviceNodes", "hooks", "mounts"},
+    "node": {"path", "type", "major", "minor", "fileMode", "permissions", "uid", "gid"},
+}
 
 
-def _with(key: str, value: Any, *, device_level: bool = False) -> dict[str, Any]:
-    spec = desired_spec("kvm", 65534, 65534)
-    (spec["devices"][0] if device_level else spec)[key] = value
-    return spec
-
-
-@pytest.mark.parametrize(("spec", "version"), [
-    (desired_spec("kvm", 65534, 65534), "0.3.0"),
-    (_with_edit("mounts", [{"hostPath": "/a", "containerPath": "/b"}]), "0.3.0"),
-    (_with_edit("mounts", [{"hostPath": "/a", "containerPath": "/b", "type": "bind"}]), "0.4.0"),
-    (_with_edit("mounts", [{"hostPath": "/a", "containerPath": "/b", "type": "bind"}],
-                device_level=False), "0.4.0"),
-    (_with_node_field("hostPath", "/dev/kvm"), "0.5.0"),
-    (_with_node_field("hostPath", ""), "0.3.0"),
-    (_with("devices", [{"name": "0kvm", "containerEdits": {}}]), "0.5.0"),
-    (_with("annotations", {"a": "b"}), "0.6.0"),
-    (_with("annotations", {"a": "b"}, device_level=True), "0.6.0"),
-    (_with("kind", "hyperlight.dev/hyper.visor"), "0.6.0"),
-    (_with_edit("additionalGids", [5]), "0.7.0"),
-    (_with_edit("additionalGids", [5], device_level=False), "0.7.0"),
-    (_with_edit("intelRdt", {"closID": "x"}), "0.7.0"),
-    (_with_edit("intelRdt", {"enableMonitoring": True}), "1.1.0"),
-    (_with_edit("intelRdt", {"schemata": []}), "1.1.0"),
-    (_with_edit("netDevices", [{"hostInterfaceName": "eth0", "name": "eth1"}]), "1.1.0"),
-    (_with_edit("netDevices", [{"hostInterfaceName": "eth0", "name": "eth1"}],
-                device_level=False), "1.1.0"),
-], ids=["ours", "mount", "mount-type", "spec-mount-type", "hostPath", "empty-hostPath",
-        "digit-name", "annotations", "device-annotations", "dotted-kind", "additionalGids",
-        "spec-additionalGids", "intelRdt", "rdt-monitoring", "rdt-schemata", "netDevices",
-        "spec-netDevices"])
-def test_minimum_version_follows_the_version_table(spec: dict[str, Any], version: str) -> None:
-    assert minimum_version(spec) == version
-
-
-def test_minimum_version_takes_the_newest_requirement() -> None:
-    spec = _with_node_field("hostPath", "/dev/kvm")
-    spec["devices"][0]["containerEdits"]["netDevices"] = [{"hostInterfaceName": "a", "name": "b"}]
-    spec["annotations"] = {"a": "b"}
-    assert minimum_version(spec) == "1.1.0"
+@pytest.mark.parametrize("hypervisor", ["kvm", "mshv"])
+def test_cdi_version_covers_every_field_we_write(hypervisor: str) -> None:
+    spec = desired_spec(hypervisor, 65534, 65534)
+    assert spec["cdiVersion"] == CDI_VERSION == "0.3.0"
+    assert set(spec) <= FIELDS_0_3_0["spec"]
+    vendor, _, name = spec["kind"].partition("/")
+    assert vendor and "." not in name  # a dot in the name segment needs 0.6.0
+    for device in spec["devices"]:
+        assert set(device) <= FIELDS_0_3_0["device"]
+        assert device["name"][0].isalpha()  # a leading digit needs 0.5.0
+        edits = device["containerEdits"]
+        assert set(edits) <= FIELDS_0_3_0["edits"]
+        for node in edits["deviceNodes"]:
+            assert set(node) <= FIELDS_0_3_0["node"]  # hostPath would need 0.5.0
 
 
 @pytest.mark.skipif(VALIDATOR is None, reason=f"CDI reference schema not found at {SCHEMA_DIR}")
@@ -355,6 +339,8 @@ STALE_CASES = {
     "type": _mutate(lambda s: _node(s).update(type="b")),
     "permissions": _mutate(lambda s: _node(s).update(permissions="rwm")),
     "uid": _mutate(lambda s: _node(s).update(uid=0)),
+    "fileMode": _mutate(lambda s: _node(s).update(fileMode=0o600)),
+    "no-fileMode": _mutate(lambda s: _node(s).pop("fileMode")),
     "gid": _mutate(lambda s: _node(s).update(gid=0)),
     "env": _mutate(lambda s: _edits(s)["env"].append("EXTRA=1")),
     "cdiVersion": _mutate(lambda s: s.update(cdiVersion="0.6.0")),
@@ -375,6 +361,7 @@ MALFORMED_CASES = {
     "binary": b"\xff\xfe\x00garbage",
     "devices-not-list": _mutate(lambda s: s.update(devices="kvm")),
     "uid-string": _mutate(lambda s: _node(s).update(uid="65534")),
+    "fileMode-octal-string": _mutate(lambda s: _node(s).update(fileMode="0666")),
     "env-not-strings": _mutate(lambda s: _edits(s).update(env=[1])),
     "edits-not-object": _mutate(lambda s: s["devices"][0].update(containerEdits=[])),
     "no-kind": _mutate(lambda s: s.pop("kind")),
@@ -584,6 +571,29 @@ def test_non_regular_path_is_refused_untouched_and_recovers(
     assert check_file(rig.path, DESIRED) == (True, "")
 
 
+@needs_root
+@pytest.mark.timeout(30)
+def test_a_file_mounted_at_our_path_is_refused_untouched_and_recovers(cdi_dir: Path,
+                                                                       tmp_path: Path) -> None:
+    source = tmp_path / "mounted.json"
+    source.write_bytes(STALE)
+    rig = Rig(cdi_dir, interval=60.0)
+    rig.path.write_bytes(b"")
+    subprocess.run(["mount", "--bind", str(source), str(rig.path)], check=True)
+    try:
+        condition = run(rig.rec.reconcile("start"))
+        reason = f"{rig.path} is a mount point; refusing to replace what we do not own"
+        assert condition == Condition(False, reason) == rig.cdi
+        assert rig.refusals("not_regular") == 1 and rig.refusals("write_failed") == 0
+        assert rig.path.read_bytes() == STALE == source.read_bytes()
+        assert temp_files(cdi_dir) == []
+    finally:
+        subprocess.run(["umount", str(rig.path)], check=True)
+    assert run(rig.rec.reconcile("retry")).ok
+    assert_desired(rig.path)
+    assert source.read_bytes() == STALE
+
+
 # --- atomicity and neighbours --------------------------------------------------------------------
 
 
@@ -627,6 +637,155 @@ def test_readers_never_see_a_torn_empty_or_missing_spec(cdi_dir: Path) -> None:
     assert rig.repairs("stale") == 300
     assert_desired(rig.path)
     assert temp_files(cdi_dir) == []
+
+
+# --- an intruder racing the repair ---------------------------------------------------------------
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+RENAME_NOREPLACE = 1
+
+
+def exchange(a: Path, b: Path, flags: int = 2) -> None:
+    """renameat2(RENAME_EXCHANGE, or RENAME_NOREPLACE with flags=1), written here apart from
+    the code under test."""
+    if _LIBC.renameat2(-100, os.fsencode(a), -100, os.fsencode(b), flags) != 0:  # AT_FDCWD
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(a))
+
+
+class Swapper:
+    """Someone with write access to the CDI directory (a fake of the world) who, while repairs
+    run, keeps exchanging its own object, a symlink or a directory, with whatever is at our path
+    (renameat2 RENAME_EXCHANGE, as fast as it can); or ("gap") keeps moving its symlink from our
+    path to its side name and back (RENAME_NOREPLACE), so that our path is now missing, now the
+    symlink. None of its moves destroys anything, so its object is always either at our path or
+    at its side name; if after a pass it is at neither, the repair replaced it. What the
+    exchanges move to the side name is what a runtime could have read at our path.
+    """
+
+    def __init__(self, cdi_dir: Path, target: Path) -> None:
+        self.path, self.side, self.target = cdi_dir / SPEC_FILE, cdi_dir / "intruder", target
+        self.go, self.halt, self.halted = threading.Event(), threading.Event(), threading.Event()
+        self.identity: tuple[int, int] = (0, 0)
+        self.kind = ""
+        self.swaps = 0
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="swapper", daemon=True)
+        self.thread.start()
+
+    def start_round(self, kind: str) -> None:
+        """Our path holds a stale spec to repair and the object waits at the side name; or, for
+        "gap", the object is at our path."""
+        for path in (self.path, self.side):
+            if path.is_symlink() or path.exists():
+                _remove(path)
+        self.kind = kind
+        if kind == "gap":
+            self.path.symlink_to(self.target)
+        else:
+            self.path.write_bytes(STALE)
+        if kind == "symlink":
+            self.side.symlink_to(self.target)
+        elif kind == "directory":
+            self.side.mkdir()
+            (self.side / "inside").write_bytes(b"x")
+        st = os.lstat(self.path if kind == "gap" else self.side)
+        self.identity = (st.st_dev, st.st_ino)
+        self.halt.clear()
+        self.halted.clear()
+        self.go.set()
+
+    def end_round(self) -> None:
+        self.halt.set()
+        assert self.halted.wait(GUARD), "the swapper hung"
+
+    def _run(self) -> None:
+        while True:
+            self.go.wait()
+            self.go.clear()
+            if self.stopped:
+                return
+            while not self.halt.is_set():
+                if self.kind == "gap":  # never over anything: nothing is lost by its doing
+                    with contextlib.suppress(FileNotFoundError, FileExistsError):
+                        exchange(self.path, self.side, RENAME_NOREPLACE)
+                    with contextlib.suppress(FileNotFoundError, FileExistsError):
+                        exchange(self.side, self.path, RENAME_NOREPLACE)
+                else:
+                    exchange(self.side, self.path)
+                self.swaps += 1
+            self.halted.set()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.go.set()
+        self.thread.join(GUARD)
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+@pytest.mark.timeout(120)
+def test_a_symlink_or_directory_swapped_in_during_repairs_is_never_replaced(
+    cdi_dir: Path, tmp_path: Path,
+) -> None:
+    """Thousands of repairs, each raced by a Swapper. Whatever the interleaving, its object
+    survives, its symlink's target is never written, and every regular file that was at our
+    path is the stale spec or exactly ours (never torn, never the wrong mode)."""
+    rounds, budget = 3000, 20.0
+    target = tmp_path / "victim.txt"
+    target.write_bytes(b"not yours\n")
+    rig = Rig(cdi_dir, interval=60.0)
+    swapper = Swapper(cdi_dir, target)
+    tally = {"rounds": 0, "replaced": 0, "ours_seen": 0}
+    outcomes: dict[str, int] = {}
+
+    async def scenario() -> None:
+        start = time.monotonic()
+        for i in range(rounds):
+            if time.monotonic() - start > budget:
+                break
+            kind = ("symlink", "directory", "gap")[i % 3]
+            swapper.start_round(kind)
+            condition = await rig.rec.reconcile("race")
+            swapper.end_round()
+            tally["rounds"] += 1
+            key = "ok" if condition.ok else condition.reason.split(" is ", 1)[-1].split(";")[0]
+            outcomes[key] = outcomes.get(key, 0) + 1
+            if swapper.identity not in (_identity(rig.path), _identity(swapper.side)):
+                tally["replaced"] += 1
+                continue
+            if kind == "directory":
+                directory = next(p for p in (rig.path, swapper.side) if p.is_dir())
+                assert os.listdir(directory) == ["inside"]
+            assert temp_files(cdi_dir) == []
+            for path in (rig.path, swapper.side):
+                if _identity(path) is None:  # "gap": the side name is empty
+                    continue
+                st = os.lstat(path)
+                if stat.S_ISREG(st.st_mode):
+                    data = path.read_bytes()
+                    assert data in (STALE, DESIRED), data
+                    if data == DESIRED:
+                        tally["ours_seen"] += 1
+                        assert stat.S_IMODE(st.st_mode) == 0o644
+
+    try:
+        run(scenario())
+    finally:
+        swapper.stop()
+    print("race:", tally, "swaps:", swapper.swaps, "outcomes:", outcomes)
+    assert tally["replaced"] == 0, f"the swapped-in object was replaced: {tally}, {outcomes}"
+    assert target.read_bytes() == b"not yours\n"
+    assert rig.refusals("write_failed") == 0, outcomes
+    # At least 200 rounds even on a loaded machine; the old code lost the object in 4-6 % of them.
+    assert tally["rounds"] >= 200 and tally["ours_seen"] > 0, tally
 
 
 def test_other_files_in_the_directory_are_left_alone(cdi_dir: Path) -> None:
@@ -758,9 +917,20 @@ def test_not_creatable_directory_fails_then_recovers(tmp_path: Path) -> None:
     assert_desired(rig.path)
 
 
+def _become_nobody() -> None:
+    os.setgroups([])
+    os.setegid(65534)
+    os.seteuid(65534)
+
+
 def _as_nobody(task: Callable[[], object]) -> object:
     """Run ``task`` in a forked child with euid/egid 65534 (DAC applies there); its result back."""
-    import concurrent.futures.thread  # noqa: F401  (imported lazily by to_thread; root-only path)
+    return _forked(_become_nobody, task)
+
+
+def _forked(prepare: Callable[[], None], task: Callable[[], object]) -> object:
+    """Run ``prepare`` then ``task`` in a forked child; the repr of the task's result back."""
+    import concurrent.futures.thread  # noqa: F401  (imported lazily by to_thread)
     import traceback
 
     read_end, write_end = os.pipe()
@@ -769,9 +939,7 @@ def _as_nobody(task: Callable[[], object]) -> object:
         code = 0
         try:
             os.close(read_end)
-            os.setgroups([])
-            os.setegid(65534)
-            os.seteuid(65534)
+            prepare()
             payload = repr(task()).encode()
         except BaseException:
             payload, code = traceback.format_exc().encode(), 1
@@ -783,6 +951,76 @@ def _as_nobody(task: Callable[[], object]) -> object:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, payload.decode()
     return payload.decode()
+
+
+def _kernel_without_renameat2_flags() -> None:
+    """Make this process's kernel answer renameat2 with any flag EINVAL, as a filesystem without
+    RENAME_EXCHANGE/RENAME_NOREPLACE does (FUSE without rename2, ...): a seccomp filter, inherited
+    by the threads started afterwards. x86_64 only (the system call number and argument offset).
+    """
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
+                    ("k", ctypes.c_uint)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
+    allow, einval = 0x7FFF0000, 0x00050000 | errno.EINVAL
+    program = [
+        SockFilter(ld, 0, 0, 4), SockFilter(jeq, 0, 5, 0xC000003E),  # arch == x86_64
+        SockFilter(ld, 0, 0, 0), SockFilter(jeq, 0, 3, 316),  # nr == renameat2
+        SockFilter(ld, 0, 0, 48), SockFilter(jeq, 1, 0, 0),  # args[4] (flags) == 0
+        SockFilter(ret, 0, 0, einval), SockFilter(ret, 0, 0, allow),
+    ]
+    filters = (SockFilter * len(program))(*program)
+    prog = SockFprog(len(program), filters)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                           ctypes.c_ulong]
+    if libc.prctl(38, 1, None, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
+    if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        raise OSError(ctypes.get_errno(), "PR_SET_SECCOMP")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the seccomp filter is x86_64 only")
+@pytest.mark.timeout(30)
+def test_without_renameat2_flags_it_falls_back_to_check_and_rename_and_says_so_once(
+    cdi_dir: Path, tmp_path: Path,
+) -> None:
+    def scenario() -> object:
+        records: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("hlplugin.cdi").addHandler(handler)
+        logging.getLogger("hlplugin.cdi").setLevel(logging.INFO)
+        probe = cdi_dir / "probe"
+        probe.write_bytes(b"")
+        exchange_error = ""
+        try:
+            exchange(probe, cdi_dir / "probe2")
+        except OSError as exc:
+            exchange_error = errno.errorcode[exc.errno or 0]
+        probe.unlink()
+        rig = Rig(cdi_dir)
+        rig.path.write_bytes(STALE)
+        first = run(rig.rec.reconcile("start"))
+        right = rig.path.read_bytes() == DESIRED and stat.S_IMODE(os.lstat(rig.path).st_mode)
+        rig.path.unlink()
+        second = run(rig.rec.reconcile("watch"))
+        rig.path.unlink()
+        rig.path.symlink_to(tmp_path / "nowhere")
+        third = run(rig.rec.reconcile("watch"))
+        warnings = [m for m in records if "does not support renameat2" in m]
+        return (exchange_error, first, right, second, third.reason, len(warnings),
+                rig.repairs("stale"), rig.repairs("missing"), temp_files(cdi_dir))
+
+    assert _forked(_kernel_without_renameat2_flags, scenario) == repr((
+        "EINVAL", Condition(True), 0o644, Condition(True),
+        f"{cdi_dir / SPEC_FILE} is a symlink; refusing to replace what we do not own", 1,
+        1.0, 1.0, []))
+    assert os.readlink(cdi_dir / SPEC_FILE) == str(tmp_path / "nowhere")
 
 
 @needs_root

@@ -3,6 +3,7 @@
 podman 4.3 reads CDI specs only from /etc/cdi and /var/run/cdi, so each run happens in a private
 mount namespace with the test's directory bound over /var/run/cdi; the machine's own stays as it
 is. The container runs the host's python3 from a root filesystem of read-only bind mounts.
+podman accepting the spec at all also guards its constant cdiVersion.
 """
 
 from __future__ import annotations
@@ -91,13 +92,14 @@ def rootfs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def run_container(spec_dir: Path, rootfs: Path, *extra: str) -> dict[str, Any]:
+def run_container(spec_dir: Path, rootfs: Path, *extra: str,
+                  user: str = f"{UID}:{GID}") -> dict[str, Any]:
     volumes = [arg for name in ("usr", "lib", "lib64", "bin") if Path("/", name).exists()
                for arg in ("-v", f"/{name}:/{name}:ro")]
     podman = ["podman", "--runtime", "runc", "--cgroup-manager=cgroupfs",
               "--events-backend=file", "run", "--rm", "--network=none",
               "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024",
-              "--user", f"{UID}:{GID}", "--cap-drop=ALL", "--security-opt", "no-new-privileges",
+              "--user", user, "--cap-drop=ALL", "--security-opt", "no-new-privileges",
               "--read-only", *volumes, *extra, "--rootfs", str(rootfs),
               "/usr/bin/python3", "-c", PROBE]
     script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
@@ -141,3 +143,32 @@ def test_the_same_container_without_the_device_cannot_open_kvm(spec_dir: Path,
     out = run_container(spec_dir, rootfs)
     assert out.get("open_error") == "ENOENT", out
     assert out["env"] == {}
+
+
+@pytest.fixture(scope="module")
+def owner_only_spec_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Our spec but for the node's mode, 0600: what containerd 2.x gives when none is stated."""
+    directory = tmp_path_factory.mktemp("cdi-0600")
+    spec = json.loads(render_spec("kvm", UID, GID))
+    spec["devices"][0]["containerEdits"]["deviceNodes"][0]["fileMode"] = 0o600
+    desired = (json.dumps(spec, indent=2) + "\n").encode()
+    assert asyncio.run(CdiReconciler(directory, desired).reconcile("start")).ok
+    return directory
+
+
+@pytest.mark.usefixtures("mountpoint")
+def test_a_workload_with_another_uid_opens_the_device_and_creates_a_vm(
+    spec_dir: Path, owner_only_spec_dir: Path, rootfs: Path,
+) -> None:
+    # The spec's nodes are owned by 65534; this workload runs as 1000:1000, as most do.
+    out = run_container(spec_dir, rootfs, "--device", qualified_name("kvm"), user="1000:1000")
+    assert out.get("open_error") is None, out
+    assert (out["uid"], out["gid"]) == (1000, 1000)
+    assert out["api_version"] == 12 and out["vm_created"] is True
+    is_chr, mode, uid, gid, _major, _minor = out["node"]
+    assert is_chr and mode == oct(0o666) and (uid, gid) == (UID, GID)
+    # The runtime does apply fileMode: with the mode containerd copies from this host (0600),
+    # the same workload could not open the device. So the spec's 0666 is what lets it in.
+    denied = run_container(owner_only_spec_dir, rootfs, "--device", qualified_name("kvm"),
+                           user="1000:1000")
+    assert denied.get("open_error") == "EACCES", denied

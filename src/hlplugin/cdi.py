@@ -3,27 +3,31 @@
 We own exactly one file, ``<cdi_dir>/hyperlight.json``. The reconciler keeps it byte-identical to
 the desired content (mode 0644, owned by us), replacing it atomically so a runtime reading it at
 any moment sees the whole old or the whole new spec. Anything that is not a regular file at our
-path is not ours: we refuse to touch it and report unhealthy until someone removes it. Nothing
-else in the directory is modified, and the spec is never deleted.
+path (or a mount point) is not ours: we refuse to touch it and report unhealthy until someone
+removes it, even if it is swapped in while we write (renameat2 RENAME_EXCHANGE: we inspect what we
+displaced and put back what is not ours). Nothing else in the directory is modified, and the spec
+is never deleted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import difflib
 import errno
 import json
 import logging
 import os
+import platform
 import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from hlplugin.health import MIN_PERIOD, Condition, HealthTracker
 from hlplugin.metrics import Metrics
@@ -46,103 +50,39 @@ def qualified_name(hypervisor: str) -> str:
     return f"{KIND}={hypervisor}"
 
 
-# --- minimum cdiVersion --------------------------------------------------------------------------
-# Consumers reject a cdiVersion newer than they know (podman 4.3 rejects 0.6.0), so we declare the
-# oldest version whose fields we use. The rules mirror the spec's version table; 0.8.0 and 1.0.0
-# changed only the Go API and add no rule.
-
-
-def _edits(spec: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
-    """Every containerEdits object: the spec's own and each device's."""
-    for owner in (spec, *_devices(spec)):
-        edits = owner.get("containerEdits")
-        if isinstance(edits, Mapping):
-            yield edits
-
-
-def _devices(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    devices = spec.get("devices")
-    return [d for d in devices if isinstance(d, Mapping)] if isinstance(devices, list) else []
-
-
-def _items(edits: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
-    value = edits.get(key)
-    return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []
-
-
-def _needs_0_4(spec: Mapping[str, Any]) -> bool:
-    return any(m.get("type") for e in _edits(spec) for m in _items(e, "mounts"))
-
-
-def _needs_0_5(spec: Mapping[str, Any]) -> bool:
-    names = [d.get("name") for d in _devices(spec)]
-    if any(isinstance(n, str) and n and not n[0].isalpha() for n in names):
-        return True
-    return any(n.get("hostPath") for e in _edits(spec) for n in _items(e, "deviceNodes"))
-
-
-def _needs_0_6(spec: Mapping[str, Any]) -> bool:
-    if spec.get("annotations") or any(d.get("annotations") for d in _devices(spec)):
-        return True
-    vendor, _, kind_name = str(spec.get("kind", "")).partition("/")
-    return bool(vendor) and "." in kind_name
-
-
-def _needs_0_7(spec: Mapping[str, Any]) -> bool:
-    return any("intelRdt" in e or e.get("additionalGids") for e in _edits(spec))
-
-
-def _needs_1_1(spec: Mapping[str, Any]) -> bool:
-    for e in _edits(spec):
-        rdt = e.get("intelRdt")
-        if e.get("netDevices"):
-            return True
-        if isinstance(rdt, Mapping) and (rdt.get("schemata") is not None
-                                         or rdt.get("enableMonitoring") is True):
-            return True
-    return False
-
-
-_EARLIEST = "0.3.0"
-# Oldest first, as in the spec's table.
-VERSION_RULES: tuple[tuple[str, Callable[[Mapping[str, Any]], bool]], ...] = (
-    ("0.4.0", _needs_0_4),  # type on mounts
-    ("0.5.0", _needs_0_5),  # hostPath on device nodes; device names not starting with a letter
-    ("0.6.0", _needs_0_6),  # annotations; dots in the name segment of kind
-    ("0.7.0", _needs_0_7),  # intelRdt; additionalGids
-    ("1.1.0", _needs_1_1),  # netDevices; intelRdt schemata/enableMonitoring
-)
-
-
-def minimum_version(spec: Mapping[str, Any]) -> str:
-    """The oldest cdiVersion that supports every field ``spec`` uses."""
-    for version, needs in VERSION_RULES[::-1]:
-        if needs(spec):
-            return version
-    return _EARLIEST
-
-
 # --- desired content -----------------------------------------------------------------------------
 
 
+# Consumers reject a cdiVersion newer than they know (podman 4.3 rejects 0.6.0) and one older than
+# the fields a spec uses need. Every field we write (fileMode included) is in the spec since its
+# first tagged release, 0.3.0. test_cdi_version_covers_every_field_we_write and the podman tests
+# (podman 4.3.1 resolves our spec) guard this.
+CDI_VERSION = "0.3.0"
+# The mode of the node *in the container* (the host's node is untouched). Stated because runtimes
+# disagree when it is missing: runc, under podman, makes it 0666; containerd 2.x copies the host's
+# mode (0600 or 0660 root:kvm), so a workload whose UID is not DEVICE_UID gets EACCES. 0666 lets
+# any UID in the container open the one device it was allocated: the container's /dev is its own,
+# the device cgroup admits this node only, and nothing else becomes reachable.
+DEVICE_FILE_MODE = 0o666
+
+
 def desired_spec(hypervisor: str, uid: int, gid: int) -> dict[str, Any]:
-    """One device, ``<hypervisor>``: its node, owned by the workload's uid/gid, and two env vars."""
+    """One device, ``<hypervisor>``: its node (owned by uid/gid, mode 0666), and two env vars."""
     device_path = f"/dev/{hypervisor}"
-    spec: dict[str, Any] = {
-        "cdiVersion": "",
+    return {
+        "cdiVersion": CDI_VERSION,
         "kind": KIND,
         "devices": [{
             "name": hypervisor,
             "containerEdits": {
+                # JSON has no octal: fileMode is Go's os.FileMode, a decimal number (438).
                 "deviceNodes": [{"path": device_path, "type": "c", "permissions": "rw",
-                                 "uid": uid, "gid": gid}],
+                                 "fileMode": DEVICE_FILE_MODE, "uid": uid, "gid": gid}],
                 "env": [f"HYPERLIGHT_HYPERVISOR={hypervisor}",
                         f"HYPERLIGHT_DEVICE_PATH={device_path}"],
             },
         }],
     }
-    spec["cdiVersion"] = minimum_version(spec)
-    return spec
 
 
 def render_spec(hypervisor: str, uid: int, gid: int) -> bytes:
@@ -245,7 +185,7 @@ def _edits_well_formed(edits: Any) -> bool:
         if any(k in node and not isinstance(node[k], str)
                for k in ("type", "permissions", "hostPath")):
             return False
-        if any(k in node and type(node[k]) is not int for k in ("uid", "gid", "major", "minor")):
+        if any(k in node and type(node[k]) is not int for k in ("uid", "gid", "major", "minor", "fileMode")):
             return False
     return True
 
@@ -264,6 +204,92 @@ def _well_formed(content: bytes) -> bool:
                for d in doc["devices"]):
         return False
     return "containerEdits" not in doc or _edits_well_formed(doc["containerEdits"])
+
+
+# --- renameat2 -----------------------------------------------------------------------------------
+
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+# The kernel says EINVAL when a filesystem lacks the flags (FUSE without rename2, ...); ENOSYS
+# when the kernel lacks renameat2 (before 3.15) or libc lacks a way to call it.
+_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
+_MAX_INSTALL_ATTEMPTS = 100
+# renameat2's system call number, for a libc without the wrapper (glibc before 2.28).
+_SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "riscv64": 276, "armv7l": 382, "armv8l": 382,
+                  "i686": 353, "i386": 353, "ppc64le": 357, "ppc64": 357, "s390x": 347}
+_Renameat2 = Callable[[int, bytes, int, bytes, int], int]
+
+
+def _load_renameat2() -> _Renameat2 | None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    func = getattr(libc, "renameat2", None)
+    if func is not None:
+        func.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                         ctypes.c_uint)
+        func.restype = ctypes.c_int
+        return cast(_Renameat2, func)
+    number = _SYS_RENAMEAT2.get(platform.machine())
+    syscall = getattr(libc, "syscall", None)
+    if number is None or syscall is None:
+        return None
+    syscall.restype = ctypes.c_long
+
+    def via_syscall(olddirfd: int, old: bytes, newdirfd: int, new: bytes, flags: int) -> int:
+        return int(syscall(ctypes.c_long(number), ctypes.c_int(olddirfd), ctypes.c_char_p(old),
+                           ctypes.c_int(newdirfd), ctypes.c_char_p(new), ctypes.c_uint(flags)))
+
+    return via_syscall
+
+
+_renameat2 = _load_renameat2()
+
+
+def renameat2(dir_fd: int, old: str, new: str, flags: int) -> None:
+    """Linux renameat2(2) within one directory; raises OSError like the os module does."""
+    if _renameat2 is None:
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS), old)
+    if _renameat2(dir_fd, os.fsencode(old), dir_fd, os.fsencode(new), flags) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), old, None, new)
+
+
+def _put_back(dir_fd: int, temp: str) -> None:
+    """Return what an exchange displaced (now at ``temp``) to our path; what is there now (our
+    file, normally) goes to ``temp``. If our path is empty meanwhile, a no-replace move."""
+    error: OSError | None = None
+    for _ in range(_MAX_INSTALL_ATTEMPTS):
+        try:
+            renameat2(dir_fd, temp, SPEC_FILE, RENAME_EXCHANGE)
+            return
+        except OSError as exc:
+            error = exc
+            if exc.errno != errno.ENOENT:
+                break
+        try:
+            renameat2(dir_fd, temp, SPEC_FILE, RENAME_NOREPLACE)
+            return
+        except OSError as exc:
+            error = exc
+            if exc.errno != errno.EEXIST:
+                break
+    log.warning("could not return what was at %s to its place; it is at %s: %s",
+                SPEC_FILE, temp, error.strerror if error else "")
+
+
+def _discard_temp(dir_fd: int, temp: str) -> None:
+    """Remove our temp name if it holds a regular file: the file we wrote, or the old spec an
+    exchange took from our path. Anything else (what an exchange took and could not put back)
+    is not ours to delete, and stays."""
+    try:
+        st = os.stat(temp, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode):
+            os.unlink(temp, dir_fd=dir_fd)
+        else:
+            log.warning("left %s in place: it is %s, not ours", temp, _kind_of(st.st_mode))
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove our temp file %s: %s", temp, exc.strerror)
 
 
 # --- the reconciler ------------------------------------------------------------------------------
@@ -307,6 +333,7 @@ class CdiReconciler:
         self._thread_lock = threading.Lock()
         self._uid = os.geteuid()
         self._gid = os.getegid()
+        self._warned_no_exchange = False
 
     def _is_right(self, content: bytes, st: os.stat_result) -> bool:
         return content == self.desired and self._metadata_right(st)
@@ -376,15 +403,32 @@ class CdiReconciler:
         return "" if self._metadata_right(st) else "metadata"
 
     def _replace(self) -> None:
-        """Atomically put the desired bytes at our path: temp file, fsync, rename, fsync dir."""
+        """Atomically put the desired bytes at our path: temp file, fsync, swap in, fsync dir.
+
+        All names are resolved in one directory fd, so every step acts on the same directory.
+        """
         os.makedirs(self.cdi_dir, 0o755, exist_ok=True)
-        temp = self.cdi_dir / (TEMP_PREFIX + secrets.token_hex(8))
+        dir_fd = os.open(self.cdi_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            temp = TEMP_PREFIX + secrets.token_hex(8)
+            self._write_temp(dir_fd, temp)
+            try:
+                self._install(dir_fd, temp)
+            finally:
+                _discard_temp(dir_fd, temp)
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def _write_temp(self, dir_fd: int, name: str) -> None:
+        """Create ``name`` with the desired bytes, mode and group, on disk."""
         flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC
-        fd = os.open(temp, flags, MODE)
+        fd = os.open(name, flags, MODE, dir_fd=dir_fd)
         try:
             try:
                 os.fchmod(fd, MODE)  # against the umask
-                if os.fstat(fd).st_gid != self._gid:  # a setgid directory passes its group on
+                st = os.fstat(fd)
+                if st.st_gid != self._gid:  # a setgid directory passes its group on
                     os.fchown(fd, -1, self._gid)
                 view = memoryview(self.desired)
                 while view:
@@ -392,22 +436,66 @@ class CdiReconciler:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            # Whatever non-regular thing appeared since _diagnose is refused, not replaced. (A
-            # narrower race remains, open only to someone who can write the directory anyway.)
-            with contextlib.suppress(FileNotFoundError):
-                mode = os.lstat(self.path).st_mode
-                if not stat.S_ISREG(mode):
-                    raise NotRegular(_kind_of(mode))
-            os.rename(temp, self.path)
         except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(temp)
+                os.unlink(name, dir_fd=dir_fd)
             raise
-        dir_fd = os.open(self.cdi_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def _install(self, dir_fd: int, temp: str) -> None:
+        """Move ``temp`` to our path without ever replacing what is not ours.
+
+        Exchange, then look at what was displaced: a regular file (the old spec) stays at the
+        temp name for _replace to remove; anything else is exchanged back and refused. No
+        check-then-act window: what we inspect is what we took. With nothing at the path, a
+        no-replace rename; if something appeared in between, exchange again.
+        Raises NotRegular or OSError.
+        """
+        for _ in range(_MAX_INSTALL_ATTEMPTS):
+            try:
+                renameat2(dir_fd, temp, SPEC_FILE, RENAME_EXCHANGE)
+            except OSError as exc:
+                if exc.errno == errno.ENOENT:
+                    try:
+                        renameat2(dir_fd, temp, SPEC_FILE, RENAME_NOREPLACE)
+                        return
+                    except OSError as again:
+                        if again.errno == errno.EEXIST:
+                            continue  # created meanwhile: exchange and look at it
+                        exc = again
+                if exc.errno in _UNSUPPORTED:
+                    self._install_without_renameat2(dir_fd, temp)
+                    return
+                if exc.errno == errno.EBUSY:  # a mount point: renaming over it is refused anyway
+                    raise NotRegular("a mount point") from None
+                raise
+            displaced = os.stat(temp, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISREG(displaced.st_mode):
+                return  # the old spec, now at our temp name, which _replace removes
+            _put_back(dir_fd, temp)
+            raise NotRegular(_kind_of(displaced.st_mode))
+        raise OSError(errno.EAGAIN, f"{SPEC_FILE} kept appearing and disappearing")
+
+    def _install_without_renameat2(self, dir_fd: int, temp: str) -> None:
+        """For filesystems without renameat2 flags (some FUSE): check, then rename.
+
+        A non-regular file swapped in between the two steps is replaced; only someone who can
+        write the directory can do that, and our spec is what takes its place.
+        """
+        if not self._warned_no_exchange:
+            self._warned_no_exchange = True
+            log.warning("the filesystem of %s does not support renameat2 with RENAME_EXCHANGE or "
+                        "RENAME_NOREPLACE; replacing the spec with lstat and rename",
+                        self.cdi_dir)
+        with contextlib.suppress(FileNotFoundError):
+            mode = os.stat(SPEC_FILE, dir_fd=dir_fd, follow_symlinks=False).st_mode
+            if not stat.S_ISREG(mode):
+                raise NotRegular(_kind_of(mode))
         try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            os.rename(temp, SPEC_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.EBUSY:
+                raise NotRegular("a mount point") from None
+            raise
 
     def cleanup_leftovers(self) -> int:
         """Remove temp files a crash left behind (regular files with our prefix only)."""
