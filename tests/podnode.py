@@ -419,6 +419,9 @@ class Prober:
                 last = results[-1]
                 lines.append(f"last {kind} probe {'succeeded' if last.ok else 'failed'}: "
                              f"{last.detail.strip()[:300]}")
+        ports = ", ".join(f"{p.get('name', '?')}={p['containerPort']}"
+                          for p in self.container.spec.get("ports", []))
+        lines.append(f"the container declares ports {ports or 'none'}")
         state = self.container.state()
         lines.append(f"container {state.get('Status')} (exit {state.get('ExitCode')}); logs:\n"
                      + "\n".join(self.container.logs().splitlines()[-15:]))

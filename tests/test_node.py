@@ -49,6 +49,7 @@ PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 CDI_DIR = "/var/run/cdi"
 KVM = Path("/dev/kvm")
 BUILD_TOOLS = () if os.environ.get("HLPLUGIN_IMAGE_BUILT") else ("mmdebstrap",)
+MISSING = tool_missing("podman", "runc", "unshare", "kubectl", *BUILD_TOOLS)
 
 pytestmark = [
     pytest.mark.node,
@@ -56,9 +57,8 @@ pytestmark = [
     pytest.mark.timeout(900),
     pytest.mark.skipif(os.geteuid() != 0, reason="podman with host devices and mounts needs root"),
     pytest.mark.skipif(not KVM.exists(), reason="no /dev/kvm on this machine"),
-    pytest.mark.skipif(bool(tool_missing("podman", "runc", "unshare", "kubectl", *BUILD_TOOLS)),
-                       reason=f"needs {', '.join(tool_missing('podman', 'runc', 'unshare', 'kubectl', *BUILD_TOOLS))}"
-                       " on PATH (apt-get install podman runc mmdebstrap; kubectl for kustomize)"),
+    pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)} on PATH (apt-get install "
+                       "podman runc mmdebstrap; kubectl renders the kustomizations)"),
 ]
 
 
@@ -128,12 +128,16 @@ class Cluster:
                                  f"{self.explain()}") from None
 
     def explain(self) -> str:
+        """What a person needs first: each daemon's readiness answer, then its state and logs."""
+        running = [c for c in (self.main, self.bootstrap) if c is not None]
         out = []
-        for c in (self.bootstrap, self.main):
-            if c is not None:
-                state = c.state()
-                out.append(f"{c.spec['name']}: {state.get('Status')} (exit {state.get('ExitCode')}), "
-                           "last logs:\n  " + "\n  ".join(c.logs().splitlines()[-12:]))
+        for c in running:
+            state = c.state()
+            readyz = Prober(c).run_once("readiness").detail.strip() if state["Running"] else "-"
+            out.append(f"{c.spec['name']}: {state.get('Status')} (exit {state.get('ExitCode')}), "
+                       f"its readiness probe says {readyz}")
+        for c in running:
+            out.append(f"{c.spec['name']} last logs:\n  " + "\n  ".join(c.logs().splitlines()[-12:]))
         return "\n".join(out)
 
     def start(self, container: Container) -> None:
@@ -239,7 +243,8 @@ def test_main_container_gets_kvm_only_from_allocate_and_registers(cluster: Clust
     assert c.main.created_args.count("--device") == 1, "nothing but Allocate gives it a device"
     c.start(c.main)
     c.wait(lambda: c.kubelet.allocatable(HYPERVISOR) > 0,
-           f"{HYPERVISOR} registered by the main container with healthy devices")
+           f"{HYPERVISOR} registered by the main container with healthy devices",
+           Prober(c.main).budget())
     env = {e["name"]: e["value"] for e in c.main_pod["spec"]["containers"][0]["env"]}
     assert c.kubelet.capacity(HYPERVISOR) == int(env["DEVICE_COUNT"])
     spec = c.cdi_dir / "hyperlight.json"
