@@ -63,8 +63,14 @@ build_image() {
         mounts+=(--volume "$bundle:/run/hlplugin-build/ca.crt:ro")
     fi
     echo "local-node: building $image from $context/Dockerfile on $base" >&2
+    local previous
+    previous=$("${podman[@]}" image inspect --format '{{.Id}}' "$image" 2>/dev/null || true)
     "${podman[@]}" build --quiet --format docker --network=host --ulimit nofile=4096:4096 "${mounts[@]}" \
         --build-arg "BASE_IMAGE=$base" --tag "$image" --file "$context/Dockerfile" "$context" >&2
+    # The image this build replaced, now untagged: remove it unless a container still uses it.
+    if [ -n "$previous" ] && [ "$previous" != "$("${podman[@]}" image inspect --format '{{.Id}}' "$image")" ]; then
+        "${podman[@]}" rmi "$previous" >/dev/null 2>&1 || true
+    fi
     echo "$image"
 }
 

@@ -1,10 +1,12 @@
 """A node in podman, driven the way the kubelet drives it, for tests/test_node.py.
 
-podman 4.3's `kube play` cannot be handed what the kubelet's device manager injects (the DeviceSpecs
-and CDI device names that Allocate returned), turns probes into healthchecks that need systemd
-timers, and ignores hostPath types; so every container setting is translated here, mechanically,
-from the rendered pod spec. Any field this module does not know fails the translation with its
-name, so a new manifest field can never be silently dropped.
+podman 4.3.1's `kube play` cannot run these pods as the kubelet would: it has no way to be handed
+what the kubelet's device manager injects (the DeviceSpecs and CDI device names that Allocate
+returned), and it turns the liveness probe on the named port `http` into a healthcheck
+`curl -f http://localhost:0/healthz` (port unresolved, curl absent from the image, run by systemd
+timers this machine lacks). So every container setting is translated here, mechanically, from the
+rendered pod spec; any field this module does not know fails the translation with its name, so a
+new manifest field is never silently dropped.
 """
 
 from __future__ import annotations
@@ -124,18 +126,28 @@ class Container:
     def grace(self) -> int:
         return int(self.pod.get("terminationGracePeriodSeconds", 30))
 
-    def working_set(self) -> int:
-        """The cgroup working set the kubelet reports: usage minus inactive file pages."""
-        path = self.inspect()["State"].get("CgroupPath", "")
-        v2 = Path("/sys/fs/cgroup", path.lstrip("/"))
+    def memory(self) -> dict[str, int]:
+        """The container cgroup's memory, in bytes: ``working_set`` is what the kubelet and
+        metrics-server report (usage minus inactive file pages), ``usage`` what the limit is
+        enforced on, ``peak`` the cgroup's high-water mark of usage (0 where the kernel has none)."""
+        path = self.inspect()["State"].get("CgroupPath", "").lstrip("/")
+        v2 = Path("/sys/fs/cgroup", path)
         if (v2 / "memory.current").exists():
-            usage = int((v2 / "memory.current").read_text())
-            stats = dict(line.split() for line in (v2 / "memory.stat").read_text().splitlines())
-            return usage - int(stats.get("inactive_file", 0))
-        v1 = Path("/sys/fs/cgroup/memory", path.lstrip("/"))
-        usage = int((v1 / "memory.usage_in_bytes").read_text())
-        stats = dict(line.split() for line in (v1 / "memory.stat").read_text().splitlines())
-        return usage - int(stats.get("total_inactive_file", 0))
+            files, inactive = ("memory.current", "memory.peak"), "inactive_file"
+            base = v2
+        else:
+            files, inactive = ("memory.usage_in_bytes", "memory.max_usage_in_bytes"), "total_inactive_file"
+            base = Path("/sys/fs/cgroup/memory", path)
+        usage = int((base / files[0]).read_text())
+        peak = int((base / files[1]).read_text()) if (base / files[1]).exists() else 0
+        stats = {k: int(v) for k, v in
+                 (line.split() for line in (base / "memory.stat").read_text().splitlines())}
+        anon = stats.get("anon", stats.get("total_rss", 0))
+        return {"working_set": usage - stats.get(inactive, 0), "usage": usage, "peak": peak,
+                "anon": anon}
+
+    def working_set(self) -> int:
+        return self.memory()["working_set"]
 
 
 class Node:
