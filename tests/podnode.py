@@ -463,3 +463,63 @@ def is_socket(path: Path) -> bool:
 
 def tool_missing(*tools: str) -> list[str]:
     return [t for t in tools if shutil.which(t) is None]
+
+
+# --- podman's own reading of the manifest, to check the translation against -------------------
+
+
+def kube_play_config(node: Node, pod: dict[str, Any], pod_name: str) -> dict[str, Any]:
+    """How `podman kube play` configures the pod's container (created, never started), with the
+    same substitutions the kubelet's side makes: this node's host paths and the built image."""
+    spec = json.loads(json.dumps(pod["spec"]))
+    for container in spec["containers"]:
+        container["image"] = node.image
+    for volume in spec.get("volumes", []):
+        if "hostPath" in volume:
+            volume["hostPath"]["path"] = str(node.host(volume["hostPath"]["path"]))
+    docs: list[dict[str, Any]] = [{"apiVersion": "v1", "kind": "Pod",
+                                   "metadata": {"name": f"{node.prefix}-kp-{pod_name}"},
+                                   "spec": spec}]
+    docs += [c for c in node.configmaps.values()
+             if any(v.get("configMap", {}).get("name") == c["metadata"]["name"]
+                    for v in spec.get("volumes", []))]
+    manifest = node.root / f"kube-play-{pod_name}.yaml"
+    manifest.write_text(json.dumps(docs[0]) + "".join("\n---\n" + json.dumps(d) for d in docs[1:]))
+    podman("kube", "play", "--start=false", str(manifest))
+    try:
+        (container,) = spec["containers"]
+        data: list[dict[str, Any]] = json.loads(
+            podman("inspect", f"{node.prefix}-kp-{pod_name}-{container['name']}").stdout)
+        return data[0]
+    finally:
+        podman("kube", "down", str(manifest), check=False)
+
+
+DEFAULT_CAPS = {"CAP_AUDIT_WRITE", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID",
+                "CAP_KILL", "CAP_MKNOD", "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_SETFCAP",
+                "CAP_SETGID", "CAP_SETPCAP", "CAP_SETUID", "CAP_SYS_CHROOT"}
+
+
+def comparable(inspect: dict[str, Any], manifest_env: Sequence[str]) -> dict[str, Any]:
+    """The settings both a kubelet and `kube play` derive from a pod spec, from `podman inspect`."""
+    config, host = inspect["Config"], inspect["HostConfig"]
+    caps = set(host.get("CapAdd") or []) | (DEFAULT_CAPS - set(host.get("CapDrop") or []))
+    if "ALL" in (host.get("CapDrop") or []):
+        caps = set(host.get("CapAdd") or [])
+    binds = {}
+    for bind in host.get("Binds") or []:
+        source, dest, options = [*bind.split(":"), "rw"][:3]
+        if not dest.endswith("termination-log"):  # the kubelet's, not the manifest's
+            binds[dest] = (source, "ro" if "ro" in options.split(",") else "rw")
+    env = dict(e.split("=", 1) for e in config.get("Env") or [])
+    entrypoint = config.get("Entrypoint")
+    return {"user": config.get("User"), "read-only root": host.get("ReadonlyRootfs"),
+            "capabilities": sorted(caps), "memory limit": host.get("Memory"),
+            "CPU limit (nanocpus)": host.get("NanoCpus") or (
+                host.get("CpuQuota", 0) * 10**9 // max(1, host.get("CpuPeriod") or 100000)),
+            "no-new-privileges": "no-new-privileges" in (host.get("SecurityOpt") or []),
+            "privileged": host.get("Privileged"),
+            "manifest env": {k: env.get(k) for k in manifest_env},
+            "command": ([entrypoint] if isinstance(entrypoint, str) else entrypoint or [])
+            + (config.get("Cmd") or []),
+            "volumes": binds}

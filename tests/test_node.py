@@ -28,7 +28,9 @@ from podnode import (
     Node,
     Prober,
     cdi_mountpoint,
+    comparable,
     is_socket,
+    kube_play_config,
     podman,
     quantity,
     tool_missing,
@@ -283,6 +285,24 @@ def test_example_workloads_create_a_vm_through_cdi_as_65534(cluster: Cluster) ->
         assert guest.returncode == 0, f"{pod_name}: the guest did not run: {guest.stderr}"
         assert guest.stdout.split() == ["guest", "ran", "as", "65534", "0000000000000000"], guest.stdout
         podman("rm", "--force", "--time", "0", workload.name)
+
+
+def test_translation_agrees_with_podman_kube_play(cluster: Cluster) -> None:
+    """podman's own reading of each pod spec (`kube play`, not started) and ours give the same
+    user, root, capabilities, limits, env, command and volumes."""
+    if shutil.which("catatonit") is None:
+        pytest.skip("podman kube play needs catatonit for its infra container (apt-get install catatonit)")
+    c = cluster
+    pairs = [(c.bootstrap, c.bootstrap_pod), (c.main, c.main_pod)]
+    assert all(container is not None for container, _ in pairs), "the earlier tests create them"
+    for container, pod in pairs:
+        assert container is not None
+        env = [e["name"] for e in container.spec.get("env", [])]
+        theirs = comparable(kube_play_config(c.node, pod, container.spec["name"]), env)
+        ours = comparable(container.inspect(), env)
+        for key in ours:
+            assert ours[key] == theirs[key], (f"{container.spec['name']}: {key}: our translation "
+                                              f"gives {ours[key]!r}, podman kube play {theirs[key]!r}")
 
 
 # --- 4. probes ----------------------------------------------------------------------------------
