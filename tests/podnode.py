@@ -474,6 +474,7 @@ def kube_play_config(node: Node, pod: dict[str, Any], pod_name: str) -> dict[str
     spec = json.loads(json.dumps(pod["spec"]))
     for container in spec["containers"]:
         container["image"] = node.image
+        container["imagePullPolicy"] = "Never"  # the image is the local build; no registry here
     for volume in spec.get("volumes", []):
         if "hostPath" in volume:
             volume["hostPath"]["path"] = str(node.host(volume["hostPath"]["path"]))
