@@ -7,7 +7,10 @@
 # the same bytes. To move it (Dependabot proposes this too), resolve the tag's
 # current digest and replace it here (the only place it is written):
 #   docker buildx imagetools inspect python:3.12-slim-bookworm --format '{{json .Manifest.Digest}}'
-FROM python:3.12-slim-bookworm@sha256:782412e85d0f0984994c290652577d4018aff08145c85b262bb63dc0c7522254 AS base
+# BASE_IMAGE replaces it only where no registry is reachable: deploy/local-node.sh
+# builds on a Debian bookworm stand-in with Python 3.11 and its venv module.
+ARG BASE_IMAGE=python:3.12-slim-bookworm@sha256:782412e85d0f0984994c290652577d4018aff08145c85b262bb63dc0c7522254
+FROM ${BASE_IMAGE} AS base
 
 # Build stage: installs the package and its wheels into a virtual environment.
 FROM base AS build

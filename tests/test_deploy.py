@@ -780,8 +780,12 @@ def test_dockerfile_shape() -> None:
     froms = [(i, args, notes) for i, (op, args, notes) in enumerate(steps) if op == "FROM"]
     assert len(froms) >= 2, "multi-stage build"
     first = froms[0]
-    assert re.match(r"python:3\.1[1-9][\w.-]*-slim[\w.-]*@sha256:[0-9a-f]{64} AS \w+$", first[1])
-    assert "digest" in first[2], "say beside the pin how to move it"
+    # The base is a build argument (deploy/local-node.sh passes a stand-in) whose default is the pin.
+    args = dict(a.split("=", 1) for op, a, _ in steps[: first[0]] if op == "ARG" and "=" in a)
+    pinned = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), first[1])
+    assert re.match(r"python:3\.1[1-9][\w.-]*-slim[\w.-]*@sha256:[0-9a-f]{64} AS \w+$", pinned)
+    notes = first[2] + "\n".join(n for op, _, n in steps[: first[0]] if op == "ARG")
+    assert "digest" in notes, "say beside the pin how to move it"
     stages = set()
     for _, args, _ in froms:
         words = args.split()

@@ -1,0 +1,449 @@
+"""The whole node, as operators install it: the image built from the Dockerfile, both DaemonSets and
+the example workload from `kubectl kustomize` output, run in podman, with the kubelet emulator in
+the kubelet's place (device manager and prober). The kubelet is the only thing emulated.
+
+The tests share one node and run in order: bootstrap, main daemon, workload, probes, faults,
+memory, termination. deploy/local-node.sh builds the image (or HLPLUGIN_IMAGE names a built one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+from podnode import (
+    Container,
+    Node,
+    Prober,
+    cdi_mountpoint,
+    comparable,
+    is_socket,
+    kube_play_config,
+    podman,
+    quantity,
+    tool_missing,
+)
+
+from hlplugin.api import deviceplugin_pb2 as pb
+from hlplugin.cdi import check_file, render_spec
+from hlplugin.emulator import KubeletEmulator
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parent.parent
+OVERLAY = ROOT / os.environ.get("HLPLUGIN_NODE_OVERLAY", "deploy/overlays/kind")
+EXAMPLES = OVERLAY / "examples" if (OVERLAY / "examples").is_dir() else ROOT / "deploy/examples"
+SCRIPT = ROOT / "deploy/local-node.sh"
+ACCESS = "hyperlight.dev/device-access"
+HYPERVISOR = "hyperlight.dev/hypervisor"
+PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+CDI_DIR = "/var/run/cdi"
+KVM = Path("/dev/kvm")
+BUILD_TOOLS = () if os.environ.get("HLPLUGIN_IMAGE_BUILT") else ("mmdebstrap",)
+MISSING = tool_missing("podman", "runc", "unshare", "kubectl", *BUILD_TOOLS)
+
+pytestmark = [
+    pytest.mark.node,
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(os.geteuid() != 0, reason="podman with host devices and mounts needs root"),
+    pytest.mark.skipif(not KVM.exists(), reason="no /dev/kvm on this machine"),
+    pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)} on PATH (apt-get install "
+                       "podman runc mmdebstrap; kubectl renders the kustomizations)"),
+]
+
+
+def render(directory: Path) -> list[dict[str, Any]]:
+    out = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def pod_of(doc: dict[str, Any]) -> dict[str, Any]:
+    """The pod a controller creates from a DaemonSet or Deployment; a Pod as it is."""
+    return doc["spec"]["template"] if doc["kind"] in ("DaemonSet", "Deployment") else doc
+
+
+def one(docs: list[dict[str, Any]], kind: str, resource: str) -> dict[str, Any]:
+    """The one document of ``kind`` whose container requests ``resource``, or serves it."""
+    found = [d for d in docs if d["kind"] == kind
+             and any(resource in c.get("resources", {}).get("limits", {}) or
+                     c.get("args", [None])[0] == resource
+                     for c in pod_of(d)["spec"]["containers"])]
+    assert len(found) == 1, f"expected one {kind} for {resource}, found {len(found)}"
+    return found[0]
+
+
+class Loop:
+    """An asyncio loop in a thread: the kubelet emulator lives across the module's tests."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 120) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@dataclass
+class Cluster:
+    """The node under test: podman, the kubelet emulator, and the rendered pods."""
+
+    node: Node
+    loop: Loop
+    kubelet: KubeletEmulator
+    plugin_dir: Path
+    cdi_dir: Path
+    bootstrap_pod: dict[str, Any]
+    main_pod: dict[str, Any]
+    workloads: list[tuple[str, dict[str, Any]]]
+    bootstrap: Container | None = None
+    main: Container | None = None
+
+    def admit(self, resource: str, count: int) -> pb.ContainerAllocateResponse:
+        """The device manager's part of pod admission: Allocate for one container."""
+        response = self.loop.call(self.kubelet.admit(resource, per_container=count))
+        (container,) = response.container_responses
+        return container
+
+    def wait(self, predicate: Any, what: str, timeout: float = 60) -> None:
+        try:
+            self.loop.call(self.kubelet.wait_for(predicate, timeout), timeout + 5)
+        except TimeoutError:
+            raise AssertionError(f"the kubelet emulator did not see: {what} within {timeout}s; "
+                                 f"{self.explain()}") from None
+
+    def explain(self) -> str:
+        """What a person needs first: each daemon's readiness answer, then its state and logs."""
+        running = [c for c in (self.main, self.bootstrap) if c is not None]
+        out = []
+        for c in running:
+            state = c.state()
+            readyz = Prober(c).run_once("readiness").detail.strip() if state["Running"] else "-"
+            out.append(f"{c.spec['name']}: {state.get('Status')} (exit {state.get('ExitCode')}), "
+                       f"its readiness probe says {readyz}")
+        for c in running:
+            out.append(f"{c.spec['name']} last logs:\n  " + "\n  ".join(c.logs().splitlines()[-12:]))
+        return "\n".join(out)
+
+    def start(self, container: Container) -> None:
+        self.node.start(container)
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    name = os.environ.get("HLPLUGIN_IMAGE", "localhost/hlplugin:node-test")
+    if os.environ.get("HLPLUGIN_IMAGE_BUILT"):
+        return name
+    result = subprocess.run([str(SCRIPT), "build"], env={**os.environ, "HLPLUGIN_IMAGE": name},
+                            capture_output=True, text=True, timeout=900, check=False)
+    if result.returncode != 0:
+        pytest.fail(f"building the image from the Dockerfile failed:\n{result.stderr[-3000:]}")
+    return name
+
+
+@pytest.fixture(scope="module")
+def cluster(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    rendered = render(OVERLAY)
+    examples = render(EXAMPLES)
+    root = tmp_path_factory.mktemp("node")
+    # Short: unix socket paths are limited to 107 bytes.
+    plugin_dir = Path(tempfile.mkdtemp(prefix="hln-", dir="/tmp"))
+    cdi_dir = root / "cdi"
+    node = Node(root, f"hlnode-{os.getpid()}", image,
+                {PLUGIN_DIR: plugin_dir, CDI_DIR: cdi_dir}, cdi_dir,
+                [d for d in examples if d["kind"] == "ConfigMap"])
+    loop = Loop()
+    kubelet = KubeletEmulator(plugin_dir)
+    loop.call(kubelet.start())
+    workloads = [(f"{d['kind'].lower()}-{d['metadata']['name']}", pod_of(d)) for d in examples
+                 if d["kind"] in ("Pod", "Deployment")
+                 and any(HYPERVISOR in c.get("resources", {}).get("limits", {})
+                         for c in pod_of(d)["spec"]["containers"])]
+    c = Cluster(node, loop, kubelet, plugin_dir, cdi_dir,
+                pod_of(one(rendered, "DaemonSet", "bootstrap")),
+                pod_of(one(rendered, "DaemonSet", ACCESS)), workloads)
+    try:
+        with cdi_mountpoint():
+            yield c
+    finally:
+        node.remove_all()
+        loop.call(kubelet.stop())
+        loop.close()
+        shutil.rmtree(plugin_dir, ignore_errors=True)
+
+
+def mib(size: float) -> float:
+    return round(size / 2**20, 1)
+
+
+def obstruct(spec: Path) -> None:
+    """Make the CDI spec path a directory, racing the daemon that rewrites the file at once."""
+    for _ in range(100):
+        spec.unlink(missing_ok=True)
+        try:
+            spec.mkdir()
+            return
+        except FileExistsError:
+            continue
+    raise AssertionError(f"could not obstruct {spec}: the daemon rewrote it 100 times in a row")
+
+
+def probers(c: Cluster) -> tuple[Prober, Prober]:
+    assert c.bootstrap is not None and c.main is not None, "the earlier tests start the daemons"
+    return Prober(c.bootstrap), Prober(c.main)
+
+
+# --- 1. the image ---------------------------------------------------------------------------------
+
+
+def test_build_fails_when_the_context_lacks_a_file(image: str, tmp_path: Path) -> None:
+    """The build uses only what the Dockerfile names: a context without README.md fails."""
+    context = tmp_path / "context"
+    context.mkdir()
+    for name in ("Dockerfile", ".dockerignore", "pyproject.toml"):
+        shutil.copy(ROOT / name, context / name)
+    shutil.copytree(ROOT / "src", context / "src")
+    result = subprocess.run([str(SCRIPT), "build"], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "CONTEXT": str(context),
+                                 "HLPLUGIN_IMAGE": "localhost/hlplugin:node-test-broken"},
+                            check=False)
+    assert result.returncode != 0, "the build succeeded without README.md"
+    assert "README.md" in result.stderr, result.stderr[-2000:]
+
+
+# --- 2, 3. both DaemonSets and the workload, with the kubelet's device manager --------------------
+
+
+def test_bootstrap_container_registers_device_access(cluster: Cluster) -> None:
+    c = cluster
+    c.bootstrap = c.node.create(c.bootstrap_pod, "device-access", c.admit)
+    c.start(c.bootstrap)
+    c.wait(lambda: c.kubelet.allocatable(ACCESS) == 1,
+           f"{ACCESS} registered by the bootstrap container with 1 healthy device")
+
+
+def test_main_container_gets_kvm_only_from_allocate_and_registers(cluster: Cluster) -> None:
+    c = cluster
+    assert c.kubelet.registered(ACCESS), "needs the bootstrap container"
+    c.main = c.node.create(c.main_pod, "device-plugin", c.admit)
+    (response,) = c.main.allocations.values()
+    assert [(d.container_path, d.host_path, d.permissions) for d in response.devices] == [
+        ("/dev/kvm", "/dev/kvm", "rw")], response
+    assert c.main.created_args.count("--device") == 1, "nothing but Allocate gives it a device"
+    c.start(c.main)
+    c.wait(lambda: c.kubelet.allocatable(HYPERVISOR) > 0,
+           f"{HYPERVISOR} registered by the main container with healthy devices",
+           Prober(c.main).budget())
+    env = {e["name"]: e["value"] for e in c.main_pod["spec"]["containers"][0]["env"]}
+    assert c.kubelet.capacity(HYPERVISOR) == int(env["DEVICE_COUNT"])
+    spec = c.cdi_dir / "hyperlight.json"
+    assert check_file(spec, render_spec("kvm", int(env["DEVICE_UID"]), int(env["DEVICE_GID"]))) == \
+        (True, ""), f"the main container's CDI spec did not reach the CDI hostPath {CDI_DIR}"
+
+
+def test_example_workloads_create_a_vm_through_cdi_as_65534(cluster: Cluster) -> None:
+    c = cluster
+    assert c.workloads, f"no example workload requests {HYPERVISOR} in {EXAMPLES}"
+    for pod_name, pod in c.workloads:
+        workload = c.node.create(pod, pod_name, c.admit)
+        (response,) = workload.allocations.values()
+        assert [d.name for d in response.cdi_devices] == ["hyperlight.dev/hypervisor=kvm"]
+        c.start(workload)
+        if pod.get("spec", {}).get("restartPolicy") == "Never":
+            code = podman("wait", workload.name, timeout=120).stdout.strip()
+            logs = workload.logs()
+            assert code == "0", f"{pod_name} exited {code}: {logs}"
+            assert "created a KVM VM as uid=65534 gid=65534" in logs, logs
+            continue
+        with Prober(workload) as prober:
+            prober.wait(lambda p: p.ready, prober.budget(), f"{pod_name} Ready")
+            prober.wait(lambda p: any(r.ok for r in p.results["liveness"]), prober.budget(),
+                        f"{pod_name}: a successful liveness probe")
+        # Past creating a VM: a guest runs to its halt, as UID 65534 with no capabilities.
+        guest = podman("exec", workload.name, "python3", "-c",
+                       "import os, pathlib; from hlplugin.probe import probe_kvm; "
+                       "probe_kvm(pathlib.Path('/dev/kvm'), guest=True); "
+                       "print('guest ran as', os.getuid(), open('/proc/self/status').read()"
+                       ".split('CapEff:')[1].split()[0])", check=False)
+        assert guest.returncode == 0, f"{pod_name}: the guest did not run: {guest.stderr}"
+        assert guest.stdout.split() == ["guest", "ran", "as", "65534", "0000000000000000"], guest.stdout
+        podman("rm", "--force", "--time", "0", workload.name)
+
+
+def test_translation_agrees_with_podman_kube_play(cluster: Cluster) -> None:
+    """podman's own reading of each pod spec (`kube play`, not started) and ours give the same
+    user, root, capabilities, limits, env, command and volumes."""
+    if shutil.which("catatonit") is None:
+        pytest.skip("podman kube play needs catatonit for its infra container (apt-get install catatonit)")
+    c = cluster
+    pairs = [(c.bootstrap, c.bootstrap_pod), (c.main, c.main_pod)]
+    assert all(container is not None for container, _ in pairs), "the earlier tests create them"
+    for container, pod in pairs:
+        assert container is not None
+        env = [e["name"] for e in container.spec.get("env", [])]
+        theirs = comparable(kube_play_config(c.node, pod, container.spec["name"]), env)
+        ours = comparable(container.inspect(), env)
+        for key in ours:
+            assert ours[key] == theirs[key], (f"{container.spec['name']}: {key}: our translation "
+                                              f"gives {ours[key]!r}, podman kube play {theirs[key]!r}")
+
+
+# --- 4. probes ----------------------------------------------------------------------------------
+
+
+def test_both_daemons_ready_within_the_probes_budget(cluster: Cluster) -> None:
+    boot, main = probers(cluster)
+    with boot, main:
+        for prober in (boot, main):
+            prober.wait(lambda p: p.ready, prober.budget(), "Ready under the readiness probe")
+            assert prober.ready_at is not None
+            assert not prober.restart_due, prober.describe()
+        # Liveness answers too (a probe on a wrong port or path would never be Ready or live).
+        for prober in (boot, main):
+            prober.wait(lambda p: any(r.ok for r in p.results["liveness"]), prober.budget(),
+                        "a successful liveness probe")
+
+
+def test_readiness_reports_an_obstructed_cdi_path_and_recovers_without_restart(cluster: Cluster) -> None:
+    c = cluster
+    assert c.main is not None
+    started = c.main.state()["StartedAt"]
+    spec = c.cdi_dir / "hyperlight.json"
+    _, main = probers(c)
+    with main:
+        main.wait(lambda p: p.ready, main.budget(), "Ready before the obstruction")
+        obstruct(spec)
+        try:
+            readiness = main.spec("readiness")
+            budget = readiness["periodSeconds"] * (readiness.get("failureThreshold", 3) + 2)
+            main.wait(lambda p: not p.ready, budget, "NotReady while hyperlight.json is a directory")
+            last = main.results["readiness"][-1].detail
+            assert last.startswith("503") and "hyperlight.json" in last, last
+        finally:
+            spec.rmdir()
+        main.wait(lambda p: p.ready, main.budget(), "Ready again once the path is clear")
+        assert not main.restart_due, main.describe()
+    assert c.main.state()["StartedAt"] == started, "the container was restarted"
+
+
+# --- 5. faults through the runtime --------------------------------------------------------------
+
+
+def test_sigkill_of_the_main_container_then_restart_re_registers(cluster: Cluster) -> None:
+    c = cluster
+    assert c.main is not None
+    spec = c.cdi_dir / "hyperlight.json"
+    before = spec.read_bytes()
+    registered_at = c.kubelet.resources[HYPERVISOR].registered_at
+    podman("kill", "--signal", "KILL", c.main.name)
+    c.wait(lambda: not c.kubelet.registered(HYPERVISOR), "the ListAndWatch stream end after SIGKILL")
+    assert c.kubelet.allocatable(HYPERVISOR) == 0
+    c.start(c.main)  # restartPolicy Always: the kubelet starts the same container again
+    c.wait(lambda: c.kubelet.allocatable(HYPERVISOR) > 0
+           and c.kubelet.resources[HYPERVISOR].registered_at > registered_at,
+           "the restarted main container registered again")
+    assert spec.read_bytes() == before, "the CDI spec changed across the restart"
+
+
+def test_kubelet_restart_both_containers_register_again(cluster: Cluster) -> None:
+    c = cluster
+    calls = c.kubelet.register_calls
+    c.loop.call(c.kubelet.restart())  # deletes every socket in the plugin directory
+    c.wait(lambda: c.kubelet.allocatable(ACCESS) == 1 and c.kubelet.allocatable(HYPERVISOR) > 0,
+           "both containers registered with the restarted kubelet")
+    assert c.kubelet.register_calls >= calls + 2
+    for socket in ("hyperlight.sock", "hyperlight-device-access.sock"):
+        assert is_socket(c.plugin_dir / socket), f"{socket} was not recreated"
+
+
+def test_a_tampered_cdi_spec_is_repaired_by_the_container(cluster: Cluster) -> None:
+    c = cluster
+    spec = c.cdi_dir / "hyperlight.json"
+    good = spec.read_bytes()
+    spec.write_text('{"cdiVersion": "0.5.0", "kind": "evil.example/x", "devices": []}')
+    deadline = time.monotonic() + 30
+    while spec.read_bytes() != good:  # the daemon's inotify watch repairs it
+        assert time.monotonic() < deadline, f"not repaired within 30s; {c.explain()}"
+        time.sleep(0.05)
+
+
+# --- 6. memory as the kubelet sees it -----------------------------------------------------------
+
+
+def test_working_set_idle_and_after_load_within_limits(cluster: Cluster) -> None:
+    c = cluster
+    assert c.bootstrap is not None and c.main is not None
+    containers = {"device-access": c.bootstrap, "device-plugin": c.main}
+    idle = {n: x.working_set() for n, x in containers.items()}
+    device_ids = sorted(c.kubelet.resources[HYPERVISOR].devices)
+
+    async def allocates() -> None:
+        for i in range(1000):
+            await c.kubelet.allocate(HYPERVISOR, [[device_ids[i % len(device_ids)]]])
+        for _ in range(100):
+            await c.kubelet.allocate(ACCESS, [["device-access-kvm"]])
+
+    c.loop.call(allocates(), 300)
+    spec = c.cdi_dir / "hyperlight.json"
+    peak = {n: x.working_set() for n, x in containers.items()}
+    for _ in range(100):  # 200 health transitions, each seen by the kubelet
+        obstruct(spec)
+        c.wait(lambda: c.kubelet.allocatable(HYPERVISOR) == 0, "devices Unhealthy (obstructed CDI)")
+        spec.rmdir()
+        c.wait(lambda: c.kubelet.allocatable(HYPERVISOR) > 0, "devices Healthy again")
+        for n, x in containers.items():
+            peak[n] = max(peak[n], x.working_set())
+    after = {n: x.working_set() for n, x in containers.items()}
+    report = {}
+    for n, x in containers.items():
+        resources = x.spec["resources"]
+        request = quantity(resources["requests"]["memory"])
+        limit = quantity(resources["limits"]["memory"])
+        cgroup = x.memory()
+        report[n] = {"working_set_idle_mib": mib(idle[n]), "working_set_after_mib": mib(after[n]),
+                     "working_set_peak_mib": mib(peak[n]), "usage_peak_mib": mib(cgroup["peak"]),
+                     "anon_after_mib": mib(cgroup["anon"]),
+                     "request_mib": mib(request), "limit_mib": mib(limit),
+                     "limit_over_peak": round(limit / max(peak[n], cgroup["peak"]), 2)}
+        assert x.state()["Status"] == "running", f"{n} is not running (OOM-killed?)"
+        assert max(peak[n], cgroup["peak"]) < limit, f"{n}: memory {report[n]} reached its limit"
+    print("\nnode working sets:", json.dumps(report, indent=1))
+    if os.environ.get("HLPLUGIN_NODE_REPORT"):
+        Path(os.environ["HLPLUGIN_NODE_REPORT"]).write_text(json.dumps(report, indent=1))
+
+
+# --- termination --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["main", "bootstrap"])
+def test_podman_stop_exits_0_within_the_grace_period_and_leaves_no_socket(cluster: Cluster,
+                                                                        which: str) -> None:
+    c = cluster
+    container = c.main if which == "main" else c.bootstrap
+    assert container is not None
+    socket = c.plugin_dir / ("hyperlight.sock" if which == "main" else "hyperlight-device-access.sock")
+    assert is_socket(socket)
+    began = time.monotonic()
+    podman("stop", "--time", str(container.grace), container.name, timeout=container.grace + 30)
+    took = time.monotonic() - began
+    state = container.state()
+    assert state["ExitCode"] == 0, f"exit {state['ExitCode']}: {container.logs()[-2000:]}"
+    assert took < container.grace, f"SIGTERM took {took:.1f}s, grace is {container.grace}s"
+    assert not socket.exists(), f"{socket} left behind"
