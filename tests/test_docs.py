@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import itertools
 import json
 import re
 import tempfile
@@ -326,10 +327,29 @@ def test_metrics_tables_list_the_same_label_values_as_the_readme(exposed: Expose
     assert not wrong, "\n".join(wrong)
 
 
+_NAMED_REASON = re.compile(r"(?:^|(?<=[\s|(]))`([a-z_]+)`: (?:([^`|\n][^|\n]*?)\s*(?:\||$))?", re.M)
+
+
+def named_reasons(text: str) -> Iterator[tuple[str, str | None]]:
+    """("cdi", reason) for each "`cdi`: reason" said of /readyz: within 200 characters after a
+    mention of /readyz, or in a table whose header has a "condition" column. The reason is None
+    when it is backticked (then it is checked as any backticked quote)."""
+    body = prose(text)
+    for match in _NAMED_REASON.finditer(body):
+        line_start = body.rfind("\n", 0, match.start()) + 1
+        in_table = False
+        if body[line_start:].startswith("|"):  # a table row: its header is the block's first line
+            above = reversed(body[:line_start].splitlines())
+            block = list(itertools.takewhile(lambda line: line.startswith("|"), above))
+            in_table = bool(block) and "condition" in block[-1]
+        if in_table or "/readyz" in body[max(0, match.start() - 200):match.start()]:
+            yield match.group(1), match.group(2)
+
+
 def _condition_mentions(text: str) -> Iterator[str]:
     body = prose(text)
     yield from re.findall(r"\bcondition ([a-z_]+) is (?:un)?healthy", text)
-    yield from re.findall(r"(?:^|[\s|(])`([a-z_]+)`:\s", body, re.M)
+    yield from (name for name, _ in named_reasons(text))
     conditions = re.search(r"^Conditions: (.*?)\.\s", body, re.S | re.M)
     if conditions:
         yield from re.findall(r"`([a-z_]+)`", conditions.group(1))
@@ -370,9 +390,9 @@ def quotes(text: str) -> Iterator[str]:
             assert (SOURCE / f"{line.group(1).removeprefix('hlplugin.')}.py").exists(), span
             span = line.group(2)
         yield span
-    for match in re.finditer(r"`[a-z_]+`: ([^`|\n][^|\n]*?)\s*(?:\||$)", prose(text), re.M):
-        if ELLIPSIS.sub("", match.group(1)).strip():
-            yield match.group(1)
+    for _, reason in named_reasons(text):
+        if reason and ELLIPSIS.sub("", reason).strip():
+            yield reason
     for block in re.findall(r"^```json\n(.*?)^```", text, re.S | re.M):
         for condition in json.loads(block).get("conditions", {}).values():
             if condition.get("reason"):
