@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
+import io
 import itertools
 import json
 import re
+import shlex
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -43,6 +46,7 @@ from harness import HAVE_KVM, Daemon, Node, needs_kvm, on_kubelet, run
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
+from hlplugin import cli
 from hlplugin.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,11 +64,13 @@ SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count"
 
 # Backticked text with spaces that is not ours to check: commands, configuration, other programs'
 # messages. Everything else with two spaces or more is a quote and must match a source template.
-COMMANDS = ("kubectl ", "python ", "python3 ", "hlplugin ", "pip ", "bash ", "git ", "ls ", "kind ",
-            "az ", "docker ", "sh ", "deploy/", ".venv/", "apt ", "apt-get ", "increase(", "GET ",
-            "kubernetes-validate ", "-", "{", "[")
+COMMANDS = ("kubectl ", "python ", "python3 ", "pip ", "bash ", "git ", "ls ", "kind ",
+            "az ", "docker ", "podman ", "sh ", "sudo ", "curl ", "systemctl ", "journalctl ",
+            "crictl ", "ctr ", "helm ", "promtool ", "prometheus ", "deploy/", ".venv/", "apt ",
+            "apt-get ", "increase(", "rate(", "GET ", "kubernetes-validate ", "-", "{", "[")
+# A PromQL comparison (`up == 0`) or a YAML/config entry (`release: <name>`, `enable_cdi = true`).
+NOT_A_MESSAGE = re.compile(r"\s(?:==|!=|>=|<=|>|<|=)\s|^[A-Za-z_][\w.-]*: ")
 FOREIGN = {
-    "enable_cdi = true": "containerd's configuration",
     "Insufficient hyperlight.dev/hypervisor": "the scheduler's event",
 }
 
@@ -373,6 +379,23 @@ def test_readme_lists_every_condition(exposed: Exposed) -> None:
     assert not missing, f"README's Conditions sentence misses {sorted(missing)}"
 
 
+def is_hlplugin_command(text: str) -> bool:
+    """`hlplugin ...` that our own command line accepts (a log line starting with the program's
+    name is not one, and is checked as a quote)."""
+    try:
+        words = shlex.split(text)
+    except ValueError:
+        return False
+    if words[:1] != ["hlplugin"]:
+        return False
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            cli.build_parser().parse_args(words[1:])
+        except SystemExit as exc:
+            return exc.code == 0  # --version, --help
+    return True
+
+
 _LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ (hlplugin[\w.]*): (.*?)"
                        r"((?: \w+='[^']*')*)$")
 
@@ -383,7 +406,7 @@ def quotes(text: str) -> Iterator[str]:
     table; the reasons of a /readyz example."""
     for span in backticked(text):
         if (span.count(" ") < 2 or span.startswith(COMMANDS) or span in FOREIGN
-                or METRIC.search(span) or " = " in span):
+                or METRIC.search(span) or NOT_A_MESSAGE.search(span) or is_hlplugin_command(span)):
             continue
         line = _LOG_LINE.match(span)
         if line:
@@ -455,3 +478,13 @@ def test_the_daemons_expose_what_the_checks_rely_on(exposed: Exposed) -> None:
     assert "missing" in exposed.values[("hyperlight_cdi_repairs", "cause")]  # the first write
     assert {"cdi", "device", "host_identity"} <= exposed.values[
         ("hyperlight_health_condition", "condition")]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("hlplugin doctor --host-dev-dir /dev", True),
+    ("hlplugin --version", True),
+    ("hlplugin serve --no-such-flag x", False),
+    ("hlplugin bootstrap 0.1.0 starting; from flags: none", False),
+])
+def test_hlplugin_commands_are_told_from_log_lines(text: str, expected: bool) -> None:
+    assert is_hlplugin_command(text) is expected
