@@ -17,7 +17,7 @@ FROM base AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY src/ src/
 # Byte-compile everything now: the root filesystem is read-only at run time.
 # Everything stays readable by any UID (the daemons run as 0, workloads as 65534).
@@ -28,8 +28,11 @@ RUN python -m venv /opt/hlplugin \
 
 # Final stage: the same slim base (no compilers) plus the virtual environment.
 FROM base
+# The package version (src/hlplugin/__init__.py); tests/test_packaging.py keeps them equal.
+ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="hlplugin" \
-      org.opencontainers.image.description="Kubernetes device plugin for Hyperlight (KVM/MSHV)"
+      org.opencontainers.image.description="Kubernetes device plugin for Hyperlight (KVM/MSHV)" \
+      org.opencontainers.image.version="${VERSION}"
 ENV PATH=/opt/hlplugin/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1

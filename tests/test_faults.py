@@ -1,4 +1,8 @@
-"""The fault-injection matrix: the seed's live validation table, proved on every run.
+"""The fault-injection matrix: the live validation table of the upstream Go plugin, proved on every run.
+
+The upstream Go plugin is the design this project implements (pull request #14 of
+hyperlight-dev/hyperlight-on-kubernetes); its validation on a real AKS KVM node listed these faults
+and its figures, which rows quote as `upstream_go=` for comparison.
 
 Every row runs the real `hlplugin serve` process against the kubelet emulator over real unix
 sockets, breaks the world (files, mounts, device nodes, a kubelet, a filesystem) and checks the
@@ -964,7 +968,7 @@ def test_kubelet_restart_re_registers_quickly(tmp_path: Path) -> None:
                     await r.admit()
                 row.recovered(median(times))
                 row.facts.update(restarts=5, re_registered_max_ms=round(max(times) * 1000, 1),
-                                 seed="5.01 s")
+                                 upstream_go="5.01 s")
 
     run(body())
 
@@ -1012,7 +1016,7 @@ def test_atomic_replacement_during_allocation(tmp_path: Path) -> None:
                 row.recovered(median(times))
                 row.facts.update(reads=reads, complete=reads, torn=0, errors=0,
                                  allocations=cycles, allocate_p_max_ms=round(max(times) * 1000, 1),
-                                 seed="6,813 reads, repair after 2.93 s")
+                                 upstream_go="6,813 reads, repair after 2.93 s")
 
     run(body(), timeout=120)
 
@@ -1064,7 +1068,7 @@ def test_preservation_of_foreign_files_and_the_real_device(tmp_path: Path) -> No
     run(body())
 
 
-# --- beyond the seed -----------------------------------------------------------------------------
+# --- beyond the upstream Go plugin's validation --------------------------------------------------
 
 
 @needs_kvm

@@ -212,7 +212,8 @@ def test_cancelled_ensure_fresh_caller_neither_stops_nor_fails_the_check(gate: G
 
 
 def test_regression_cancelled_helper_does_not_poison_the_next_check(gate: Gate) -> None:
-    """Seed regression 2: after a caller is cancelled mid-check, the next check is a fresh one."""
+    """Regression 2 of the upstream Go plugin's review: after a caller is cancelled mid-check, the
+    next check is a fresh one."""
 
     async def scenario() -> None:
         tracker = HealthTracker(REQUIRED)
@@ -335,7 +336,8 @@ def test_run_reacts_to_node_events_without_waiting_for_the_interval(tmp_path: Pa
 @pytest.mark.skipif(os.geteuid() != 0, reason="mknod of the host device node needs root")
 @pytest.mark.skipif(not KVM.exists(), reason="needs /dev/kvm")
 def test_regression_host_node_disappearance_publishes_unhealthy(tmp_path: Path) -> None:
-    """Seed regression 1: our /dev/kvm keeps working, but the host node new pods get is gone."""
+    """Regression 1 of the upstream Go plugin's review: our /dev/kvm keeps working, but the host
+    node new pods get is gone."""
     host = tmp_path / "host-dev"
     host.mkdir()
     if os.statvfs(host).f_flag & os.ST_NODEV:

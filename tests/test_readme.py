@@ -16,15 +16,16 @@ from prometheus_client.metrics import MetricWrapperBase
 from hlplugin import config
 from hlplugin.metrics import Metrics
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 BEGIN = "<!-- BEGIN options: generated from config.OPTIONS by `python tests/test_readme.py --write` -->"
 END = "<!-- END options -->"
 QUICKSTART = (
     "```\n"
-    "pip install . && hlplugin demo      # install and run the main job: both daemons against a "
-    "built-in kubelet emulator\n"
-    "bash .ci/run                        # run the tests: installs podman, runc, shellcheck and the "
-    "Python test tools, lints, then python -m pytest\n"
+    "python3 -m venv .venv && .venv/bin/pip install . && .venv/bin/hlplugin demo   # install and run "
+    "the main job: both daemons against a built-in kubelet emulator\n"
+    "bash .ci/run                                                                  # run the tests: "
+    "installs podman, runc, shellcheck, and the Python test tools in .venv; lints, then runs pytest\n"
     "```\n"
 )
 _USERS = (("serve", config.SERVE_OPTIONS), ("bootstrap", config.BOOTSTRAP_OPTIONS),
@@ -64,6 +65,43 @@ def _block(text: str) -> str:
 
 def test_readme_starts_with_the_quickstart() -> None:
     assert README.read_text().startswith(QUICKSTART)
+
+
+def _pip_installs(text: str) -> list[str]:
+    """Every command (a line, or one `&&` part of it) that runs `pip install`."""
+    parts = (part.strip() for line in text.splitlines() if not line.lstrip().startswith("#")
+             for part in line.split("&&"))
+    return [part for part in parts if re.search(r"\bpip3?\b.*\binstall\b", part)]
+
+
+def test_quickstart_installs_into_a_virtual_environment() -> None:
+    """PEP 668 distros (Debian 12, Ubuntu 24.04) refuse `pip install` into the system Python: the
+    first command makes its own venv and uses only its pip and its hlplugin."""
+    first = QUICKSTART.splitlines()[1].split("#")[0]
+    installs = _pip_installs(first)
+    assert installs and all(cmd.startswith(".venv/bin/pip ") for cmd in installs), installs
+    assert first.startswith("python3 -m venv .venv && ")
+    assert ".venv/bin/hlplugin demo" in first
+
+
+def test_readme_states_the_python_floor_of_pyproject() -> None:
+    floor = re.search(r'requires-python = ">=(\d+\.\d+)"', (ROOT / "pyproject.toml").read_text())
+    assert floor is not None
+    head = README.read_text()[:1500]
+    assert f"Python {floor.group(1)} or newer" in head
+
+
+def test_ci_run_installs_nothing_into_the_system_python() -> None:
+    """`.ci/run` is the README's test command: every pip it runs is a virtual environment's, and
+    the linters and pytest come from that environment too."""
+    script = (ROOT / ".ci" / "run").read_text()
+    installs = _pip_installs(script)
+    assert installs, "no pip install found in .ci/run"
+    for command in installs:
+        assert re.match(r'"\$\w*venv/bin/(pip|python)"', command), command
+    assert re.search(r'^\s*"\$python" -m venv "\$venv"$', script, re.M)
+    for tool in ("ruff check src tests", "mypy", "python -m pytest"):
+        assert re.search(rf'^"\$venv/bin/{re.escape(tool.split()[0])}"', script, re.M), tool
 
 
 def test_options_table_matches_config() -> None:

@@ -3,7 +3,10 @@
 In a temporary node root it runs the built-in kubelet emulator (the one the tests use) in this
 process and both daemons as real processes, then walks through what a node does: registration,
 capacity, one allocation, the CDI spec a runtime would read, the device opened as a workload would
-(and a guest run on KVM), a broken spec repaired, and the bootstrap's device grant.
+(and a guest run on KVM), a broken spec repaired, and the bootstrap's device grant. It is written
+for someone who has never seen a device plugin: each step says in one line why it happens, and the
+daemons' command lines are printed so that they can be run by hand. ``--keep`` keeps the node root
+and the daemons' logs.
 
 Exit status: 0 when every step worked; 1 when something could not be done (no usable /dev/kvm
 or /dev/mshv, or a step failed), after showing everything else and saying what was missing. That
@@ -17,9 +20,11 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -37,6 +42,29 @@ ACCESS_RESOURCE = "hyperlight.dev/device-access"
 _GARBAGE = b"{ this is not a CDI spec\n"
 _MAX_SOCKET_PATH = config.MAX_SOCKET_PATH  # what a gRPC server can bind
 _WAIT = 20.0  # guard for every wait; a healthy run needs a fraction of it
+_WIDTH = 100
+LOG_DIR = "logs"  # under the node root: each daemon's stderr, kept with --keep
+
+# One line per step on why it happens, for someone who has never seen a device plugin.
+WHY = {
+    "intro": "a device plugin is a daemon on each node that tells the kubelet, over a unix socket, how "
+             "many units of a resource the node has, and answers Allocate when a pod is given one",
+    "start": "no cluster is needed: the emulator speaks the kubelet's device-plugin gRPC API and follows "
+             "its rules, and the daemons are the same processes the DaemonSets run",
+    "capacity": "the 2,000 slots are not 2,000 devices: each one is the same /dev/kvm, and the count "
+                "(DEVICE_COUNT) only caps how many containers on the node may hold it at once",
+    "bootstrap": "the bootstrap daemon's one hyperlight.dev/device-access unit is for the main daemon's "
+                 "own pod: that is how the main daemon gets the device to test without privilege",
+    "allocate": "CDI (Container Device Interface) is a JSON file on the node that describes devices by "
+                "name; the plugin answers with a name and the container runtime does the rest",
+    "use": "this is what a workload's container gets: the runtime reads the CDI spec, creates the device "
+           "node and allows it; opening it (and, on KVM, running a guest) proves it works",
+    "repair": "the runtime reads that file at every container start, so a deleted or damaged spec would "
+              "break new pods: the daemon watches it and rewrites it atomically",
+    "grant": "this is the bootstrap daemon's only answer: the hypervisor node, read/write, nothing else",
+    "stop": "at an upgrade or a pod deletion the container runtime sends SIGTERM: each daemon removes "
+            "its socket and exits 0, and the CDI spec stays for containers already running",
+}
 
 
 class DemoError(Exception):
@@ -100,6 +128,10 @@ class Demo:
     def item(self, text: str) -> None:
         self.say(f"   {text}")
 
+    def why(self, key: str) -> None:
+        self.say(textwrap.fill(WHY[key], _WIDTH, initial_indent="   why: ",
+                               subsequent_indent="        "))
+
     def cannot(self, what: str, why: str) -> None:
         self.missing.append(what)
         self.item(f"could not {what}: {why}")
@@ -118,7 +150,10 @@ class Demo:
         root = _make_root()
         found = config.Settings(dev_dir=self.dev_dir).detect_hypervisor()
         self.say("hlplugin demo: both daemons against a built-in kubelet emulator")
-        self.say(f"   node root   {root} ({'kept: --keep' if self.keep else 'removed at the end'})")
+        self.why("intro")
+        kept = ("kept, with the daemons' logs in " + str(root / LOG_DIR) if self.keep
+                else "removed at the end; --keep keeps it and the daemons' logs")
+        self.say(f"   node root   {root} ({kept})")
         if found is not None:
             self.say(f"   hypervisor  {found} ({self.dev_dir / found})")
         else:
@@ -142,7 +177,10 @@ class Demo:
                 self._summary(time.monotonic() - began)
         finally:
             if self.keep:
+                logs = self._write_logs(root / LOG_DIR)
                 self.say(f"\nkept the node root: {root}")
+                for path in logs:
+                    self.say(f"kept the log of hlplugin {path.stem}: {path}")
             else:
                 shutil.rmtree(root, ignore_errors=True)
         return 1 if failed or self.missing else 0
@@ -153,6 +191,7 @@ class Demo:
         dev = str(self.dev_dir)
 
         self.step("start a kubelet emulator and both daemons")
+        self.why("start")
         self.kubelet = kubelet = KubeletEmulator(plugin_dir)
         await kubelet.start()
         self.item(f"kubelet emulator    serving {kubelet.socket_path}")
@@ -167,8 +206,11 @@ class Demo:
             self.daemons.append(daemon)
             await daemon.start()
             self.item(f"{daemon.name:<19} pid {daemon.pid}, http://127.0.0.1:{daemon.port}/readyz")
+            self.say(_command_line(daemon.args, "      $ "))
 
         self.step("registration and advertised capacity")
+        self.why("capacity")
+        self.why("bootstrap")
         # Both daemons check their device before they register, so the first list is already
         # the truth: no need to wait for health to settle.
         await self._until(lambda: kubelet.capacity(HYPERVISOR_RESOURCE) > 0
@@ -191,9 +233,11 @@ class Demo:
                       + "".join(f"\n      {k}: {why}" for k, why in sorted(failing.items())))
 
         self.step(f"allocate one {HYPERVISOR_RESOURCE} slot, as the kubelet admits a pod")
+        self.why("allocate")
         qualified = await self._allocate_slot(kubelet)
 
         self.step("resolve the CDI device and open it as a workload would")
+        self.why("use")
         desired = cdi.render_spec(hypervisor, config.OPTIONS["device_uid"].default,
                                   config.OPTIONS["device_gid"].default)
         if qualified is None:
@@ -202,12 +246,15 @@ class Demo:
             await self._use_device(cdi_dir, qualified, hypervisor)
 
         self.step("break the CDI spec and watch the daemon repair it")
+        self.why("repair")
         await self._break_and_repair(serve, cdi_dir / cdi.SPEC_FILE, desired)
 
         self.step(f"allocate {ACCESS_RESOURCE} from the bootstrap daemon (what the main pod gets)")
+        self.why("grant")
         await self._allocate_access(kubelet)
 
         self.step("stop: SIGTERM to both daemons, as at pod deletion")
+        self.why("stop")
         stopped = time.monotonic()
         codes = await asyncio.gather(*(d.stop() for d in self.daemons))
         self.timings.append(("stop both daemons", time.monotonic() - stopped))
@@ -345,9 +392,23 @@ class Demo:
                      f"{', '.join(self.missing)}. Everything else above worked. "
                      f"Run `hlplugin doctor --dev-dir {self.dev_dir} --host-dev-dir {self.dev_dir}` "
                      "for the reason step by step.")
+        elif self.keep:
+            self.say("\nresult: OK, both daemons served a Hyperlight workload end to end and stopped "
+                     "cleanly; the node root and the daemons' logs are kept (--keep)")
         else:
             self.say("\nresult: OK, both daemons served a Hyperlight workload end to end; "
                      "nothing was left behind")
+
+    def _write_logs(self, directory: Path) -> list[Path]:
+        """Each daemon's stderr (JSON lines, as --log-format json writes them) to its own file."""
+        written = []
+        with contextlib.suppress(OSError):
+            directory.mkdir(exist_ok=True)
+            for daemon in self.daemons:
+                path = directory / f"{daemon.name.removeprefix('hlplugin ')}.log"
+                path.write_text("".join(f"{line}\n" for line in daemon.raw))
+                written.append(path)
+        return written
 
 
 def _resolve(cdi_dir: Path, qualified: str) -> tuple[Path, dict[str, Any]]:
@@ -373,6 +434,20 @@ def _make_root() -> Path:
     return root
 
 
+
+
+def _command_line(argv: list[str], prefix: str) -> str:
+    """``argv`` as a shell command to paste: each option with its value on a line of its own."""
+    words = [shlex.quote(word) for word in argv]
+    first = next((i for i, w in enumerate(words) if w.startswith("--")), len(words))
+    lines = [" ".join(words[:first])]
+    for word in words[first:]:
+        if word.startswith("--"):
+            lines.append(word)
+        else:
+            lines[-1] += f" {word}"
+    indent = " " * len(prefix) + "    "
+    return prefix + f" \\\n{indent}".join(lines)
 
 
 def _duration(seconds: float) -> str:
