@@ -39,7 +39,7 @@ POD_FIELDS = {"automountServiceAccountToken", "containers", "enableServiceLinks"
               "securityContext", "serviceAccountName", "terminationGracePeriodSeconds",
               "tolerations", "volumes"}
 CONTAINER_FIELDS = {"args", "command", "env", "image", "imagePullPolicy", "livenessProbe", "name",
-                    "ports", "readinessProbe", "resources", "securityContext",
+                    "ports", "readinessProbe", "resources", "securityContext", "startupProbe",
                     "terminationMessagePath", "terminationMessagePolicy", "volumeMounts"}
 SECURITY_FIELDS = {"allowPrivilegeEscalation", "capabilities", "privileged", "readOnlyRootFilesystem",
                    "runAsGroup", "runAsNonRoot", "runAsUser", "seccompProfile"}
@@ -332,7 +332,9 @@ class ProbeResult:
 class Prober:
     """The kubelet's prober for one container: liveness and readiness on their own periods, with
     their timeouts and thresholds, in a thread. ``ready`` and ``restart_due`` follow the kubelet's
-    rules: failureThreshold consecutive failures flip them, successThreshold successes undo it."""
+    rules: failureThreshold consecutive failures flip them, successThreshold successes undo it.
+    A startupProbe runs first, alone: the others start only once it succeeded, and its
+    failureThreshold consecutive failures are due a restart."""
 
     def __init__(self, container: Container) -> None:
         self.container = container
@@ -341,11 +343,15 @@ class Prober:
         self.ready = False
         self.ready_at: float | None = None
         self.restart_due = False
-        self.results: dict[str, list[ProbeResult]] = {"readiness": [], "liveness": []}
+        self.results: dict[str, list[ProbeResult]] = {"startup": [], "readiness": [],
+                                                      "liveness": []}
         self._cond = threading.Condition()
         self._stop = threading.Event()
+        self._started = threading.Event()
+        if "startupProbe" not in container.spec:
+            self._started.set()
         self._threads = [threading.Thread(target=self._loop, args=(kind,), daemon=True)
-                         for kind in ("readiness", "liveness")
+                         for kind in ("startup", "readiness", "liveness")
                          if f"{kind}Probe" in container.spec]
 
     def __enter__(self) -> Prober:
@@ -364,9 +370,13 @@ class Prober:
 
     def budget(self) -> float:
         """How long the kubelet lets a container become live: past this, liveness restarts it."""
+        def allowed(spec: dict[str, Any]) -> float:
+            return float(spec.get("initialDelaySeconds", 0)
+                         + spec.get("periodSeconds", 10) * spec.get("failureThreshold", 3))
+
         live = self.container.spec.get("livenessProbe") or self.spec("readiness")
-        return float(live.get("initialDelaySeconds", 0)
-                     + live.get("periodSeconds", 10) * live.get("failureThreshold", 3))
+        startup = self.container.spec.get("startupProbe")
+        return (allowed(startup) if startup else 0.0) + allowed(live)
 
     def run_once(self, kind: str) -> ProbeResult:
         spec = self.spec(kind)
@@ -399,6 +409,10 @@ class Prober:
         period = float(spec.get("periodSeconds", 10))
         failures = int(spec.get("failureThreshold", 3))
         successes = int(spec.get("successThreshold", 1))
+        if kind != "startup":
+            while not self._started.wait(0.1):
+                if self._stop.is_set():
+                    return
         if self._stop.wait(float(spec.get("initialDelaySeconds", 0))):
             return
         bad = good = 0
@@ -407,7 +421,15 @@ class Prober:
             with self._cond:
                 self.results[kind].append(result)
                 bad, good = (0, good + 1) if result.ok else (bad + 1, 0)
-                if kind == "readiness":
+                if kind == "startup":
+                    if result.ok:
+                        self._started.set()
+                    elif bad >= failures:
+                        self.restart_due = True
+                    self._cond.notify_all()
+                    if result.ok or self.restart_due:
+                        return
+                elif kind == "readiness":
                     if good >= successes and not self.ready:
                         self.ready = True
                         self.ready_at = result.at

@@ -11,12 +11,13 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
 import pytest
-from harness import Daemon, Node, eventually, run
+from harness import Daemon, Node, eventually, needs_root, run
 from test_metrics import scrape, value, wait_metric
 
 from hlplugin import __version__, logs
@@ -311,13 +312,15 @@ def test_foreign_lines_in_text_format_are_text_records() -> None:
     assert sum("uncaught" in line for line in lines) == 2
 
 
+@needs_root
 def test_daemon_json_stderr_includes_grpc_bind_failures(tmp_path: Path) -> None:
-    """A daemon whose socket cannot be bound (no plugin directory) in JSON mode: gRPC's repeated
-    add_port lines are JSON records like the rest, and the start-up line says where each setting
-    came from."""
+    """A daemon whose socket cannot be bound (a plugin directory on read-only storage) in JSON
+    mode: gRPC's repeated add_port lines are JSON records like the rest, and the start-up line says
+    where each setting came from."""
+    missing = Path(tempfile.mkdtemp(prefix="hlp-ro-", dir="/tmp"))  # short: a socket path
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(missing)], check=True)
 
     async def body() -> None:
-        missing = tmp_path / "no-plugin-dir"
         env = {"HYPERLIGHT_REGISTER_TIMEOUT": "2.5", "HYPERLIGHT_HTTP_ADDRESS": "garbage"}
         proc = await Daemon(["bootstrap", "--plugin-dir", str(missing), "--dev-dir", "/dev",
                              "--hypervisor", "kvm"], env).start()
@@ -341,4 +344,8 @@ def test_daemon_json_stderr_includes_grpc_bind_failures(tmp_path: Path) -> None:
         assert "from the environment: register_timeout=2.5" in start["message"]
         assert "defaults: log_level=info" in start["message"]
 
-    run(body())
+    try:
+        run(body())
+    finally:
+        subprocess.run(["umount", str(missing)], check=True)
+        missing.rmdir()
