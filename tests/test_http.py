@@ -192,7 +192,7 @@ def test_malformed_requests_get_4xx_and_the_daemon_lives(tmp_path: Path, kind: s
             ]
             for data, status in cases:
                 answer = await asyncio.to_thread(raw_request, proc.port, data)
-                assert answer.split(b" ", 2)[:2] == [b"HTTP/1.0", str(status).encode()], \
+                assert answer.split(b" ", 2)[:2] == [b"HTTP/1.1", str(status).encode()], \
                     (data[:30], answer[:80])
             # A client that resets mid-request.
             conn = socket.create_connection(("127.0.0.1", proc.port))

@@ -8,6 +8,7 @@ default, the upstream contract.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import math
 import os
@@ -104,13 +105,33 @@ def _optional_path(text: str) -> Path | None:
 
 
 def _address(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep:
-        raise ValueError(f"must be HOST:PORT, got {text!r}")
+    """HOST:PORT, [IPV6]:PORT (``[::]`` is every address, IPv4 too where the kernel allows) or
+    :PORT (every IPv4 address). A host that is neither an IP address nor a DNS name is refused
+    here; one that does not resolve is found when the daemon binds, which then exits 1."""
+    text = text.strip()
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+        if not sep:
+            raise ValueError(f"must be [IPV6]:PORT, got {text[:60]!r}")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{host[:60]!r} is not an IPv6 address") from None
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep:
+            raise ValueError(f"must be HOST:PORT, got {text[:60]!r}")
+        if ":" in host:
+            raise ValueError(f"an IPv6 address goes in brackets, as in [::]:8080, got {text[:60]!r}")
+        host = host or "0.0.0.0"
+        # A DNS name (letters, digits, hyphens; labels of 1-63) or a dotted IPv4 address.
+        label = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
+        if len(host) > 253 or not re.fullmatch(rf"{label}(\.{label})*\.?", host):
+            raise ValueError(f"{host[:60]!r} is not an IP address or a host name")
     number = int(port, 10) if _DIGITS.fullmatch(port) else -1
     if not 0 <= number <= 65535:
         raise ValueError(f"port must be 0-65535, got {port[:40]!r}")
-    return host.strip("[]") or "0.0.0.0", number
+    return host, number
 
 
 def _bool(text: str) -> bool:

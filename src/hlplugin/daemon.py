@@ -11,12 +11,17 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
+import grpc
+
+from hlplugin.api import deviceplugin_pb2 as pb
+from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.config import HYPERVISORS, Settings
 from hlplugin.health import HealthState, HealthTracker
-from hlplugin.http import HttpServer, Readiness
+from hlplugin.http import HttpServer, Readiness, format_address
 from hlplugin.lifecycle import PluginLifecycle
 from hlplugin.metrics import Metrics
 from hlplugin.watch import DirWatcher
@@ -78,6 +83,68 @@ def track_health_metrics(tracker: HealthTracker, metrics: Metrics) -> None:
     tracker.add_listener(update)
 
 
+class SelfCheck:
+    """Liveness kept fresh by the event loop, so /healthz costs no I/O however often it is asked.
+
+    Every ``interval`` it asks our own gRPC server for its options over one channel kept open
+    (one dial per request let 800 concurrent /healthz take 115 MiB). A failed answer gets a second
+    opinion from ``PluginLifecycle.alive()``, which knows when the socket was just replaced or
+    no server runs between instances. A result older than ``stale_after`` means the loop or this
+    task is stuck, and /healthz fails with that reason; an HTTP answer at all proves the loop runs.
+    """
+
+    def __init__(self, lifecycle: Callable[[], PluginLifecycle | None], interval: float = 2.0,
+                 timeout: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.lifecycle = lifecycle
+        self.interval = interval
+        self.timeout = timeout
+        self.stale_after = 3 * interval + 2 * timeout
+        self.clock = clock
+        self.ok = True
+        self.checked_at = clock()
+        self.checks = 0
+        self._channel: grpc.aio.Channel | None = None
+        self._target = ""
+
+    def liveness(self) -> tuple[bool, str]:
+        age = self.clock() - self.checked_at
+        if age > self.stale_after:
+            return False, f"the self-check has not run for {age:.0f} s (event loop stuck?)"
+        return self.ok, "" if self.ok else "the gRPC server did not answer on its socket"
+
+    async def run(self) -> None:
+        while True:
+            await self.check()
+            await asyncio.sleep(self.interval)
+
+    async def check(self) -> bool:
+        current = self.lifecycle()
+        ok = current is None or await self._ask(current) or await current.alive(self.timeout)
+        self.ok, self.checked_at = ok, self.clock()
+        self.checks += 1
+        return ok
+
+    async def _ask(self, current: PluginLifecycle) -> bool:
+        target = f"unix://{current.socket_path}"
+        if self._channel is None or target != self._target:
+            await self.close()
+            # Reconnect within a second of the server coming back, not after gRPC's backoff.
+            self._channel = grpc.aio.insecure_channel(target, options=[
+                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)])
+            self._target = target
+        try:
+            await pb_grpc.DevicePluginStub(self._channel).GetDevicePluginOptions(
+                pb.Empty(), timeout=self.timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            await channel.close(None)
+
+
 async def run_daemon(
     name: str,
     http_address: tuple[str, int],
@@ -110,26 +177,20 @@ async def run_daemon(
         loop.add_signal_handler(signum, stop)
     loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
 
-    def liveness() -> tuple[bool, str]:
-        current = lifecycle()
-        if current is None:
-            probe: Coroutine[Any, Any, bool] = asyncio.sleep(0, True)
-        else:
-            probe = current.alive()
-        future = asyncio.run_coroutine_threadsafe(probe, loop)
-        try:
-            ok = future.result(timeout=2.0)
-        except TimeoutError:
-            future.cancel()
-            return False, "the event loop did not answer within 2 s"
-        return ok, "" if ok else "the gRPC server did not answer on its socket"
-
     # Read at every scrape, from the same conditions as /readyz: a readiness alert needs no
     # kube-state-metrics, and cannot disagree with the probe.
     metrics.ready.set_function(lambda: float(all(ok for ok, _ in readiness().values())))
-    http = HttpServer(http_address, readiness, liveness, metrics.registry)
-    http.start()
+    checker = SelfCheck(lifecycle)
+    http = HttpServer(readiness, checker.liveness, metrics.registry)
+    checking: asyncio.Task[None] | None = None
     try:
+        try:
+            await http.start(http_address)
+        except OSError as exc:  # in use, not an address of ours, unresolvable: the operator's
+            log.error("%s: cannot serve HTTP on %s: %s", name, format_address(http_address),
+                      _os_reason(exc))
+            raise SystemExit(1) from None
+        checking = asyncio.create_task(checker.run(), name="self-check")
         tasks = await main()
         async with asyncio.TaskGroup() as group:
             for task_name, coroutine in tasks.items():
@@ -137,7 +198,17 @@ async def run_daemon(
     except asyncio.CancelledError:
         log.debug("%s stopped", name)
     finally:
-        http.stop()
+        # stop() cancels this task again every 0.25 s until it ends: each step must finish.
+        if checking is not None:
+            checking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await http.stop()
+        with contextlib.suppress(asyncio.CancelledError):
+            await checker.close()
+
+
+def _os_reason(exc: OSError) -> str:
+    return exc.strerror or str(exc) or type(exc).__name__
 
 
 async def wait_for_hypervisor(settings: Settings) -> str:

@@ -1,120 +1,297 @@
-"""/healthz, /readyz and /metrics over HTTP for both daemons.
+"""/healthz, /readyz and /metrics over HTTP for both daemons, on the daemon's own event loop.
 
-prometheus_client's threading WSGI server and exposition, from the standard library's wsgiref:
-no extra dependency, HTTP parsing done by the standard library, and one thread per connection, so
-a slow or silent client holds only its own thread (each read times out) and never the event loop
-or another endpoint.
+The port is reachable from the pod network, so every resource a client can make us hold is
+bounded (docs/security.md lists the bounds and why): connections (a quarter of the fd limit, at
+most 256; the oldest is closed to admit a new one, so a probe is never locked out by clients that
+got there first), the request head (8 KiB), the body (4 KiB, discarded) and the whole exchange
+(5 s from accept to the last byte written). No threads: h11 (a small, well-kept sans-IO HTTP/1.1
+parser) parses, asyncio's transports do the I/O, and a request is answered only once it has
+arrived whole, so one cut off by EOF is never served. One request per connection.
+
+Answers come from state, never from I/O: /healthz from what the daemon's self-check last found,
+/readyz from the health conditions, /metrics from the registry.
 """
 
 from __future__ import annotations
 
-import io
+import asyncio
 import json
 import logging
-import threading
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
+import resource
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from http import HTTPStatus
+from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer
+import h11
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 log = logging.getLogger(__name__)
 
 # (ok, reason) per readiness condition; a callable so every request sees the current state.
 Readiness = Callable[[], Mapping[str, tuple[bool, str]]]
 Liveness = Callable[[], tuple[bool, str]]
-StartResponse = Callable[..., Any]
+
+# h11 refuses a head once this much of it is buffered without its end; feeding it at most this
+# much at a time keeps that check within one slice of the limit whatever a read returns.
+_FEED = 1024
 
 
-class _LogStream(io.StringIO):
-    """wsgiref prints an application's traceback to stderr; this makes it one log record."""
+@dataclass(frozen=True)
+class Limits:
+    """What one client, or all of them together, can make the server hold."""
 
-    def flush(self) -> None:
-        text = self.getvalue().strip()
-        if text:
-            log.error("http: error in a request handler: %s", text)
-        self.seek(0)
-        self.truncate()
-
-
-class _QuietHandler(WSGIRequestHandler):
-    timeout = 5.0  # a half-open client gives up its thread after this
-    # An unparseable request line still gets a status line (the stdlib default, HTTP/0.9,
-    # answers a bare HTML body) and a short plain-text reason.
-    default_request_version = "HTTP/1.0"
-    error_message_format = "%(code)d %(message)s\n"
-    error_content_type = "text/plain; charset=utf-8"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("http: " + format, *args)
-
-    def get_stderr(self) -> io.StringIO:
-        return _LogStream()
+    max_connections: int = 256
+    max_head: int = 8 * 1024
+    max_body: int = 4 * 1024
+    deadline: float = 5.0  # accept to the last byte of the answer written
+    backlog: int = 64
 
 
-class _Server(ThreadingWSGIServer):
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that resets or breaks the connection is the client's problem: debug, one
-        line, never the stdlib's multi-line dump on stderr (which would break JSON logs)."""
-        log.debug("http: connection from %s failed", client_address, exc_info=True)
+def connection_cap(fd_limit: int | None = None, ceiling: int = 256) -> int:
+    """At most a quarter of the fd limit: three quarters stay for the daemon's own work (gRPC,
+    inotify, the CDI and device checks), whatever clients do. At least 4, so probes get in."""
+    if fd_limit is None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        fd_limit = soft if soft != resource.RLIM_INFINITY else 1 << 20
+    return max(4, min(ceiling, fd_limit // 4))
 
 
-def make_app(readiness: Readiness, liveness: Liveness,
-             registry: CollectorRegistry) -> Callable[[dict[str, Any], StartResponse], Iterable[bytes]]:
-    metrics_app = make_wsgi_app(registry)
+def format_address(address: tuple[str, int]) -> str:
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    def reply(start: StartResponse, ok: bool, body: dict[str, Any]) -> list[bytes]:
-        data = json.dumps(body, sort_keys=True).encode() + b"\n"
-        start("200 OK" if ok else "503 Service Unavailable",
-              [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
-        return [data]
 
-    def app(environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
-        method = environ.get("REQUEST_METHOD")
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: bytes
+    content_type: str = "text/plain; charset=utf-8"
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+def _text(status: HTTPStatus, text: str = "") -> Answer:
+    return Answer(int(status), (text or status.phrase).encode() + b"\n")
+
+
+class App:
+    """Routes a complete request to an answer built from in-memory state."""
+
+    def __init__(self, readiness: Readiness, liveness: Liveness, registry: CollectorRegistry) -> None:
+        self.readiness = readiness
+        self.liveness = liveness
+        self.registry = registry
+
+    def __call__(self, method: str, target: str, headers: Mapping[str, str]) -> Answer:
         if method not in ("GET", "HEAD"):
-            start("405 Method Not Allowed", [("Content-Type", "text/plain"), ("Allow", "GET")])
-            return [b"method not allowed\n"]
-        body = route(environ, start)
-        return [] if method == "HEAD" else body  # wsgiref would send a HEAD answer's body
-
-    def route(environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "")
+            return Answer(405, b"method not allowed\n", headers=(("Allow", "GET"),))
+        path = urlsplit(target).path
         if path == "/metrics":
-            result: Iterable[bytes] = metrics_app(environ, start)
-            return result
+            encoder, content_type = choose_encoder(headers.get("accept", ""))
+            return Answer(200, encoder(self.registry), content_type)
         if path == "/healthz":
-            ok, reason = liveness()
-            return reply(start, ok, {"status": "ok" if ok else "failing", "reason": reason})
+            ok, reason = self.liveness()
+            return self._json(ok, {"status": "ok" if ok else "failing", "reason": reason})
         if path == "/readyz":
-            conditions = readiness()
+            conditions = self.readiness()
             ready = all(ok for ok, _ in conditions.values())
-            return reply(start, ready, {
+            return self._json(ready, {
                 "status": "ready" if ready else "not ready",
                 "conditions": {name: {"ok": ok, "reason": reason}
                                for name, (ok, reason) in conditions.items()},
             })
-        start("404 Not Found", [("Content-Type", "text/plain")])
-        return [b"not found: try /healthz, /readyz or /metrics\n"]
+        return Answer(404, b"not found: try /healthz, /readyz or /metrics\n")
 
-    return app
+    @staticmethod
+    def _json(ok: bool, body: object) -> Answer:
+        data = json.dumps(body, sort_keys=True).encode() + b"\n"
+        return Answer(200 if ok else 503, data, "application/json")
+
+
+class _Connection(asyncio.Protocol):
+    """One client: fed to h11 as bytes arrive, answered once, then closed."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.limits = server.limits
+        self.parser = h11.Connection(h11.SERVER, max_incomplete_event_size=server.limits.max_head)
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.request: h11.Request | None = None
+        self.body = 0
+        self.line_ended = False  # has the request line ended (414 vs 431)?
+        self.done = False
+        self.eof = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.timer = asyncio.get_running_loop().call_later(self.limits.deadline, self._expire)
+        self.server._admit(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
+        self.server._forget(self)
+
+    def data_received(self, data: bytes) -> None:
+        for start in range(0, len(data), _FEED):
+            if self.done:
+                return
+            chunk = data[start:start + _FEED]
+            if not self.line_ended:
+                self.line_ended = b"\n" in chunk
+            self.parser.receive_data(chunk)
+            self._pump()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        if not self.done:
+            self.parser.receive_data(b"")
+            self._pump()
+        if not self.done:
+            self.close()
+        return False  # the transport closes once an answer already written is sent
+
+    def _pump(self) -> None:
+        """Take every event h11 has; answer at the end of a whole request or at an error."""
+        try:
+            while not self.done:
+                event = self.parser.next_event()
+                if event is h11.NEED_DATA or event is h11.PAUSED:
+                    return
+                if isinstance(event, h11.Request):
+                    self.request = event
+                elif isinstance(event, h11.Data):
+                    self.body += len(event.data)
+                    if self.body > self.limits.max_body:
+                        self._answer(_text(HTTPStatus.REQUEST_ENTITY_TOO_LARGE))
+                elif isinstance(event, h11.EndOfMessage):
+                    self._answer(self._route())
+                elif isinstance(event, h11.ConnectionClosed):
+                    self.close()
+        except h11.RemoteProtocolError as exc:
+            if self.eof:  # cut off: nobody is waiting for an answer, and none is owed
+                self.close()
+                return
+            status = exc.error_status_hint
+            if status == HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE and not self.line_ended:
+                status = HTTPStatus.REQUEST_URI_TOO_LONG
+            self._answer(_text(HTTPStatus(status)))
+
+    def _route(self) -> Answer:
+        request = self.request
+        assert request is not None
+        if request.http_version not in (b"1.0", b"1.1"):
+            return _text(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED)
+        headers = {name.decode("latin-1"): value.decode("latin-1")
+                   for name, value in request.headers}
+        try:
+            return self.server.app(request.method.decode("ascii"),
+                                   request.target.decode("ascii"), headers)
+        except Exception:
+            log.exception("http: error answering %s", request.target[:100].decode("ascii", "replace"))
+            return _text(HTTPStatus.INTERNAL_SERVER_ERROR)
+
+    def _answer(self, answer: Answer) -> None:
+        self.done = True
+        assert self.transport is not None
+        head = self.request is not None and self.request.method == b"HEAD"
+        headers = [("Content-Type", answer.content_type), ("Content-Length", str(len(answer.body))),
+                   ("Connection", "close"), *answer.headers]
+        try:
+            out = self.parser.send(h11.Response(
+                status_code=answer.status, headers=headers,
+                reason=HTTPStatus(answer.status).phrase.encode()))
+            if not head:
+                out = (out or b"") + (self.parser.send(h11.Data(data=answer.body)) or b"")
+            out = (out or b"") + (self.parser.send(h11.EndOfMessage()) or b"")
+        except h11.LocalProtocolError:  # h11 has no state left to answer from
+            self.close()
+            return
+        self.transport.pause_reading()
+        self.transport.write(out)
+        self.transport.close()  # after the buffer is written; the deadline aborts a non-reader
+
+    def _expire(self) -> None:
+        """The whole-request deadline: the connection goes now, unanswered (as nginx does),
+        whatever is still buffered for a client that stopped reading."""
+        self.timer = None
+        self.close()
+
+    def close(self) -> None:
+        self.done = True
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class HttpServer:
-    """Runs the WSGI app in a daemon thread; ``port`` is the bound port (useful with port 0)."""
+    """The HTTP port of one daemon; ``port`` is the bound port (useful with port 0)."""
 
-    def __init__(self, address: tuple[str, int], readiness: Readiness, liveness: Liveness,
-                 registry: CollectorRegistry) -> None:
-        self._server = make_server(address[0], address[1], make_app(readiness, liveness, registry),
-                                   _Server, handler_class=_QuietHandler)
-        self.port: int = self._server.server_port
-        self._thread = threading.Thread(target=self._server.serve_forever, name="http",
-                                        kwargs={"poll_interval": 0.5}, daemon=True)
+    def __init__(self, readiness: Readiness, liveness: Liveness, registry: CollectorRegistry,
+                 limits: Limits | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.app = App(readiness, liveness, registry)
+        self.limits = limits if limits is not None else Limits(max_connections=connection_cap())
+        self.clock = clock
+        self.port = 0
+        self._open: dict[_Connection, None] = {}  # insertion order: oldest first
+        self._server: asyncio.Server | None = None
+        self._warned_at: float | None = None
+        self.evicted = 0
 
-    def start(self) -> None:
-        self._thread.start()
-        log.info("serving /healthz, /readyz and /metrics on port %d", self.port)
+    @property
+    def open_connections(self) -> int:
+        return len(self._open)
 
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+    async def start(self, address: tuple[str, int]) -> None:
+        """Bind ``address``; OSError (socket.gaierror included) when it cannot be bound."""
+        sock = await self._bind(address)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), sock=sock,
+                                                backlog=self.limits.backlog)
+        self.port = sock.getsockname()[1]
+        log.info("serving /healthz, /readyz and /metrics on %s (at most %d connections)",
+                 format_address((address[0], self.port)), self.limits.max_connections)
+
+    async def _bind(self, address: tuple[str, int]) -> socket.socket:
+        """One socket on the first address ``host`` resolves to; ``::`` is dual-stack (IPv4 too)
+        where the kernel allows it, as asyncio's own binding would make it IPv6-only."""
+        host, port = address
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, sockaddr = infos[0]
+        dual = family == socket.AF_INET6 and sockaddr[0] == "::" and socket.has_dualstack_ipv6()
+        sock = socket.create_server(sockaddr, family=family, backlog=self.limits.backlog,
+                                    reuse_port=False, dualstack_ipv6=dual)
+        sock.setblocking(False)
+        return sock
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._open):
+            conn.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def _admit(self, conn: _Connection) -> None:
+        """At the cap, the oldest connection goes: a legitimate client is answered within
+        milliseconds, so a client still open after the others arrived is the one to drop."""
+        while len(self._open) >= self.limits.max_connections:
+            oldest = next(iter(self._open))
+            self._forget(oldest)
+            oldest.close()
+            self.evicted += 1
+            now = self.clock()
+            if self._warned_at is None or now - self._warned_at >= 60:
+                self._warned_at = now
+                log.warning("http: %d connections open, the most allowed; closing the oldest for "
+                            "each new one (%d so far)", self.limits.max_connections, self.evicted)
+        self._open[conn] = None
+
+    def _forget(self, conn: _Connection) -> None:
+        self._open.pop(conn, None)
