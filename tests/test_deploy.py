@@ -486,6 +486,24 @@ def test_network_policies_admit_only_probe_and_metrics_ports(
         assert admitted == {HTTP_PORT[name]}, f"{kustomization}: {name} admits {admitted}"
 
 
+SCRAPER_LABEL = {"hyperlight.dev/metrics-scraper": "true"}
+
+
+@pytest.mark.parametrize("kustomization", PLUGIN_KUSTOMIZATIONS)
+def test_network_policies_admit_only_labelled_scraper_namespaces(
+    objects: dict[str, list[dict[str, Any]]], kustomization: str
+) -> None:
+    """Not every pod in the cluster: the kubelet's probes come from the node (never blocked by a
+    NetworkPolicy), and scrapers from namespaces an administrator labelled."""
+    for policy in (o for o in objects[kustomization] if o["kind"] == "NetworkPolicy"):
+        for rule in policy["spec"]["ingress"]:
+            peers = rule.get("from")
+            assert peers, f"{policy['metadata']['name']}: an ingress rule without `from` admits everyone"
+            for peer in peers:
+                assert set(peer) == {"namespaceSelector"}, peer
+                assert peer["namespaceSelector"] == {"matchLabels": SCRAPER_LABEL}, peer
+
+
 def test_manifest_environment_matches_the_cli() -> None:
     config = pytest.importorskip("hlplugin.config")
     tables = {"serve": "SERVE_OPTIONS", "bootstrap": "BOOTSTRAP_OPTIONS"}

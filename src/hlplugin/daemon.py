@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -208,6 +209,9 @@ async def run_daemon(
 
 
 def _os_reason(exc: OSError) -> str:
+    """The reason alone: socket.create_server adds the address we already name to strerror."""
+    if exc.errno and exc.errno > 0:
+        return os.strerror(exc.errno)
     return exc.strerror or str(exc) or type(exc).__name__
 
 

@@ -35,11 +35,6 @@ log = logging.getLogger(__name__)
 Readiness = Callable[[], Mapping[str, tuple[bool, str]]]
 Liveness = Callable[[], tuple[bool, str]]
 
-# h11 refuses a head once this much of it is buffered without its end; feeding it at most this
-# much at a time keeps that check within one slice of the limit whatever a read returns.
-_FEED = 1024
-
-
 @dataclass(frozen=True)
 class Limits:
     """What one client, or all of them together, can make the server hold."""
@@ -117,10 +112,12 @@ class _Connection(asyncio.Protocol):
     def __init__(self, server: HttpServer) -> None:
         self.server = server
         self.limits = server.limits
-        self.parser = h11.Connection(h11.SERVER, max_incomplete_event_size=server.limits.max_head)
+        self.parser = h11.Connection(h11.SERVER,
+                                     max_incomplete_event_size=server.limits.max_head + 1)
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.request: h11.Request | None = None
+        self.head_bytes = 0
         self.body = 0
         self.line_ended = False  # has the request line ended (414 vs 431)?
         self.done = False
@@ -139,14 +136,21 @@ class _Connection(asyncio.Protocol):
         self.server._forget(self)
 
     def data_received(self, data: bytes) -> None:
-        for start in range(0, len(data), _FEED):
-            if self.done:
-                return
-            chunk = data[start:start + _FEED]
-            if not self.line_ended:
-                self.line_ended = b"\n" in chunk
+        while data and not self.done:
+            if self.request is None:
+                # At most one byte past the limit of the head: if h11 has no request in that
+                # much, the head is too large, whatever size the reads came in.
+                room = self.limits.max_head + 1 - self.head_bytes
+                chunk, data = data[:room], data[room:]
+                self.head_bytes += len(chunk)
+                self.line_ended = self.line_ended or b"\n" in chunk
+            else:
+                chunk, data = data, b""
             self.parser.receive_data(chunk)
             self._pump()
+            if self.request is None and self.head_bytes > self.limits.max_head and not self.done:
+                self._answer(_text(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE if self.line_ended
+                                   else HTTPStatus.REQUEST_URI_TOO_LONG))
 
     def eof_received(self) -> bool:
         self.eof = True
