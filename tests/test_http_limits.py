@@ -186,11 +186,11 @@ def test_connections_over_the_cap_close_the_oldest_so_a_probe_gets_in() -> None:
     run(body())
 
 
-def test_the_connection_cap_leaves_three_quarters_of_the_fds() -> None:
-    assert connection_cap(1024) == 256
-    assert connection_cap(400) == 100
+def test_the_connection_cap_leaves_most_fds_to_the_daemon() -> None:
+    assert connection_cap(1024) == 128
+    assert connection_cap(800) == 100
     assert connection_cap(1 << 20) == 256  # and never more, whatever the limit
-    assert connection_cap(8) == 4  # a probe still gets in on an absurdly low limit
+    assert connection_cap(16) == 4  # a probe still gets in on an absurdly low limit
 
 
 def test_endpoints_and_metrics_content_negotiation() -> None:

@@ -1,7 +1,7 @@
 """/healthz, /readyz and /metrics over HTTP for both daemons, on the daemon's own event loop.
 
 The port is reachable from the pod network, so every resource a client can make us hold is
-bounded (docs/security.md lists the bounds and why): connections (a quarter of the fd limit, at
+bounded (docs/security.md lists the bounds and why): connections (an eighth of the fd limit, at
 most 256; the oldest is closed to admit a new one, so a probe is never locked out by clients that
 got there first), the request head (8 KiB), the body (4 KiB, discarded) and the whole exchange
 (5 s from accept to the last byte written). No threads: h11 (a small, well-kept sans-IO HTTP/1.1
@@ -43,16 +43,22 @@ class Limits:
     max_head: int = 8 * 1024
     max_body: int = 4 * 1024
     deadline: float = 5.0  # accept to the last byte of the answer written
-    backlog: int = 64
+    accept_batch: int = 32  # connections asyncio accepts per loop turn (its "backlog")
+    # Connections the kernel completes and queues before we accept them: they hold no fd of
+    # ours, and a burst larger than the queue would leave clients waiting on SYN retries.
+    listen_queue: int = 1024
 
 
 def connection_cap(fd_limit: int | None = None, ceiling: int = 256) -> int:
-    """At most a quarter of the fd limit: three quarters stay for the daemon's own work (gRPC,
-    inotify, the CDI and device checks), whatever clients do. At least 4, so probes get in."""
+    """An eighth of the fd limit, at most 256, at least 4 (so probes get in). asyncio accepts a
+    batch of connections per loop turn and a closed one frees its fd a turn or two later,
+    so clients can briefly hold the cap plus a few batches (32 each): at most a quarter of the
+    fds, and three quarters stay for the daemon's own work (gRPC, inotify, the CDI and device
+    checks) whatever clients do."""
     if fd_limit is None:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         fd_limit = soft if soft != resource.RLIM_INFINITY else 1 << 20
-    return max(4, min(ceiling, fd_limit // 4))
+    return max(4, min(ceiling, fd_limit // 8))
 
 
 def format_address(address: tuple[str, int]) -> str:
@@ -220,6 +226,10 @@ class _Connection(asyncio.Protocol):
         self.transport.pause_reading()
         self.transport.write(out)
         self.transport.close()  # after the buffer is written; the deadline aborts a non-reader
+        if not self.transport.get_write_buffer_size():
+            # All sent: the fd closes at the next loop turn. Not a connection to evict (that
+            # would reset it, and a reset can discard the answer before the client reads it).
+            self.server._forget(self)
 
     def _expire(self) -> None:
         """The whole-request deadline: the connection goes now, unanswered (as nginx does),
@@ -256,7 +266,8 @@ class HttpServer:
         sock = await self._bind(address)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), sock=sock,
-                                                backlog=self.limits.backlog)
+                                                backlog=self.limits.accept_batch)
+        sock.listen(self.limits.listen_queue)  # asyncio listened with its batch size
         self.port = sock.getsockname()[1]
         log.info("serving /healthz, /readyz and /metrics on %s (at most %d connections)",
                  format_address((address[0], self.port)), self.limits.max_connections)
@@ -269,7 +280,7 @@ class HttpServer:
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, _, _, _, sockaddr = infos[0]
         dual = family == socket.AF_INET6 and sockaddr[0] == "::" and socket.has_dualstack_ipv6()
-        sock = socket.create_server(sockaddr, family=family, backlog=self.limits.backlog,
+        sock = socket.create_server(sockaddr, family=family, backlog=self.limits.listen_queue,
                                     reuse_port=False, dualstack_ipv6=dual)
         sock.setblocking(False)
         return sock
