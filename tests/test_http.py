@@ -25,8 +25,8 @@ KINDS = ["serve", "bootstrap"]
 RESOURCES = {"serve": "hyperlight.dev/hypervisor", "bootstrap": "hyperlight.dev/device-access"}
 CONDITIONS = {"serve": {"registered", "listandwatch", "cdi", "device", "host_identity"},
               "bootstrap": {"registered", "listandwatch", "device"}}
-# Below the server's 5 s per-connection read timeout: an answer within it cannot have waited
-# for a stalled client to time out.
+# Below the server's 5 s whole-request deadline: an answer within it cannot have waited for a
+# stalled client to be dropped.
 ANSWER_WITHIN = 3.0
 
 
@@ -149,8 +149,8 @@ def test_endpoints_answer_and_readyz_explains(tmp_path: Path, kind: str) -> None
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_stalled_clients_block_no_endpoint(tmp_path: Path, kind: str) -> None:
-    """Half-open connections each hold only their own thread: every endpoint answers while they
-    are still connected, and the server drops them after its read timeout."""
+    """Half-open connections hold nothing another client needs: every endpoint answers while
+    they are still connected, and the server drops them at its whole-request deadline."""
 
     async def body() -> None:
         node = empty_dev_node(tmp_path)

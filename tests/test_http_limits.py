@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ import pytest
 from harness import Daemon, Node, run
 from prometheus_client import CollectorRegistry
 
+from hlplugin import config
 from hlplugin.daemon import SelfCheck
 from hlplugin.emulator import free_port
 from hlplugin.http import HttpServer, Limits, connection_cap
@@ -240,6 +242,32 @@ def test_self_check_result_goes_stale_when_the_loop_stops_checking() -> None:
         assert check.liveness() == (True, "")
 
     run(body())
+
+
+@pytest.mark.parametrize(("text", "address"), [
+    ("0.0.0.0:8080", ("0.0.0.0", 8080)),
+    (":8080", ("0.0.0.0", 8080)),
+    ("[::]:8080", ("::", 8080)),
+    ("[::1]:0", ("::1", 0)),
+    ("[fe80::1%eth0]:80", ("fe80::1%eth0", 80)),
+    ("node-1.example.com:9090", ("node-1.example.com", 9090)),
+])
+def test_http_address_forms(text: str, address: tuple[str, int]) -> None:
+    assert config._address(text) == address
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("::1:8080", "brackets"),
+    ("[::1]", "[IPV6]:PORT"),
+    ("[not-v6]:80", "not an IPv6 address"),
+    ("not a host:80", "not an IP address or a host name"),
+    ("-bad.example:80", "not an IP address or a host name"),
+    ("127.0.0.1:65536", "port must be 0-65535"),
+    ("127.0.0.1:\uff18\uff10", "port must be 0-65535"),  # full-width digits
+])
+def test_http_address_refusals_say_why(text: str, why: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(why)):
+        config._address(text)
 
 
 # -- binding, through the real command line -------------------------------------------------------
