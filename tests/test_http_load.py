@@ -165,6 +165,7 @@ class Watch:
         self.lowest = kubelet.allocatable(RESOURCE)
         self.threads = self.base_threads = status_value(proc.pid, "Threads")
         self.fds = self.base_fds = open_fds(proc.pid)
+        self.base_rss = status_value(proc.pid, "VmRSS")
         self._tasks: list[asyncio.Task[None]] = []
 
     def _sample(self) -> None:
@@ -247,7 +248,8 @@ async def settled(proc: Daemon, kubelet: KubeletEmulator, watch: Watch, nofile: 
     for family in text_string_to_metric_families(body.decode()):
         if family.name == "hyperlight_health_transitions":
             assert not [s for s in family.samples if s.labels.get("to") == "unhealthy" and s.value]
-    print(f"peak RSS {peak:.1f} MiB, at most {watch.threads} threads and {watch.fds} fds, "
+    print(f"RSS {watch.base_rss / 1024:.1f} MiB before, {status_value(proc.pid, 'VmRSS') / 1024:.1f} after; "
+          f"peak RSS {peak:.1f} MiB, at most {watch.threads} threads and {watch.fds} fds, "
           f"{len(watch.probes)} probes all 200")
 
 

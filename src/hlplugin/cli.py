@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -104,6 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(coroutine: Coroutine[Any, Any, None]) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(coroutine)
+    # Stopped. The interpreter still waits for worker threads, and a check stuck in the kernel
+    # (a hung filesystem) holds one until it returns: a second SIGTERM meanwhile, once asyncio
+    # has restored the default action, must not turn a clean stop into death by signal.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return 0
 
 
