@@ -2,8 +2,8 @@
 
 The port is reachable from the pod network, so every resource a client can make us hold is
 bounded (docs/security.md lists the bounds and why): connections (an eighth of the fd limit, at
-most 256; the oldest is closed to admit a new one, so a probe is never locked out by clients that
-got there first), the request head (8 KiB), the body (4 KiB, discarded) and the whole exchange
+most 256; the oldest is closed to admit a new one, so clients that got there first cannot lock a
+probe out), the request head (8 KiB), the body (4 KiB, discarded) and the whole exchange
 (5 s from accept to the last byte written). No threads: h11 (a small, well-kept sans-IO HTTP/1.1
 parser) parses, asyncio's transports do the I/O, and a request is answered only once it has
 arrived whole, so one cut off by EOF is never served. One request per connection.
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # (ok, reason) per readiness condition; a callable so every request sees the current state.
 Readiness = Callable[[], Mapping[str, tuple[bool, str]]]
 Liveness = Callable[[], tuple[bool, str]]
+
 
 @dataclass(frozen=True)
 class Limits:
