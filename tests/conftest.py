@@ -1,4 +1,40 @@
+"""Test-wide hooks: the harness is importable, and ``async def`` tests run on their own loop."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# A guard, not a timing assertion: a test that hangs fails with its stack instead of stalling CI.
+ASYNC_GUARD_SECONDS = 90.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "guard(seconds): the async test's guard timeout (default 90 s)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """Run an ``async def`` test with ``asyncio.run`` and a guard timeout: no ``body()`` wrapper."""
+    function = pyfuncitem.obj
+    if not inspect.iscoroutinefunction(function):
+        return None
+    marker = pyfuncitem.get_closest_marker("guard")
+    guard = float(marker.args[0]) if marker else ASYNC_GUARD_SECONDS
+    names = pyfuncitem._fixtureinfo.argnames
+    kwargs: dict[str, Any] = {name: pyfuncitem.funcargs[name] for name in names}
+
+    async def guarded() -> None:
+        async with asyncio.timeout(guard):
+            await function(**kwargs)
+
+    asyncio.run(guarded())
+    return True

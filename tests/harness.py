@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hlplugin.emulator import DaemonProcess, KubeletEmulator
 
@@ -101,9 +102,58 @@ async def daemon(args: Sequence[str], env: dict[str, str] | None = None) -> Asyn
             await proc.proc.wait()
 
 
-async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
+async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "",
+                     step: float = 0.005) -> float:
+    """The one poller: wait until ``predicate()`` holds and return how long that took; past
+    ``timeout`` (a guard, not a measurement) fail naming ``what``. Prefer waiting on an event
+    (KubeletEmulator.wait_for, a tracker's wait_for_change) where the code under test offers one."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
     while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(0.02)
+        if loop.time() - began > timeout:
+            raise TimeoutError(f"{what or 'condition'} not met within {timeout:g}s")
+        await asyncio.sleep(step)
+    return loop.time() - began
+
+
+eventually = wait_until  # the older name, kept while tests move over
+
+
+# --- metrics: the one reader -------------------------------------------------------------------
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def parse_metrics(text: str) -> Samples:
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def scrape(proc: DaemonProcess) -> Samples:
+    body = await proc.wait_http("/metrics", 200)  # also waits for a daemon that is starting
+    return parse_metrics(body.decode())
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """The sample's value; 0 for a series that does not exist."""
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+async def wait_metric(proc: DaemonProcess, predicate: Callable[[Samples], bool],
+                      timeout: float = 10.0) -> Samples:
+    """Scrape until ``predicate`` holds on a scrape; return that scrape."""
+    latest: Samples = {}
+
+    async def matches() -> bool:
+        nonlocal latest
+        latest = await scrape(proc)
+        return predicate(latest)
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await matches():
+        if loop.time() > deadline:
+            interesting = {k: v for k, v in latest.items() if k[0].startswith("hyperlight_")}
+            raise TimeoutError(f"metrics never matched: {interesting}")
+        await asyncio.sleep(0.05)
+    return latest

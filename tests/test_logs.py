@@ -17,8 +17,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from harness import Daemon, Node, eventually, needs_root, run
-from test_metrics import scrape, value, wait_metric
+from harness import Daemon, Node, eventually, needs_root, run, scrape, value, wait_metric
 
 from hlplugin import __version__, logs
 from hlplugin.emulator import free_port

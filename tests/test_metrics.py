@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -11,9 +10,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from harness import HAVE_KVM, Daemon, Node, needs_kvm, needs_root, on_kubelet, run
+from harness import (
+    HAVE_KVM,
+    Daemon,
+    Node,
+    Samples,
+    needs_kvm,
+    needs_root,
+    on_kubelet,
+    run,
+    scrape,
+    value,
+    wait_metric,
+)
 from harness import daemon as harness_daemon
-from prometheus_client.parser import text_string_to_metric_families
 
 from hlplugin import __version__, cdi, probe
 from hlplugin.emulator import AdmissionError, KubeletEmulator
@@ -21,33 +31,6 @@ from hlplugin.metrics import Metrics
 
 RESOURCE = "hyperlight.dev/hypervisor"
 ACCESS = "hyperlight.dev/device-access"
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-async def scrape(proc: Daemon) -> Samples:
-    body = await proc.wait_http("/metrics", 200)  # also waits for a daemon that is starting
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    """The sample's value; 0 for a labelled counter that has not been touched yet."""
-    return samples.get((name, frozenset(labels.items())), 0.0)
-
-
-async def wait_metric(proc: Daemon, predicate: Callable[[Samples], bool],
-                      timeout: float = 10.0) -> Samples:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        samples = await scrape(proc)
-        if predicate(samples):
-            return samples
-        if asyncio.get_running_loop().time() > deadline:
-            interesting = {k: v for k, v in samples.items() if k[0].startswith("hyperlight_")}
-            raise TimeoutError(f"metrics never matched: {interesting}")
-        await asyncio.sleep(0.05)
-
 
 def series(samples: Samples) -> set[tuple[str, frozenset[tuple[str, str]]]]:
     """The hyperlight_ series of a scrape (process_ ones come and go with the platform)."""
