@@ -25,7 +25,8 @@ QUICKSTART = (
     "python3 -m venv .venv && .venv/bin/pip install . && .venv/bin/hlplugin demo   # install and run "
     "the main job: both daemons against a built-in kubelet emulator\n"
     "bash .ci/run                                                                  # run the tests: "
-    "installs podman, runc, shellcheck, and the Python test tools in .venv; lints, then runs pytest\n"
+    "installs podman, prometheus, mmdebstrap and the other Debian tools, and the Python test tools in .venv; "
+    "lints, then runs pytest\n"
     "```\n"
 )
 _USERS = (("serve", config.SERVE_OPTIONS), ("bootstrap", config.BOOTSTRAP_OPTIONS),
