@@ -18,11 +18,12 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from harness import needs_root, run, wait_until
 
 from hlplugin.cdi import (
     CDI_VERSION,
@@ -41,18 +42,9 @@ from hlplugin.metrics import Metrics
 SCHEMA_DIR = Path(__file__).parent / "data" / "cdi-schema"
 DESIRED = render_spec("kvm", 65534, 65534)
 STALE = render_spec("kvm", 1000, 1000)  # well-formed, another uid/gid
-IS_ROOT = os.geteuid() == 0
-needs_root = pytest.mark.skipif(not IS_ROOT, reason="needs root (mount, mknod or chown)")
 GUARD = 5.0  # seconds; a guard against hangs, not a benchmark
 
 T = TypeVar("T")
-
-
-def run(coro: Awaitable[T]) -> T:
-    async def main() -> T:
-        return await coro
-
-    return asyncio.run(main())
 
 
 class Rig:
@@ -85,16 +77,6 @@ def cdi_dir(tmp_path: Path) -> Path:
     path = tmp_path / "cdi"
     path.mkdir()
     return path
-
-
-async def wait_until(predicate: Callable[[], bool], guard: float = GUARD) -> float:
-    """Seconds until ``predicate`` holds; fails the test after ``guard`` seconds."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > guard:
-            raise AssertionError(f"condition not reached within {guard}s")
-        await asyncio.sleep(0.002)
-    return time.monotonic() - start
 
 
 @contextlib.asynccontextmanager
@@ -286,12 +268,12 @@ def test_check_file_never_follows_or_blocks(tmp_path: Path) -> None:
 # --- repairs -------------------------------------------------------------------------------------
 
 
-def test_missing_spec_is_written_and_reported(cdi_dir: Path,
+async def test_missing_spec_is_written_and_reported(cdi_dir: Path,
                                               caplog: pytest.LogCaptureFixture) -> None:
     rig = Rig(cdi_dir)
     assert not rig.cdi.ok
     with caplog.at_level(logging.INFO, logger="hlplugin.cdi"):
-        condition = run(rig.rec.reconcile("start"))
+        condition = await rig.rec.reconcile("start")
     assert condition == Condition(True) == rig.rec.condition == rig.cdi
     assert_desired(rig.path)
     assert rig.repairs("missing") == 1
@@ -299,17 +281,17 @@ def test_missing_spec_is_written_and_reported(cdi_dir: Path,
                for r in caplog.records)
     # Nothing to do the second time.
     before = fingerprint(rig.path)
-    assert run(rig.rec.reconcile("periodic")).ok
+    assert (await rig.rec.reconcile("periodic")).ok
     assert fingerprint(rig.path) == before
     assert rig.repairs("missing") == 1
 
 
-def test_missing_directory_is_created_with_parents(tmp_path: Path) -> None:
+async def test_missing_directory_is_created_with_parents(tmp_path: Path) -> None:
     cdi_dir = tmp_path / "a" / "b" / "cdi"
     rig = Rig(cdi_dir)
     old = os.umask(0o022)
     try:
-        assert run(rig.rec.reconcile("start")).ok
+        assert (await rig.rec.reconcile("start")).ok
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(cdi_dir).st_mode) == 0o755
@@ -373,23 +355,23 @@ MALFORMED_CASES = {
                          + [("malformed", v) for v in MALFORMED_CASES.values()],
                          ids=[f"stale-{k}" for k in STALE_CASES]
                          + [f"malformed-{k}" for k in MALFORMED_CASES])
-def test_wrong_content_is_replaced(cdi_dir: Path, cause: str, bad: bytes) -> None:
+async def test_wrong_content_is_replaced(cdi_dir: Path, cause: str, bad: bytes) -> None:
     rig = Rig(cdi_dir)
     rig.path.write_bytes(bad)
     os.chmod(rig.path, 0o644)
-    assert run(rig.rec.reconcile("start")).ok
+    assert (await rig.rec.reconcile("start")).ok
     assert_desired(rig.path)
     assert rig.repairs(cause) == 1
     assert sum(rig.repairs(c) for c in ("missing", "malformed", "stale", "metadata")) == 1
 
 
-def test_wrong_mode_is_repaired_also_against_the_umask(cdi_dir: Path) -> None:
+async def test_wrong_mode_is_repaired_also_against_the_umask(cdi_dir: Path) -> None:
     rig = Rig(cdi_dir)
     rig.path.write_bytes(DESIRED)
     os.chmod(rig.path, 0o600)
     old = os.umask(0o077)
     try:
-        assert run(rig.rec.reconcile("start")).ok
+        assert (await rig.rec.reconcile("start")).ok
     finally:
         os.umask(old)
     assert_desired(rig.path)
@@ -397,34 +379,31 @@ def test_wrong_mode_is_repaired_also_against_the_umask(cdi_dir: Path) -> None:
 
 
 @needs_root
-def test_wrong_owner_is_repaired(cdi_dir: Path) -> None:
+async def test_wrong_owner_is_repaired(cdi_dir: Path) -> None:
     rig = Rig(cdi_dir)
     rig.path.write_bytes(DESIRED)
     os.chmod(rig.path, 0o644)
     os.chown(rig.path, 12345, 12345)
-    assert run(rig.rec.reconcile("start")).ok
+    assert (await rig.rec.reconcile("start")).ok
     assert_desired(rig.path)
     assert rig.repairs("metadata") == 1
 
 
 @needs_root
-def test_setgid_directory_does_not_hand_its_group_to_the_spec(cdi_dir: Path) -> None:
+async def test_setgid_directory_does_not_hand_its_group_to_the_spec(cdi_dir: Path) -> None:
     os.chown(cdi_dir, 0, 4242)
     os.chmod(cdi_dir, 0o2755)
     rig = Rig(cdi_dir)
-    assert run(rig.rec.reconcile("start")).ok
+    assert (await rig.rec.reconcile("start")).ok
     assert_desired(rig.path)  # owned by our egid, not 4242
-    assert run(rig.rec.reconcile("periodic")).ok
+    assert (await rig.rec.reconcile("periodic")).ok
     assert rig.repairs("missing") == 1 and rig.repairs("metadata") == 0
 
 
-def test_one_reconcile_at_a_time(cdi_dir: Path) -> None:
+async def test_one_reconcile_at_a_time(cdi_dir: Path) -> None:
     rig = Rig(cdi_dir)
-
-    async def many() -> list[Condition]:
-        return await asyncio.gather(*(rig.rec.reconcile(f"caller-{i}") for i in range(20)))
-
-    assert all(c.ok for c in run(many()))
+    conditions = await asyncio.gather(*(rig.rec.reconcile(f"caller-{i}") for i in range(20)))
+    assert all(c.ok for c in conditions)
     assert rig.repairs("missing") == 1
     assert_desired(rig.path)
 
@@ -432,47 +411,44 @@ def test_one_reconcile_at_a_time(cdi_dir: Path) -> None:
 # --- ensure(): the check before every Allocate ---------------------------------------------------
 
 
-def test_ensure_is_cheap_when_right_and_catches_a_same_size_rewrite(cdi_dir: Path) -> None:
+async def test_ensure_is_cheap_when_right_and_catches_a_same_size_rewrite(cdi_dir: Path) -> None:
     rig = Rig(cdi_dir)
 
-    async def scenario() -> None:
-        assert (await rig.rec.reconcile("start")).ok
-        before = fingerprint(rig.path)
-        for _ in range(100):
-            assert (await rig.rec.ensure()).ok
-        assert fingerprint(rig.path) == before  # never rewritten
-        assert rig.repairs("missing") == 1
-
-        # Same size, same mtime: only the bytes tell.
-        st = os.stat(rig.path)
-        tampered = DESIRED.replace(b'"rw"', b'"rx"')
-        assert len(tampered) == len(DESIRED)
-        overwrite(rig.path, tampered)
-        os.utime(rig.path, ns=(st.st_atime_ns, st.st_mtime_ns))
-        assert os.stat(rig.path).st_mtime_ns == st.st_mtime_ns
+    assert (await rig.rec.reconcile("start")).ok
+    before = fingerprint(rig.path)
+    for _ in range(100):
         assert (await rig.rec.ensure()).ok
-        assert_desired(rig.path)
-        assert rig.repairs("stale") == 1
+    assert fingerprint(rig.path) == before  # never rewritten
+    assert rig.repairs("missing") == 1
 
-        os.chmod(rig.path, 0o666)
-        assert (await rig.rec.ensure()).ok
-        assert_desired(rig.path)
-        assert rig.repairs("metadata") == 1
+    # Same size, same mtime: only the bytes tell.
+    st = os.stat(rig.path)
+    tampered = DESIRED.replace(b'"rw"', b'"rx"')
+    assert len(tampered) == len(DESIRED)
+    overwrite(rig.path, tampered)
+    os.utime(rig.path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(rig.path).st_mtime_ns == st.st_mtime_ns
+    assert (await rig.rec.ensure()).ok
+    assert_desired(rig.path)
+    assert rig.repairs("stale") == 1
 
-        rig.path.unlink()
-        assert (await rig.rec.ensure()).ok
-        assert_desired(rig.path)
-        assert rig.repairs("missing") == 2
+    os.chmod(rig.path, 0o666)
+    assert (await rig.rec.ensure()).ok
+    assert_desired(rig.path)
+    assert rig.repairs("metadata") == 1
 
-    run(scenario())
+    rig.path.unlink()
+    assert (await rig.rec.ensure()).ok
+    assert_desired(rig.path)
+    assert rig.repairs("missing") == 2
 
 
-def test_ensure_reports_a_failure_it_cannot_repair(cdi_dir: Path, tmp_path: Path) -> None:
+async def test_ensure_reports_a_failure_it_cannot_repair(cdi_dir: Path, tmp_path: Path) -> None:
     rig = Rig(cdi_dir)
-    assert run(rig.rec.reconcile("start")).ok
+    assert (await rig.rec.reconcile("start")).ok
     rig.path.unlink()
     rig.path.symlink_to(tmp_path / "nowhere")
-    condition = run(rig.rec.ensure())
+    condition = await rig.rec.ensure()
     assert not condition.ok and "symlink" in condition.reason
     assert not rig.cdi.ok
     assert rig.path.is_symlink() and not (tmp_path / "nowhere").exists()
@@ -544,52 +520,49 @@ def _remove(path: Path) -> None:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("make", "what"), OBSTRUCTIONS)
-def test_non_regular_path_is_refused_untouched_and_recovers(
+async def test_non_regular_path_is_refused_untouched_and_recovers(
     cdi_dir: Path, tmp_path: Path, make: Callable[[Path, Path], Callable[[], object]], what: str,
 ) -> None:
     rig = Rig(cdi_dir, interval=60.0)
     snapshot = make(rig.path, tmp_path)
     before = snapshot()
 
-    async def scenario() -> None:
-        condition = await rig.rec.reconcile("start")
-        reason = f"{rig.path} is {what}; refusing to replace what we do not own"
-        assert condition == Condition(False, reason) == rig.cdi
-        assert not (await rig.rec.ensure()).ok
-        assert snapshot() == before
-        assert rig.refusals("not_regular") == 2
-        assert temp_files(cdi_dir) == []
+    condition = await rig.rec.reconcile("start")
+    reason = f"{rig.path} is {what}; refusing to replace what we do not own"
+    assert condition == Condition(False, reason) == rig.cdi
+    assert not (await rig.rec.ensure()).ok
+    assert snapshot() == before
+    assert rig.refusals("not_regular") == 2
+    assert temp_files(cdi_dir) == []
 
-        async with running(rig.rec):
-            await asyncio.sleep(0.05)
-            assert snapshot() == before and not rig.cdi.ok
-            _remove(rig.path)  # the watcher sees the obstruction go
-            await wait_until(lambda: rig.cdi.ok)
-        assert_desired(rig.path)
-
-    run(scenario())
+    async with running(rig.rec):
+        await asyncio.sleep(0.05)
+        assert snapshot() == before and not rig.cdi.ok
+        _remove(rig.path)  # the watcher sees the obstruction go
+        await wait_until(lambda: rig.cdi.ok)
+    assert_desired(rig.path)
     assert check_file(rig.path, DESIRED) == (True, "")
 
 
 @needs_root
 @pytest.mark.timeout(30)
-def test_a_file_mounted_at_our_path_is_refused_untouched_and_recovers(cdi_dir: Path,
+async def test_a_file_mounted_at_our_path_is_refused_untouched_and_recovers(cdi_dir: Path,
                                                                        tmp_path: Path) -> None:
     source = tmp_path / "mounted.json"
     source.write_bytes(STALE)
     rig = Rig(cdi_dir, interval=60.0)
     rig.path.write_bytes(b"")
-    subprocess.run(["mount", "--bind", str(source), str(rig.path)], check=True)
+    subprocess.run(["mount", "--bind", str(source), str(rig.path)], check=True)  # noqa: ASYNC221 (the loop runs nothing else here)
     try:
-        condition = run(rig.rec.reconcile("start"))
+        condition = await rig.rec.reconcile("start")
         reason = f"{rig.path} is a mount point; refusing to replace what we do not own"
         assert condition == Condition(False, reason) == rig.cdi
         assert rig.refusals("not_regular") == 1 and rig.refusals("write_failed") == 0
         assert rig.path.read_bytes() == STALE == source.read_bytes()
         assert temp_files(cdi_dir) == []
     finally:
-        subprocess.run(["umount", str(rig.path)], check=True)
-    assert run(rig.rec.reconcile("retry")).ok
+        subprocess.run(["umount", str(rig.path)], check=True)  # noqa: ASYNC221 (the loop runs nothing else here)
+    assert (await rig.rec.reconcile("retry")).ok
     assert_desired(rig.path)
     assert source.read_bytes() == STALE
 
@@ -598,10 +571,10 @@ def test_a_file_mounted_at_our_path_is_refused_untouched_and_recovers(cdi_dir: P
 
 
 @pytest.mark.timeout(60)
-def test_readers_never_see_a_torn_empty_or_missing_spec(cdi_dir: Path) -> None:
+async def test_readers_never_see_a_torn_empty_or_missing_spec(cdi_dir: Path) -> None:
     rig = Rig(cdi_dir)
     tamper = cdi_dir / "tamper.json.new"
-    run(rig.rec.reconcile("start"))
+    await rig.rec.reconcile("start")
     seen = {"desired": 0, "stale": 0, "missing": 0, "torn": 0}
     stop = threading.Event()
 
@@ -615,19 +588,16 @@ def test_readers_never_see_a_torn_empty_or_missing_spec(cdi_dir: Path) -> None:
                 continue
             seen["desired" if data == DESIRED else "stale" if data == STALE else "torn"] += 1
 
-    async def repairs() -> None:
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
         for i in range(300):
             tamper.write_bytes(STALE)  # replaced atomically, so any torn read would be ours
             if i % 2:
                 os.chmod(tamper, 0o600)
             os.rename(tamper, rig.path)
             assert (await rig.rec.reconcile("test")).ok
-        await wait_until(lambda: sum(seen.values()) >= 3000, guard=30)
-
-    thread = threading.Thread(target=reader)
-    thread.start()
-    try:
-        run(repairs())
+        await wait_until(lambda: sum(seen.values()) >= 3000, 30, "3000 reads")
     finally:
         stop.set()
         thread.join()
@@ -732,7 +702,7 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 @pytest.mark.timeout(120)
-def test_a_symlink_or_directory_swapped_in_during_repairs_is_never_replaced(
+async def test_a_symlink_or_directory_swapped_in_during_repairs_is_never_replaced(
     cdi_dir: Path, tmp_path: Path,
 ) -> None:
     """Thousands of repairs, each raced by a Swapper. Whatever the interleaving, its object
@@ -746,7 +716,7 @@ def test_a_symlink_or_directory_swapped_in_during_repairs_is_never_replaced(
     tally = {"rounds": 0, "replaced": 0, "ours_seen": 0}
     outcomes: dict[str, int] = {}
 
-    async def scenario() -> None:
+    try:
         start = time.monotonic()
         for i in range(rounds):
             if time.monotonic() - start > budget:
@@ -775,9 +745,6 @@ def test_a_symlink_or_directory_swapped_in_during_repairs_is_never_replaced(
                     if data == DESIRED:
                         tally["ours_seen"] += 1
                         assert stat.S_IMODE(st.st_mode) == 0o644
-
-    try:
-        run(scenario())
     finally:
         swapper.stop()
     print("race:", tally, "swaps:", swapper.swaps, "outcomes:", outcomes)
@@ -788,7 +755,7 @@ def test_a_symlink_or_directory_swapped_in_during_repairs_is_never_replaced(
     assert tally["rounds"] >= 200 and tally["ours_seen"] > 0, tally
 
 
-def test_other_files_in_the_directory_are_left_alone(cdi_dir: Path) -> None:
+async def test_other_files_in_the_directory_are_left_alone(cdi_dir: Path) -> None:
     sibling = cdi_dir / "vendor.example.json"
     sibling.write_bytes(b'{"cdiVersion": "0.3.0", "kind": "example.com/x", "devices": []}\n')
     os.chmod(sibling, 0o600)
@@ -799,21 +766,18 @@ def test_other_files_in_the_directory_are_left_alone(cdi_dir: Path) -> None:
     before = {p: (fingerprint(p), p.read_bytes()) for p in [sibling, *lookalikes]}
     rig = Rig(cdi_dir, interval=60.0)
 
-    async def scenario() -> None:
-        async with running(rig.rec):
-            await wait_until(lambda: rig.cdi.ok)
-            for _ in range(5):
-                rig.path.write_bytes(STALE)
-                await wait_until(lambda: content(rig.path) == DESIRED)
-            rig.path.unlink()
+    async with running(rig.rec):
+        await wait_until(lambda: rig.cdi.ok)
+        for _ in range(5):
+            rig.path.write_bytes(STALE)
             await wait_until(lambda: content(rig.path) == DESIRED)
-
-    run(scenario())
+        rig.path.unlink()
+        await wait_until(lambda: content(rig.path) == DESIRED)
     assert {p: (fingerprint(p), p.read_bytes()) for p in before} == before
     assert_desired(rig.path)
 
 
-def test_crash_leftovers_are_removed_at_start_and_nothing_else(cdi_dir: Path,
+async def test_crash_leftovers_are_removed_at_start_and_nothing_else(cdi_dir: Path,
                                                                tmp_path: Path) -> None:
     leftovers = [cdi_dir / f"{TEMP_PREFIX}deadbeef", cdi_dir / f"{TEMP_PREFIX}0123"]
     for path in leftovers:
@@ -838,11 +802,8 @@ def test_crash_leftovers_are_removed_at_start_and_nothing_else(cdi_dir: Path,
     # run() does it at start.
     leftovers[0].write_bytes(b"partial")
 
-    async def scenario() -> None:
-        async with running(rig.rec):
-            await wait_until(lambda: rig.cdi.ok)
-
-    run(scenario())
+    async with running(rig.rec):
+        await wait_until(lambda: rig.cdi.ok)
     assert not leftovers[0].exists()
     assert temp_files(cdi_dir) == sorted([link.name, temp_dir.name])
     assert_desired(rig.path)
@@ -851,25 +812,22 @@ def test_crash_leftovers_are_removed_at_start_and_nothing_else(cdi_dir: Path,
 # --- the run() loop ------------------------------------------------------------------------------
 
 
-def test_run_repairs_deletion_and_tampering_promptly(cdi_dir: Path) -> None:
+async def test_run_repairs_deletion_and_tampering_promptly(cdi_dir: Path) -> None:
     # With a 60 s interval, only the watcher can explain a repair within the guard.
     rig = Rig(cdi_dir, interval=60.0)
     timings: dict[str, float] = {}
 
-    async def scenario() -> None:
-        async with running(rig.rec):
-            await wait_until(lambda: rig.cdi.ok)
-            assert_desired(rig.path)
-            rig.path.unlink()
-            timings["deleted"] = await wait_until(lambda: content(rig.path) == DESIRED)
-            rig.path.write_bytes(STALE)  # in place
-            timings["rewritten"] = await wait_until(lambda: content(rig.path) == DESIRED)
-            os.chmod(rig.path, 0o600)
-            timings["chmod"] = await wait_until(
-                lambda: stat.S_IMODE(os.stat(rig.path).st_mode) == 0o644)
-            await asyncio.sleep(0.05)  # let the events of our own writes settle
-
-    run(scenario())
+    async with running(rig.rec):
+        await wait_until(lambda: rig.cdi.ok)
+        assert_desired(rig.path)
+        rig.path.unlink()
+        timings["deleted"] = await wait_until(lambda: content(rig.path) == DESIRED)
+        rig.path.write_bytes(STALE)  # in place
+        timings["rewritten"] = await wait_until(lambda: content(rig.path) == DESIRED)
+        os.chmod(rig.path, 0o600)
+        timings["chmod"] = await wait_until(
+            lambda: stat.S_IMODE(os.stat(rig.path).st_mode) == 0o644)
+        await asyncio.sleep(0.05)  # let the events of our own writes settle
     assert_desired(rig.path)
     assert rig.repairs("missing") == 2 and rig.repairs("metadata") == 1
     assert rig.repairs("stale") + rig.repairs("malformed") == 1
@@ -877,20 +835,17 @@ def test_run_repairs_deletion_and_tampering_promptly(cdi_dir: Path) -> None:
     print("repair latency (s):", {k: round(v, 4) for k, v in timings.items()})
 
 
-def test_run_repairs_periodically_what_the_watcher_cannot_see(cdi_dir: Path,
+async def test_run_repairs_periodically_what_the_watcher_cannot_see(cdi_dir: Path,
                                                               tmp_path: Path) -> None:
     # A write through a hard link in another directory raises no event in the CDI directory.
     rig = Rig(cdi_dir, interval=0.2)
     alias = tmp_path / "alias.json"
 
-    async def scenario() -> None:
-        async with running(rig.rec):
-            await wait_until(lambda: rig.cdi.ok)
-            os.link(rig.path, alias)
-            overwrite(alias, STALE)
-            await wait_until(lambda: content(rig.path) == DESIRED)
-
-    run(scenario())
+    async with running(rig.rec):
+        await wait_until(lambda: rig.cdi.ok)
+        os.link(rig.path, alias)
+        overwrite(alias, STALE)
+        await wait_until(lambda: content(rig.path) == DESIRED)
     assert alias.read_bytes() == STALE  # the old inode, no longer our spec
     assert_desired(rig.path)
     # A pass may land between the overwrite's truncate and its write (an empty or partial file),
@@ -898,22 +853,19 @@ def test_run_repairs_periodically_what_the_watcher_cannot_see(cdi_dir: Path,
     assert sum(rig.repairs(c) for c in ("missing", "malformed", "stale", "metadata")) >= 1
 
 
-def test_not_creatable_directory_fails_then_recovers(tmp_path: Path) -> None:
+async def test_not_creatable_directory_fails_then_recovers(tmp_path: Path) -> None:
     blocker = tmp_path / "blocker"
     blocker.write_bytes(b"a file where a directory should be")
     rig = Rig(blocker / "cdi", max_backoff=0.2)
 
-    async def scenario() -> None:
-        condition = await rig.rec.reconcile("start")
-        assert not condition.ok
-        assert "Not a directory (ENOTDIR)" in condition.reason
-        assert rig.refusals("write_failed") == 1
-        async with running(rig.rec):
-            await wait_until(lambda: rig.refusals("write_failed") >= 3)  # retrying
-            blocker.unlink()
-            await wait_until(lambda: rig.cdi.ok)
-
-    run(scenario())
+    condition = await rig.rec.reconcile("start")
+    assert not condition.ok
+    assert "Not a directory (ENOTDIR)" in condition.reason
+    assert rig.refusals("write_failed") == 1
+    async with running(rig.rec):
+        await wait_until(lambda: rig.refusals("write_failed") >= 3)  # retrying
+        blocker.unlink()
+        await wait_until(lambda: rig.cdi.ok)
     assert_desired(rig.path)
 
 
@@ -1058,7 +1010,7 @@ def _permission_denied_scenario(cdi_dir: Path) -> None:
 
 @needs_root
 @pytest.mark.timeout(30)
-def test_read_only_storage_fails_keeps_the_old_spec_and_recovers(tmp_path: Path) -> None:
+async def test_read_only_storage_fails_keeps_the_old_spec_and_recovers(tmp_path: Path) -> None:
     with tmpfs(tmp_path / "mnt", "size=1m,mode=0755") as mnt:
         cdi_dir = mnt / "cdi"
         cdi_dir.mkdir()
@@ -1066,21 +1018,18 @@ def test_read_only_storage_fails_keeps_the_old_spec_and_recovers(tmp_path: Path)
         rig.path.write_bytes(STALE)
         remount(mnt, "ro")
 
-        async def scenario() -> None:
-            condition = await rig.rec.reconcile("start")
-            assert not condition.ok
-            assert condition.reason == (
-                f"cannot write {rig.path}: Read-only file system (EROFS)")
-            assert rig.cdi == condition
-            assert rig.refusals("write_failed") == 1
-            assert not (await rig.rec.ensure()).ok
-            async with running(rig.rec):
-                await wait_until(lambda: rig.refusals("write_failed") >= 5)
-                assert rig.path.read_bytes() == STALE  # never deleted
-                remount(mnt, "rw")
-                await wait_until(lambda: rig.cdi.ok)
-
-        run(scenario())
+        condition = await rig.rec.reconcile("start")
+        assert not condition.ok
+        assert condition.reason == (
+            f"cannot write {rig.path}: Read-only file system (EROFS)")
+        assert rig.cdi == condition
+        assert rig.refusals("write_failed") == 1
+        assert not (await rig.rec.ensure()).ok
+        async with running(rig.rec):
+            await wait_until(lambda: rig.refusals("write_failed") >= 5)
+            assert rig.path.read_bytes() == STALE  # never deleted
+            remount(mnt, "rw")
+            await wait_until(lambda: rig.cdi.ok)
         assert_desired(rig.path)
         assert rig.repairs("stale") == 1
         assert temp_files(cdi_dir) == []
@@ -1088,36 +1037,33 @@ def test_read_only_storage_fails_keeps_the_old_spec_and_recovers(tmp_path: Path)
 
 @needs_root
 @pytest.mark.timeout(30)
-def test_full_filesystem_fails_cleans_its_temp_file_and_recovers(tmp_path: Path) -> None:
+async def test_full_filesystem_fails_cleans_its_temp_file_and_recovers(tmp_path: Path) -> None:
     with tmpfs(tmp_path / "mnt", "size=16k,mode=0755") as mnt:
         cdi_dir = mnt / "cdi"
         cdi_dir.mkdir()
         rig = Rig(cdi_dir, max_backoff=0.2)
         rig.path.write_bytes(STALE)
         filler = cdi_dir / "filler"
-        with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):  # noqa: ASYNC230 (the loop runs nothing else here)
             while True:
                 f.write(b"\0" * 4096)
         assert os.statvfs(mnt).f_bavail == 0
 
-        async def scenario() -> None:
-            condition = await rig.rec.reconcile("start")
-            assert condition == Condition(
-                False, f"cannot write {rig.path}: No space left on device (ENOSPC)")
-            assert rig.refusals("write_failed") == 1
-            assert temp_files(cdi_dir) == []  # created, failed, removed
-            assert rig.path.read_bytes() == STALE
-            async with running(rig.rec):
-                await wait_until(lambda: rig.refusals("write_failed") >= 3)
-                filler.unlink()
-                await wait_until(lambda: rig.cdi.ok)
-
-        run(scenario())
+        condition = await rig.rec.reconcile("start")
+        assert condition == Condition(
+            False, f"cannot write {rig.path}: No space left on device (ENOSPC)")
+        assert rig.refusals("write_failed") == 1
+        assert temp_files(cdi_dir) == []  # created, failed, removed
+        assert rig.path.read_bytes() == STALE
+        async with running(rig.rec):
+            await wait_until(lambda: rig.refusals("write_failed") >= 3)
+            filler.unlink()
+            await wait_until(lambda: rig.cdi.ok)
         assert_desired(rig.path)
         assert temp_files(cdi_dir) == []
 
 
-def test_run_never_passes_more_often_than_the_floor(cdi_dir: Path) -> None:
+async def test_run_never_passes_more_often_than_the_floor(cdi_dir: Path) -> None:
     """An interval of 0 (an in-process caller; the CLI refuses it) is not a busy loop."""
     from hlplugin.health import MIN_PERIOD
 
@@ -1129,11 +1075,8 @@ def test_run_never_passes_more_often_than_the_floor(cdi_dir: Path) -> None:
 
     rig = Rig(cdi_dir, interval=0, clock=clock)
 
-    async def scenario() -> None:
-        async with running(rig.rec):
-            await wait_until(lambda: len(passes) >= 5)
-
-    run(scenario())
+    async with running(rig.rec):
+        await wait_until(lambda: len(passes) >= 5)
     assert rig.cdi.ok
     # The first pass's own write may wake the watcher once; the passes after it are periodic.
     gaps = [b - a for a, b in itertools.pairwise(passes[1:5])]

@@ -10,10 +10,11 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from harness import run, wait_until
 
 from hlplugin.probe import (
     BoundedRunner,
@@ -239,13 +240,6 @@ def helpers(runner: BoundedRunner) -> int:
     return sum(t.name.startswith(runner.name + "-") for t in threading.enumerate())
 
 
-async def until(predicate: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + GUARD
-    while not predicate():
-        assert time.monotonic() < deadline, "guard timeout"
-        await asyncio.sleep(0.005)
-
-
 def test_runner_returns_the_result() -> None:
     runner = BoundedRunner()
     assert asyncio.run(runner.run(lambda: 42)) == 42
@@ -281,8 +275,10 @@ def test_helper_errors_reach_the_caller_only(caplog: pytest.LogCaptureFixture) -
         with pytest.raises(ProbeError, match="timed out"):
             await runner.run(fail_late, budget=0.05)
         release.set()
-        await until(lambda r=runner: not r.busy)  # type: ignore[misc]
-        await asyncio.sleep(0.05)  # let any late callback reach this loop
+        await wait_until(lambda r=runner: not r.busy)  # type: ignore[misc]
+        # A bounded watch, 50 ms: the helper is done, so a late callback is already queued on
+        # this loop; a few turns deliver it.
+        await asyncio.sleep(0.05)
         del runner  # the helper's future holds whatever waited on it
         gc.collect()
 
@@ -294,105 +290,89 @@ def test_helper_errors_reach_the_caller_only(caplog: pytest.LogCaptureFixture) -
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
-def test_stuck_helper_times_out_and_blocks_a_second_helper(gate: Gate) -> None:
+async def test_stuck_helper_times_out_and_blocks_a_second_helper(gate: Gate) -> None:
     runner = BoundedRunner(budget=0.2, name="stuck-test")
+    with pytest.raises(ProbeError, match=r"timed out after 0\.2s") as info:
+        await runner.run(gate)
+    assert (info.value.step, info.value.reason) == ("timeout", "timeout")
+    assert runner.busy
 
-    async def scenario() -> None:
-        with pytest.raises(ProbeError, match=r"timed out after 0\.2s") as info:
-            await runner.run(gate)
-        assert (info.value.step, info.value.reason) == ("timeout", "timeout")
-        assert runner.busy
+    count = 0
 
-        count = 0
+    def other() -> int:
+        nonlocal count
+        count += 1
+        return 2
 
-        def other() -> int:
-            nonlocal count
-            count += 1
-            return 2
+    for _ in range(3):
+        with pytest.raises(ProbeError, match="previous check is still stuck") as info:
+            await runner.run(other)
+        assert info.value.step == "budget"
+    assert count == 0
+    assert runner.threads_started == 1
+    assert helpers(runner) == 1
 
-        for _ in range(3):
-            with pytest.raises(ProbeError, match="previous check is still stuck") as info:
-                await runner.run(other)
-            assert info.value.step == "budget"
-        assert count == 0
-        assert runner.threads_started == 1
-        assert helpers(runner) == 1
-
-        gate.release.set()
-        assert await runner.run(other, budget=GUARD) == 2
-        assert runner.threads_started == 2
-        assert gate.calls == 1
-
-    asyncio.run(scenario())
+    gate.release.set()
+    assert await runner.run(other, budget=GUARD) == 2
+    assert runner.threads_started == 2
+    assert gate.calls == 1
 
 
-def test_a_sub_second_budget_is_reported_as_it_is(gate: Gate) -> None:
+async def test_a_sub_second_budget_is_reported_as_it_is(gate: Gate) -> None:
     """A 0.25 s budget is "0.25s" in the reason, never rounded to "0.2s" or "0.0s"."""
     runner = BoundedRunner(budget=0.25, name="quarter-test")
 
-    async def scenario() -> None:
-        with pytest.raises(ProbeError) as info:
-            await runner.run(gate)
-        assert str(info.value).endswith("check timed out after 0.25s")
-        with pytest.raises(ProbeError) as again:
-            await runner.run(gate, budget=0.04)
-        assert "still stuck after 0.04s" in str(again.value)
-
-    asyncio.run(scenario())
+    with pytest.raises(ProbeError) as info:
+        await runner.run(gate)
+    assert str(info.value).endswith("check timed out after 0.25s")
+    with pytest.raises(ProbeError) as again:
+        await runner.run(gate, budget=0.04)
+    assert "still stuck after 0.04s" in str(again.value)
 
 
-def test_next_call_waits_for_a_helper_that_finishes_within_its_budget(gate: Gate) -> None:
+async def test_next_call_waits_for_a_helper_that_finishes_within_its_budget(gate: Gate) -> None:
     runner = BoundedRunner(budget=0.1)
 
-    async def scenario() -> None:
-        with pytest.raises(ProbeError, match="timed out"):
-            await runner.run(gate)
-        threading.Timer(0.2, gate.release.set).start()
-        # The previous helper is still running when this call starts; it waits and then runs.
-        assert runner.busy
-        assert await runner.run(lambda: 3, budget=GUARD) == 3
-        assert gate.finished.is_set()
-
-    asyncio.run(scenario())
+    with pytest.raises(ProbeError, match="timed out"):
+        await runner.run(gate)
+    threading.Timer(0.2, gate.release.set).start()
+    # The previous helper is still running when this call starts; it waits and then runs.
+    assert runner.busy
+    assert await runner.run(lambda: 3, budget=GUARD) == 3
+    assert gate.finished.is_set()
 
 
-def test_cancelled_caller_leaves_the_helper_running_and_the_next_call_clean(gate: Gate) -> None:
+async def test_cancelled_caller_leaves_the_helper_running_and_the_next_call_clean(gate: Gate) -> None:
     runner = BoundedRunner(budget=GUARD)
 
-    async def scenario() -> None:
-        task = asyncio.create_task(runner.run(gate))
-        await until(gate.started.is_set)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert runner.busy and not gate.finished.is_set()  # the helper was not disturbed
-        gate.release.set()
-        await until(gate.finished.is_set)
-        assert await runner.run(lambda: 5) == 5
-        assert runner.threads_started == 2
-
-    asyncio.run(scenario())
+    task = asyncio.create_task(runner.run(gate))
+    await wait_until(gate.started.is_set)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert runner.busy and not gate.finished.is_set()  # the helper was not disturbed
+    gate.release.set()
+    await wait_until(gate.finished.is_set)
+    assert await runner.run(lambda: 5) == 5
+    assert runner.threads_started == 2
 
 
-def test_caller_cancelled_while_waiting_for_a_stuck_helper(gate: Gate) -> None:
+async def test_caller_cancelled_while_waiting_for_a_stuck_helper(gate: Gate) -> None:
     runner = BoundedRunner(budget=0.1)
 
-    async def scenario() -> None:
-        with pytest.raises(ProbeError, match="timed out"):
-            await runner.run(gate)
-        waiting = asyncio.create_task(runner.run(lambda: 0, budget=GUARD))
-        await asyncio.sleep(0.05)
-        waiting.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await waiting
-        gate.release.set()
-        assert await runner.run(lambda: 6, budget=GUARD) == 6
-        assert runner.threads_started == 2
-
-    asyncio.run(scenario())
+    with pytest.raises(ProbeError, match="timed out"):
+        await runner.run(gate)
+    waiting = asyncio.create_task(runner.run(lambda: 0, budget=GUARD))
+    await asyncio.sleep(0)  # one loop turn: it reaches its wait for the stuck helper
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    gate.release.set()
+    assert await runner.run(lambda: 6, budget=GUARD) == 6
+    assert runner.threads_started == 2
 
 
-def test_concurrent_callers_never_run_two_helpers_at_once() -> None:
+async def test_concurrent_callers_never_run_two_helpers_at_once() -> None:
     runner = BoundedRunner(budget=GUARD)
     running = 0
     peak = 0
@@ -408,10 +388,7 @@ def test_concurrent_callers_never_run_two_helpers_at_once() -> None:
             running -= 1
         return 1
 
-    async def scenario() -> list[int]:
-        return await asyncio.gather(*(runner.run(work) for _ in range(10)))
-
-    assert asyncio.run(scenario()) == [1] * 10
+    assert await asyncio.gather(*(runner.run(work) for _ in range(10))) == [1] * 10
     assert peak == 1
     assert runner.threads_started == 10
 
@@ -424,9 +401,9 @@ def test_helper_finishing_after_its_loop_closed_is_quiet(
         asyncio.run(runner.run(gate))
     with caplog.at_level(logging.DEBUG):
         gate.release.set()
-        deadline = time.monotonic() + GUARD
-        while runner.busy and time.monotonic() < deadline:
-            time.sleep(0.005)
+        run(wait_until(lambda: not runner.busy, GUARD, "the helper finishing"))
+        # A bounded watch, 50 ms: the helper is done; any callback it scheduled on the closed
+        # loop has failed (and would have logged) by now.
         time.sleep(0.05)
     assert not runner.busy
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
