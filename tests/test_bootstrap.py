@@ -92,19 +92,6 @@ async def test_kubelet_restart_re_registers_bootstrap(tmp_path: Path) -> None:
             await kubelet.admit(ACCESS)
 
 
-def test_bootstrap_default_http_port_and_help() -> None:
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "hlplugin", "bootstrap", "--help"],
-                         capture_output=True, text=True, timeout=30).stdout
-    assert "0.0.0.0:8081" in out
-    for flag in ("--plugin-dir", "--dev-dir", "--hypervisor", "--http-address", "--log-format",
-                 "--log-level"):
-        assert flag in out
-    assert "--cdi-dir" not in out
-
-
 @needs_kvm
 @needs_root
 async def test_both_daemons_on_one_kubelet(tmp_path: Path) -> None:
