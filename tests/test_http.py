@@ -8,18 +8,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import struct
-import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import HAVE_KVM, Daemon, Node, needs_kvm
-from prometheus_client.parser import text_string_to_metric_families
-
-from hlplugin.emulator import KubeletEmulator
+from harness import HAVE_KVM, Daemon, Node, needs_kvm, on_kubelet, parse_metrics, wait_until
 
 KINDS = ["serve", "bootstrap"]
 RESOURCES = {"serve": "hyperlight.dev/hypervisor", "bootstrap": "hyperlight.dev/device-access"}
@@ -91,24 +88,47 @@ def still_open(conn: socket.socket) -> bool:
         conn.setblocking(True)
 
 
-async def settled_readyz(proc: Daemon) -> dict[str, Any]:
-    """/readyz once every condition has been checked (the first check runs after HTTP is up)."""
-    deadline = asyncio.get_running_loop().time() + 15
-    while True:
-        body = json.loads(await proc.wait_http("/readyz", 503))
-        reasons = [c["reason"] for c in body["conditions"].values()]
-        if "not checked yet" not in reasons:
-            return dict(body)
-        assert asyncio.get_running_loop().time() < deadline, body
-        await asyncio.sleep(0.05)
+@contextlib.asynccontextmanager
+async def started(kind: str, node: Node) -> AsyncIterator[Daemon]:
+    """The daemon of ``kind`` on ``node``; it must exit 0 when stopped."""
+    proc = await Daemon(args(kind, node)).start()
+    try:
+        yield proc
+    finally:
+        assert await proc.stop() == 0
+
+
+async def readyz_until(proc: Daemon, predicate: Callable[[dict[str, Any]], bool],
+                       what: str) -> dict[str, Any]:
+    """The first /readyz body (503, not ready) that satisfies ``predicate``."""
+    await proc.wait_http("/readyz", 503)
+    latest: dict[str, Any] = {}
+
+    def holds() -> bool:
+        nonlocal latest
+        status, _, raw = get(proc.port, "/readyz")
+        latest = json.loads(raw)
+        return status == 503 and predicate(latest)
+
+    await wait_until(holds, 15, what)
+    return latest
+
+
+def socket_fds(pid: int) -> int:
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return count
 
 
 @pytest.mark.parametrize("kind", KINDS)
 async def test_endpoints_answer_and_readyz_explains(tmp_path: Path, kind: str) -> None:
     node = empty_dev_node(tmp_path)
-    proc = await Daemon(args(kind, node)).start()
-    try:
-        ready = await settled_readyz(proc)
+    async with started(kind, node) as proc:
+        # The first check runs after HTTP is up: wait until every condition has been checked.
+        ready = await readyz_until(proc, lambda body: "not checked yet" not in [
+            c["reason"] for c in body["conditions"].values()], "every condition checked")
         port = proc.port
         assert ready["status"] == "not ready"
         conditions = ready["conditions"]
@@ -130,7 +150,7 @@ async def test_endpoints_answer_and_readyz_explains(tmp_path: Path, kind: str) -
 
         status, headers, raw = await asyncio.to_thread(get, port, "/metrics")
         assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
-        names = {f.name for f in text_string_to_metric_families(raw.decode())}
+        names = {name for name, _ in parse_metrics(raw.decode())}
         assert "hyperlight_build_info" in names and "hyperlight_health_condition" in names
 
         status, headers, raw = await asyncio.to_thread(get, port, "/no-such-path")
@@ -140,8 +160,6 @@ async def test_endpoints_answer_and_readyz_explains(tmp_path: Path, kind: str) -
         status, headers, raw = await asyncio.to_thread(get, port, "/healthz", "HEAD")
         assert status == 200 and raw == b""
         assert proc.proc is not None and proc.proc.returncode is None
-    finally:
-        assert await proc.stop() == 0
 
 
 @pytest.mark.guard(90)
@@ -151,30 +169,26 @@ async def test_stalled_clients_block_no_endpoint(tmp_path: Path, kind: str) -> N
     they are still connected, and the server drops them at its whole-request deadline."""
 
     node = empty_dev_node(tmp_path)
-    proc = await Daemon(args(kind, node)).start()
-    try:
+    async with started(kind, node) as proc:
         await proc.wait_http("/readyz", 503)
+        before = socket_fds(proc.pid)
         with stalled_clients(proc.port) as conns:
-            await asyncio.sleep(0.2)  # the server has accepted them all
+            await wait_until(lambda: socket_fds(proc.pid) >= before + len(conns), 10,
+                             "the server accepting every stalled client")
             for path, want in [("/healthz", 200), ("/readyz", 503), ("/metrics", 200)]:
                 status, _, _ = await asyncio.to_thread(get, proc.port, path)
                 assert status == want, path
             # Answered while every stalled client was still connected, so not after it.
             assert all(still_open(c) for c in conns)
-            deadline = time.monotonic() + 20
-            while any(still_open(c) for c in conns):
-                assert time.monotonic() < deadline, "stalled clients were never dropped"
-                await asyncio.sleep(0.2)
+            await wait_until(lambda: not any(still_open(c) for c in conns), 20,
+                             "the stalled clients being dropped")
         assert (await asyncio.to_thread(get, proc.port, "/healthz"))[0] == 200
-    finally:
-        assert await proc.stop() == 0
 
 
 @pytest.mark.parametrize("kind", KINDS)
 async def test_malformed_requests_get_4xx_and_the_daemon_lives(tmp_path: Path, kind: str) -> None:
     node = empty_dev_node(tmp_path)
-    proc = await Daemon(args(kind, node)).start()
-    try:
+    async with started(kind, node) as proc:
         await proc.wait_http("/readyz", 503)
         cases = [
             (b"NOT A VALID REQUEST LINE\r\n\r\n", 400),
@@ -195,8 +209,6 @@ async def test_malformed_requests_get_4xx_and_the_daemon_lives(tmp_path: Path, k
         conn.close()
         assert (await asyncio.to_thread(get, proc.port, "/healthz"))[0] == 200
         assert proc.proc is not None and proc.proc.returncode is None
-    finally:
-        assert await proc.stop() == 0
     # Client errors are the client's: no traceback, and every line is still a JSON record.
     assert not [line for line in proc.raw if not line.startswith("{")], proc.raw
     assert not any("Traceback" in line for line in proc.raw)
@@ -207,10 +219,7 @@ async def test_malformed_requests_get_4xx_and_the_daemon_lives(tmp_path: Path, k
 async def test_readyz_200_when_registered_and_healthy(tmp_path: Path, kind: str) -> None:
     assert HAVE_KVM
     node = Node.make(tmp_path)  # the real /dev
-    kubelet = KubeletEmulator(node.plugin_dir)
-    await kubelet.start()
-    proc = await Daemon(args(kind, node)).start()
-    try:
+    async with on_kubelet(node, args(kind, node)) as (kubelet, proc):
         await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCES[kind]) > 0)
         ready = json.loads(await proc.wait_http("/readyz", 200))
         assert ready["status"] == "ready"
@@ -218,19 +227,13 @@ async def test_readyz_200_when_registered_and_healthy(tmp_path: Path, kind: str)
         assert all(c == {"ok": True, "reason": ""} for c in ready["conditions"].values())
         # Losing the kubelet makes it unready with the reason, not dead.
         await kubelet.stop(remove_socket=True)
-        deadline = asyncio.get_running_loop().time() + 15
-        while True:  # "registered" and "listandwatch" flip a moment apart
-            ready = json.loads(await proc.wait_http("/readyz", 503))
-            conditions = ready["conditions"]
-            if not conditions["listandwatch"]["ok"] and not conditions["registered"]["ok"]:
-                break
-            assert asyncio.get_running_loop().time() < deadline, ready
-            await asyncio.sleep(0.05)
+        ready = await readyz_until(  # "registered" and "listandwatch" flip a moment apart
+            proc, lambda body: not body["conditions"]["listandwatch"]["ok"]
+            and not body["conditions"]["registered"]["ok"], "both kubelet conditions failing")
+        conditions = ready["conditions"]
         assert conditions["listandwatch"]["reason"] == "the kubelet has no ListAndWatch open"
         # Alive (not restarted). Known: while the old gRPC server stops (~0.2 s) /healthz can
         # answer 503 "did not answer on its socket" once; lifecycle.alive() does not yet
         # treat a stopping instance as "between instances".
         await proc.wait_http("/healthz", 200, timeout=5)
-    finally:
         assert await proc.stop() == 0
-        await kubelet.stop()
