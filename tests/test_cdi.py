@@ -853,22 +853,6 @@ async def test_run_repairs_periodically_what_the_watcher_cannot_see(cdi_dir: Pat
     assert sum(rig.repairs(c) for c in ("missing", "malformed", "stale", "metadata")) >= 1
 
 
-async def test_not_creatable_directory_fails_then_recovers(tmp_path: Path) -> None:
-    blocker = tmp_path / "blocker"
-    blocker.write_bytes(b"a file where a directory should be")
-    rig = Rig(blocker / "cdi", max_backoff=0.2)
-
-    condition = await rig.rec.reconcile("start")
-    assert not condition.ok
-    assert "Not a directory (ENOTDIR)" in condition.reason
-    assert rig.refusals("write_failed") == 1
-    async with running(rig.rec):
-        await wait_until(lambda: rig.refusals("write_failed") >= 3)  # retrying
-        blocker.unlink()
-        await wait_until(lambda: rig.cdi.ok)
-    assert_desired(rig.path)
-
-
 def _become_nobody() -> None:
     os.setgroups([])
     os.setegid(65534)
@@ -1008,58 +992,52 @@ def _permission_denied_scenario(cdi_dir: Path) -> None:
     assert path.read_bytes() == DESIRED
 
 
-@needs_root
-@pytest.mark.timeout(30)
-async def test_read_only_storage_fails_keeps_the_old_spec_and_recovers(tmp_path: Path) -> None:
-    with tmpfs(tmp_path / "mnt", "size=1m,mode=0755") as mnt:
-        cdi_dir = mnt / "cdi"
-        cdi_dir.mkdir()
-        rig = Rig(cdi_dir, max_backoff=0.2)
-        rig.path.write_bytes(STALE)
+def _unwritable(kind: str, tmp_path: Path,
+                stack: contextlib.ExitStack) -> tuple[Path, Callable[[], object], str]:
+    """A CDI dir where writes fail (a file where it belongs; read-only or full storage holding a
+    stale spec): the dir, what fixes the storage, and the error a write gets."""
+    if kind == "not-creatable":
+        blocker = tmp_path / "blocker"
+        blocker.write_bytes(b"a file where a directory should be")
+        return blocker / "cdi", blocker.unlink, "Not a directory (ENOTDIR)"
+    size = "1m" if kind == "read-only" else "16k"
+    mnt = stack.enter_context(tmpfs(tmp_path / "mnt", f"size={size},mode=0755"))
+    cdi_dir = mnt / "cdi"
+    cdi_dir.mkdir()
+    (cdi_dir / SPEC_FILE).write_bytes(STALE)
+    if kind == "read-only":
         remount(mnt, "ro")
+        return cdi_dir, lambda: remount(mnt, "rw"), "Read-only file system (EROFS)"
+    filler = cdi_dir / "filler"
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 4096)
+    assert os.statvfs(mnt).f_bavail == 0
+    return cdi_dir, filler.unlink, "No space left on device (ENOSPC)"
 
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["not-creatable", pytest.param("read-only", marks=needs_root),
+                                  pytest.param("full", marks=needs_root)])
+async def test_unwritable_storage_fails_keeps_the_old_spec_retries_and_recovers(
+        tmp_path: Path, kind: str) -> None:
+    with contextlib.ExitStack() as stack:
+        cdi_dir, fix, error = _unwritable(kind, tmp_path, stack)
+        rig = Rig(cdi_dir, max_backoff=0.2)
+        old = content(rig.path)  # the stale spec, or nothing where no directory can be made
         condition = await rig.rec.reconcile("start")
-        assert not condition.ok
-        assert condition.reason == (
-            f"cannot write {rig.path}: Read-only file system (EROFS)")
-        assert rig.cdi == condition
+        assert condition == Condition(False, f"cannot write {rig.path}: {error}") == rig.cdi
         assert rig.refusals("write_failed") == 1
         assert not (await rig.rec.ensure()).ok
+        if old is not None:
+            assert temp_files(cdi_dir) == []  # created, failed, removed
         async with running(rig.rec):
-            await wait_until(lambda: rig.refusals("write_failed") >= 5)
-            assert rig.path.read_bytes() == STALE  # never deleted
-            remount(mnt, "rw")
+            await wait_until(lambda: rig.refusals("write_failed") >= 5)  # retrying
+            assert content(rig.path) == old  # never deleted
+            fix()
             await wait_until(lambda: rig.cdi.ok)
         assert_desired(rig.path)
-        assert rig.repairs("stale") == 1
-        assert temp_files(cdi_dir) == []
-
-
-@needs_root
-@pytest.mark.timeout(30)
-async def test_full_filesystem_fails_cleans_its_temp_file_and_recovers(tmp_path: Path) -> None:
-    with tmpfs(tmp_path / "mnt", "size=16k,mode=0755") as mnt:
-        cdi_dir = mnt / "cdi"
-        cdi_dir.mkdir()
-        rig = Rig(cdi_dir, max_backoff=0.2)
-        rig.path.write_bytes(STALE)
-        filler = cdi_dir / "filler"
-        with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):  # noqa: ASYNC230 (the loop runs nothing else here)
-            while True:
-                f.write(b"\0" * 4096)
-        assert os.statvfs(mnt).f_bavail == 0
-
-        condition = await rig.rec.reconcile("start")
-        assert condition == Condition(
-            False, f"cannot write {rig.path}: No space left on device (ENOSPC)")
-        assert rig.refusals("write_failed") == 1
-        assert temp_files(cdi_dir) == []  # created, failed, removed
-        assert rig.path.read_bytes() == STALE
-        async with running(rig.rec):
-            await wait_until(lambda: rig.refusals("write_failed") >= 3)
-            filler.unlink()
-            await wait_until(lambda: rig.cdi.ok)
-        assert_desired(rig.path)
+        assert rig.repairs("missing" if old is None else "stale") == 1
         assert temp_files(cdi_dir) == []
 
 

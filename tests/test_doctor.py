@@ -1,31 +1,38 @@
-"""`hlplugin doctor` as a real process, on this machine's real /dev/kvm and temporary node dirs."""
+"""`hlplugin doctor` in-process, on this machine's real /dev/kvm and temporary node dirs."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
+import logging
 import os
 import socket
 import stat
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from harness import Node, needs_kvm, needs_root
 
 from hlplugin import cdi
+from hlplugin.cli import main
 from hlplugin.emulator import KubeletEmulator
 
 
 async def doctor(*argv: str) -> tuple[int, str]:
-    """Run `hlplugin doctor` without blocking the loop that serves the kubelet emulator."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hlplugin", "doctor", *argv, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, _ = await asyncio.wait_for(proc.communicate(), 60)  # stdout alone: the JSON stays clean
-    assert proc.returncode is not None
-    return proc.returncode, out.decode()
+    """`hlplugin doctor` in-process, in a thread so that the loop keeps serving the kubelet
+    emulator: (exit code, stdout). The root logger, which the command configures, is put back."""
+    out = io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        with contextlib.redirect_stdout(out):  # stdout alone: the JSON stays clean
+            code = await asyncio.to_thread(main, ["doctor", *argv])
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return code, out.getvalue()
 
 
 def node_args(node: Node, *extra: str) -> list[str]:
