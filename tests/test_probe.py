@@ -10,8 +10,9 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness import run, wait_until
@@ -87,20 +88,56 @@ def test_non_kvm_char_device_fails_at_api_version_with_enotty(tmp_path: Path) ->
         probe_device("kvm", tmp_path)
 
 
-def test_missing_kvm_node_fails_at_open_with_enoent(tmp_path: Path) -> None:
-    with pytest.raises(ProbeError) as info:
-        probe_kvm(tmp_path / "kvm")
-    err = info.value
-    assert (err.step, err.errno, err.reason) == ("open", errno.ENOENT, "open")
-    assert f"open on {tmp_path / 'kvm'} failed: [Errno {errno.ENOENT}]" in str(err)
+# --- refusals without a device: (what is at the path, the check, what it must say) ---------------
 
 
-def test_regular_file_is_not_kvm(tmp_path: Path) -> None:
-    path = tmp_path / "kvm"
+def _regular(path: Path) -> None:
     path.write_bytes(b"")
+
+
+def _symlink(target: str | Path) -> Callable[[Path], None]:
+    return lambda path: path.symlink_to(target)
+
+
+SELF = KVM if KVM.exists() else Path("/dev/null")  # the device whose host twin is checked
+Make = Callable[[Path], None] | None
+REFUSALS: dict[str, tuple[str, Make, Callable[[Path], None], dict[str, Any], str]] = {
+    # id: (node name, what is put there, the check on it, the error's attributes, message text)
+    "kvm-missing": ("kvm", None, lambda p: probe_kvm(p),
+                    {"step": "open", "errno": errno.ENOENT, "reason": "open"},
+                    "open on {path} failed: [Errno 2]"),
+    "kvm-regular-file": ("kvm", _regular, lambda p: probe_kvm(p, guest=False),
+                         {"step": "KVM_GET_API_VERSION", "errno": errno.ENOTTY}, ""),
+    "mshv-regular-file": ("mshv", _regular, lambda p: probe_mshv(p),
+                          {"reason": "not_char_device"}, "not a character device (a regular file"),
+    "mshv-symlink": ("mshv", _symlink("/dev/null"), lambda p: probe_device("mshv", p.parent),
+                     {"reason": "not_char_device"}, "not a character device (a symlink"),
+    "mshv-missing": ("mshv", None, lambda p: probe_mshv(p), {"errno": errno.ENOENT}, "{path}"),
+    "identity-missing": ("kvm", None, lambda p: check_host_identity(SELF, p),
+                         {"reason": "identity_missing", "errno": errno.ENOENT, "path": "{path}"},
+                         "host device node {path} is missing"),
+    "identity-regular-file": ("kvm", _regular, lambda p: check_host_identity(SELF, p),
+                              {"reason": "not_char_device"},
+                              "not a character device (a regular file"),
+    "identity-symlink-to-the-real-node": ("kvm", _symlink(SELF),
+                                          lambda p: check_host_identity(SELF, p),
+                                          {"reason": "not_char_device"}, "a symlink"),
+}
+
+
+@pytest.mark.parametrize(("name", "make", "check", "attributes", "message"),
+                         list(REFUSALS.values()), ids=list(REFUSALS))
+def test_what_is_not_the_device_is_refused_saying_why(
+        tmp_path: Path, name: str, make: Make, check: Callable[[Path], None],
+        attributes: dict[str, Any], message: str) -> None:
+    path = tmp_path / name
+    if make is not None:
+        make(path)
     with pytest.raises(ProbeError) as info:
-        probe_kvm(path, guest=False)
-    assert (info.value.step, info.value.errno) == ("KVM_GET_API_VERSION", errno.ENOTTY)
+        check(path)
+    for attribute, want in attributes.items():
+        assert getattr(info.value, attribute) == (path if want == "{path}" else want), attribute
+    assert message.format(path=path) in str(info.value)
 
 
 def test_unknown_hypervisor_is_a_programming_error(tmp_path: Path) -> None:
@@ -118,27 +155,6 @@ def test_mshv_char_device_that_opens_passes(tmp_path: Path) -> None:
     probe_device("mshv", tmp_path)
 
 
-def test_mshv_regular_file_fails(tmp_path: Path) -> None:
-    (tmp_path / "mshv").write_bytes(b"")
-    with pytest.raises(ProbeError, match=r"not a character device \(a regular file") as info:
-        probe_mshv(tmp_path / "mshv")
-    assert info.value.reason == "not_char_device"
-
-
-def test_mshv_symlink_to_char_device_fails(tmp_path: Path) -> None:
-    (tmp_path / "mshv").symlink_to("/dev/null")
-    with pytest.raises(ProbeError, match=r"not a character device \(a symlink") as info:
-        probe_device("mshv", tmp_path)
-    assert info.value.reason == "not_char_device"
-
-
-def test_mshv_missing_fails_with_enoent(tmp_path: Path) -> None:
-    with pytest.raises(ProbeError) as info:
-        probe_mshv(tmp_path / "mshv")
-    assert info.value.errno == errno.ENOENT
-    assert str(tmp_path / "mshv") in str(info.value)
-
-
 @needs_root
 def test_mshv_char_device_that_does_not_open_fails(tmp_path: Path) -> None:
     # No driver behind 511:511: the node is a char device, but open fails (ENXIO/ENODEV).
@@ -152,48 +168,20 @@ def test_mshv_char_device_that_does_not_open_fails(tmp_path: Path) -> None:
 # --- host identity --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def device() -> Path:
-    """The device whose host twin is checked: /dev/kvm when present, else /dev/null."""
-    return KVM if KVM.exists() else Path("/dev/null")
+@needs_root
+def test_host_identity_matching_node_passes(tmp_path: Path) -> None:
+    host = mknod_char(tmp_path / "kvm", os.stat(SELF).st_rdev)
+    check_host_identity(SELF, host)
 
 
 @needs_root
-def test_host_identity_matching_node_passes(tmp_path: Path, device: Path) -> None:
-    host = mknod_char(tmp_path / "kvm", os.stat(device).st_rdev)
-    check_host_identity(device, host)
-
-
-def test_host_identity_missing_node_fails(tmp_path: Path, device: Path) -> None:
-    with pytest.raises(ProbeError) as info:
-        check_host_identity(device, tmp_path / "kvm")
-    err = info.value
-    assert (err.reason, err.errno, err.path) == ("identity_missing", errno.ENOENT, tmp_path / "kvm")
-    assert f"host device node {tmp_path / 'kvm'} is missing" in str(err)
-
-
-def test_host_identity_regular_file_fails(tmp_path: Path, device: Path) -> None:
-    (tmp_path / "kvm").write_bytes(b"")
-    with pytest.raises(ProbeError, match=r"not a character device \(a regular file") as info:
-        check_host_identity(device, tmp_path / "kvm")
-    assert info.value.reason == "not_char_device"
-
-
-def test_host_identity_symlink_to_the_real_node_is_refused(tmp_path: Path, device: Path) -> None:
-    (tmp_path / "kvm").symlink_to(device)
-    with pytest.raises(ProbeError, match="a symlink") as info:
-        check_host_identity(device, tmp_path / "kvm")
-    assert info.value.reason == "not_char_device"
-
-
-@needs_root
-def test_host_identity_other_numbers_fail(tmp_path: Path, device: Path) -> None:
+def test_host_identity_other_numbers_fail(tmp_path: Path) -> None:
     host = mknod_char(tmp_path / "kvm", ZERO_NUMBERS)
-    rdev = os.stat(device).st_rdev
+    rdev = os.stat(SELF).st_rdev
     with pytest.raises(ProbeError) as info:
-        check_host_identity(device, host)
+        check_host_identity(SELF, host)
     assert info.value.reason == "identity_mismatch"
-    assert f"is 1:5, but {device} is {os.major(rdev)}:{os.minor(rdev)}" in str(info.value)
+    assert f"is 1:5, but {SELF} is {os.major(rdev)}:{os.minor(rdev)}" in str(info.value)
 
 
 def test_host_identity_requires_the_device_itself(tmp_path: Path) -> None:
