@@ -536,6 +536,8 @@ async def test_non_regular_path_is_refused_untouched_and_recovers(
     assert temp_files(cdi_dir) == []
 
     async with running(rig.rec):
+        # A bounded watch, 50 ms: run() starts with a pass, which would touch the obstruction
+        # within a millisecond or two; later ones come only from the watcher (interval 60 s).
         await asyncio.sleep(0.05)
         assert snapshot() == before and not rig.cdi.ok
         _remove(rig.path)  # the watcher sees the obstruction go
@@ -827,7 +829,9 @@ async def test_run_repairs_deletion_and_tampering_promptly(cdi_dir: Path) -> Non
         os.chmod(rig.path, 0o600)
         timings["chmod"] = await wait_until(
             lambda: stat.S_IMODE(os.stat(rig.path).st_mode) == 0o644)
-        await asyncio.sleep(0.05)  # let the events of our own writes settle
+        # A bounded watch, 50 ms: the inotify events of our own repairs arrive within a
+        # millisecond or two, and a repair they caused would show in the counts below.
+        await asyncio.sleep(0.05)
     assert_desired(rig.path)
     assert rig.repairs("missing") == 2 and rig.repairs("metadata") == 1
     assert rig.repairs("stale") + rig.repairs("malformed") == 1

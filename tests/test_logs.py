@@ -15,9 +15,10 @@ import tempfile
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
-from harness import Daemon, Node, needs_root, scrape, value, wait_metric, wait_until
+from harness import Daemon, Node, daemon, needs_root, scrape, value, wait_metric, wait_until
 
 from hlplugin import __version__, logs
 from hlplugin.emulator import free_port
@@ -100,9 +101,16 @@ def test_configure_replaces_handlers_and_sets_level() -> None:
         root.setLevel(level)
 
 
+def after_sigusr1(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The task dump, or the error it raised: either way a multi-line event."""
+    return [line for line in lines if str(line["message"]).startswith("task ")
+            or "dump_tasks" in str(line["message"])]
+
+
 async def test_lasting_faults_log_once_when_they_begin_and_once_when_they_end(tmp_path: Path) -> None:
     """The CDI path obstructed by a directory and a missing device, over many retries and checks:
-    one warning each when they begin, one info when the CDI one ends, none in between."""
+    one warning each when they begin, one info when the CDI one ends, none in between; and every
+    line, multi-line task stacks too, a complete JSON record."""
 
     dev = tmp_path / "dev"
     dev.mkdir()
@@ -110,9 +118,8 @@ async def test_lasting_faults_log_once_when_they_begin_and_once_when_they_end(tm
     node.cdi_dir.mkdir()
     spec = node.cdi_dir / "hyperlight.json"
     spec.mkdir()
-    proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--cdi-interval", "1",
-                                        "--health-interval", "1")).start()
-    try:
+    async with daemon(node.serve_args("--hypervisor", "kvm", "--cdi-interval", "1",
+                                      "--health-interval", "1")) as proc:
         # Many failed passes and checks: proof that the fault lasted several periods.
         await wait_metric(proc, lambda m: value(
             m, "hyperlight_cdi_refusals_total", reason="not_regular") >= 5
@@ -120,7 +127,9 @@ async def test_lasting_faults_log_once_when_they_begin_and_once_when_they_end(tm
         spec.rmdir()
         await wait_until(lambda: "condition cdi is healthy" in proc.messages())
         refusals = value(await scrape(proc), "hyperlight_cdi_refusals_total", reason="not_regular")
-    finally:
+        assert proc.proc is not None
+        proc.proc.send_signal(signal.SIGUSR1)  # multi-line task stacks
+        await wait_until(lambda: len(after_sigusr1(proc.lines)) > 0)
         assert await proc.stop() == 0
 
     def count(text: str) -> int:
@@ -130,30 +139,11 @@ async def test_lasting_faults_log_once_when_they_begin_and_once_when_they_end(tm
     assert count("condition cdi is healthy") == 1
     assert count("condition device is unhealthy") == 1
     assert count("condition host_identity is unhealthy") == 1
-    warnings = [line for line in proc.lines if line["level"] in ("warning", "error")]
+    dump = after_sigusr1(proc.lines)  # warnings asked for
+    warnings = [line for line in proc.lines
+                if line["level"] in ("warning", "error") and line not in dump]
     assert len(warnings) <= 3, warnings  # cdi, device, host_identity: not one per retry
     assert refusals >= 5
-
-
-def after_sigusr1(lines: list[dict[str, object]]) -> list[dict[str, object]]:
-    """The task dump, or the error it raised: either way a multi-line event."""
-    return [line for line in lines if str(line["message"]).startswith("task ")
-            or "dump_tasks" in str(line["message"])]
-
-
-async def test_daemon_json_lines_are_complete(tmp_path: Path) -> None:
-    dev = tmp_path / "dev"
-    dev.mkdir()
-    node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
-    proc = await Daemon(node.serve_args("--hypervisor", "kvm")).start()
-    try:
-        await wait_until(lambda: "condition device is unhealthy" in
-                         " ".join(proc.messages()))
-        assert proc.proc is not None
-        proc.proc.send_signal(signal.SIGUSR1)  # multi-line task stacks
-        await wait_until(lambda: len(after_sigusr1(proc.lines)) > 0)
-    finally:
-        assert await proc.stop() == 0
     assert proc.raw and len(proc.raw) == len(proc.lines), [
         line for line in proc.raw if not line.startswith("{")]
     for line in proc.lines:
