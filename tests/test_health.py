@@ -84,25 +84,21 @@ def monitor(tracker: HealthTracker, **kwargs: Any) -> DeviceMonitor:
                          **kwargs)
 
 
-async def test_healthy_probes_set_both_conditions_and_metrics() -> None:
+@pytest.mark.parametrize("host_dev_dir", [Path("/nonexistent-host"), None])
+async def test_healthy_probes_set_both_conditions_and_metrics(host_dev_dir: Path | None) -> None:
+    """Without a host dev dir the identity condition is ok, unprobed."""
     tracker = HealthTracker(REQUIRED)
     metrics = Metrics()
-    state = await monitor(tracker, metrics=metrics).check()
+    identity = {"identity_probe": ok} if host_dev_dir else {}
+    mon = DeviceMonitor(tracker, "kvm", Path("/nonexistent-dev"), host_dev_dir, metrics=metrics,
+                        device_probe=ok, **identity)
+    state = await mon.check()
     assert state.healthy
     assert set(state.conditions) == set(REQUIRED)
     for check in REQUIRED:
-        assert sample(metrics, "hyperlight_probe_duration_seconds_count", {"check": check}) == 1
-
-
-async def test_without_host_dev_dir_identity_is_ok_unprobed() -> None:
-    tracker = HealthTracker(REQUIRED)
-    metrics = Metrics()
-    mon = DeviceMonitor(tracker, "kvm", Path("/nonexistent-dev"), None, metrics=metrics,
-                        device_probe=ok)
-    state = await mon.check()
-    assert state.healthy
-    assert sample(metrics, "hyperlight_probe_duration_seconds_count",
-                  {"check": "host_identity"}) == 0
+        probed = check == "device" or host_dev_dir is not None
+        assert sample(metrics, "hyperlight_probe_duration_seconds_count",
+                      {"check": check}) == probed
 
 
 async def test_failing_device_probe_is_unhealthy_with_its_reason_then_recovers() -> None:
