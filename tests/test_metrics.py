@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from harness import (
     HAVE_KVM,
-    Daemon,
     Node,
     Samples,
     needs_kvm,
@@ -25,7 +24,7 @@ from harness import (
 from harness import daemon as harness_daemon
 
 from hlplugin import __version__, cdi, probe
-from hlplugin.emulator import AdmissionError, KubeletEmulator
+from hlplugin.emulator import AdmissionError
 from hlplugin.metrics import Metrics
 
 RESOURCE = "hyperlight.dev/hypervisor"
@@ -176,24 +175,6 @@ async def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> No
             m, "hyperlight_registrations_total", result="success") == 2)
         m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
         assert series(m) == first, "every event moved a series that existed from the start"
-
-
-async def test_registration_failures_and_no_stream(tmp_path: Path) -> None:
-    node = Node.make(tmp_path)
-    hanging = KubeletEmulator(node.plugin_dir, mode="hang")
-    await hanging.start()
-    proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--device-count", "2",
-                                        "--register-timeout", "0.3")).start()
-    try:
-        first = series(await scrape(proc))
-        m = await wait_metric(proc, lambda m: value(
-            m, "hyperlight_registrations_total", result="failure") >= 2, timeout=20)
-        assert series(m) == first
-        assert value(m, "hyperlight_registrations_total", result="success") == 0
-        assert value(m, "hyperlight_listandwatch_streams") == 0
-    finally:
-        await proc.stop()
-        await hanging.stop(remove_socket=True)
 
 
 def make_node(path: Path, numbers: int) -> Path:

@@ -17,10 +17,12 @@ import pytest
 from harness import (
     Daemon,
     Node,
+    Samples,
     daemon,
     needs_kvm,
     needs_root,
     on_kubelet,
+    scrape,
     value,
     wait_metric,
     wait_until,
@@ -30,6 +32,10 @@ from hlplugin.emulator import AdmissionError, KubeletEmulator
 
 RESOURCE = "hyperlight.dev/hypervisor"
 CDI_NAME = "hyperlight.dev/hypervisor=kvm"
+
+
+def hyperlight_series(samples: Samples) -> set[tuple[str, frozenset[tuple[str, str]]]]:
+    return {key for key in samples if key[0].startswith("hyperlight_")}
 
 
 @contextlib.asynccontextmanager
@@ -50,25 +56,19 @@ def running(node: Node, *extra: str, env: dict[str, str] | None = None
 
 
 @needs_kvm
-async def test_registers_and_advertises_slots(tmp_path: Path) -> None:
+async def test_registers_advertises_slots_and_answers_a_cdi_reference_per_container(
+        tmp_path: Path) -> None:
     node = Node.make(tmp_path)
-    async with running(node, "--device-count", "5") as (kubelet, proc):
-        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 5)
+    async with running(node, "--device-count", "10") as (kubelet, proc):
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 10)
         resource = kubelet.resources[RESOURCE]
         assert resource.endpoint == "hyperlight.sock"
         assert not resource.options.pre_start_required
         assert not resource.options.get_preferred_allocation_available
-        assert sorted(resource.devices) == sorted(f"kvm-{i}" for i in range(5))
+        assert sorted(resource.devices) == sorted(f"kvm-{i}" for i in range(10))
         assert set(resource.devices.values()) == {"Healthy"}
         assert kubelet.rejections == []
         await proc.wait_http("/readyz", 200)
-
-
-@needs_kvm
-async def test_allocate_answers_cdi_reference_per_container(tmp_path: Path) -> None:
-    node = Node.make(tmp_path)
-    async with running(node, "--device-count", "10") as (kubelet, _proc):
-        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 10)
         one = await kubelet.admit(RESOURCE)
         assert len(one.container_responses) == 1
         assert [d.name for d in one.container_responses[0].cdi_devices] == [CDI_NAME]
@@ -166,8 +166,12 @@ async def test_failing_registrations_are_bounded_retried_and_logged_once(
     args = node.serve_args("--hypervisor", "kvm", "--device-count", "2",
                            "--register-timeout", timeout)
     async with on_kubelet(node, args, mode=mode) as (faulty, proc):
-        await wait_metric(proc, lambda m: value(
+        first = hyperlight_series(await scrape(proc))
+        m = await wait_metric(proc, lambda m: value(
             m, "hyperlight_registrations_total", result="failure") >= 3, timeout=30)
+        assert hyperlight_series(m) == first  # failures move series that exist from the start
+        assert value(m, "hyperlight_registrations_total", result="success") == 0
+        assert value(m, "hyperlight_listandwatch_streams") == 0
         if mode == "hang":
             assert faulty.register_calls >= 3
         body = json.loads(await proc.wait_http("/readyz", 503))
