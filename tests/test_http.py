@@ -123,7 +123,7 @@ def socket_fds(pid: int) -> int:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-async def test_endpoints_answer_and_readyz_explains(tmp_path: Path, kind: str) -> None:
+async def test_endpoints_answer_readyz_explains_and_bad_requests_get_4xx(tmp_path: Path, kind: str) -> None:
     node = empty_dev_node(tmp_path)
     async with started(kind, node) as proc:
         # The first check runs after HTTP is up: wait until every condition has been checked.
@@ -159,7 +159,30 @@ async def test_endpoints_answer_and_readyz_explains(tmp_path: Path, kind: str) -
         assert status == 405 and headers["allow"] == "GET"
         status, headers, raw = await asyncio.to_thread(get, port, "/healthz", "HEAD")
         assert status == 200 and raw == b""
+
+        # Malformed requests get a 4xx (or 505) and the daemon lives.
+        cases = [
+            (b"NOT A VALID REQUEST LINE\r\n\r\n", 400),
+            (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400),  # a TLS hello
+            (b"GET\r\n\r\n", 400),
+            (b"GET /healthz HTTP/9.9\r\n\r\n", 505),
+            (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 414),
+            (b"GET /healthz HTTP/1.1\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+        ]
+        for data, status in cases:
+            answer = await asyncio.to_thread(raw_request, proc.port, data)
+            assert answer.split(b" ", 2)[:2] == [b"HTTP/1.1", str(status).encode()], \
+                (data[:30], answer[:80])
+        # A client that resets mid-request.
+        conn = socket.create_connection(("127.0.0.1", proc.port))
+        conn.sendall(b"GET /heal")
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+        assert (await asyncio.to_thread(get, proc.port, "/healthz"))[0] == 200
         assert proc.proc is not None and proc.proc.returncode is None
+    # Client errors are the client's: no traceback, and every line is still a JSON record.
+    assert not [line for line in proc.raw if not line.startswith("{")], proc.raw
+    assert not any("Traceback" in line for line in proc.raw)
 
 
 @pytest.mark.guard(90)
@@ -183,35 +206,6 @@ async def test_stalled_clients_block_no_endpoint(tmp_path: Path, kind: str) -> N
             await wait_until(lambda: not any(still_open(c) for c in conns), 20,
                              "the stalled clients being dropped")
         assert (await asyncio.to_thread(get, proc.port, "/healthz"))[0] == 200
-
-
-@pytest.mark.parametrize("kind", KINDS)
-async def test_malformed_requests_get_4xx_and_the_daemon_lives(tmp_path: Path, kind: str) -> None:
-    node = empty_dev_node(tmp_path)
-    async with started(kind, node) as proc:
-        await proc.wait_http("/readyz", 503)
-        cases = [
-            (b"NOT A VALID REQUEST LINE\r\n\r\n", 400),
-            (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400),  # a TLS hello
-            (b"GET\r\n\r\n", 400),
-            (b"GET /healthz HTTP/9.9\r\n\r\n", 505),
-            (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 414),
-            (b"GET /healthz HTTP/1.1\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", 431),
-        ]
-        for data, status in cases:
-            answer = await asyncio.to_thread(raw_request, proc.port, data)
-            assert answer.split(b" ", 2)[:2] == [b"HTTP/1.1", str(status).encode()], \
-                (data[:30], answer[:80])
-        # A client that resets mid-request.
-        conn = socket.create_connection(("127.0.0.1", proc.port))
-        conn.sendall(b"GET /heal")
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        conn.close()
-        assert (await asyncio.to_thread(get, proc.port, "/healthz"))[0] == 200
-        assert proc.proc is not None and proc.proc.returncode is None
-    # Client errors are the client's: no traceback, and every line is still a JSON record.
-    assert not [line for line in proc.raw if not line.startswith("{")], proc.raw
-    assert not any("Traceback" in line for line in proc.raw)
 
 
 @needs_kvm
