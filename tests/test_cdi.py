@@ -178,23 +178,19 @@ def test_desired_spec_is_exactly_the_documented_content() -> None:
     assert mshv["env"] == ["HYPERLIGHT_HYPERVISOR=mshv", "HYPERLIGHT_DEVICE_PATH=/dev/mshv"]
 
 
-def test_rendered_bytes_are_deterministic() -> None:
+def test_rendered_bytes_are_deterministic_with_a_decimal_file_mode() -> None:
     first = render_spec("kvm", 65534, 65534)
     assert first == render_spec("kvm", 65534, 65534)
     assert first.endswith(b"}\n") and not first.endswith(b"\n\n")
     assert json.loads(first) == desired_spec("kvm", 65534, 65534)
     assert first.startswith(b'{\n  "cdiVersion": "0.3.0",\n  "kind": "hyperlight.dev/hypervisor",')
     assert render_spec("kvm", 1, 2) != first
-
-
-def test_device_node_mode_is_stated_as_a_decimal_json_number() -> None:
     # Without fileMode, containerd 2.x gives the container's node the host's mode (0600 here), so
     # only DEVICE_UID could open it. JSON has no octal: Go decodes 438 into os.FileMode 0o666.
-    node = json.loads(render_spec("kvm", 65534, 65534))["devices"][0]["containerEdits"][
-        "deviceNodes"][0]
+    node = json.loads(first)["devices"][0]["containerEdits"]["deviceNodes"][0]
     assert node["fileMode"] == 438 == 0o666
     assert type(node["fileMode"]) is int
-    assert b'"fileMode": 438,' in render_spec("kvm", 65534, 65534)
+    assert b'"fileMode": 438,' in first
 
 
 # Fields each CDI version up to CDI_VERSION (0.3.0) knows; anything newer would need a newer
@@ -438,57 +434,40 @@ async def test_ensure_reports_a_failure_it_cannot_repair(cdi_dir: Path, tmp_path
 # --- what is not ours ----------------------------------------------------------------------------
 
 
-def _symlink_to_desired_copy(path: Path, tmp_path: Path) -> Callable[[], object]:
-    target = tmp_path / "elsewhere" / "copy.json"
-    target.parent.mkdir()
-    target.write_bytes(DESIRED)
-    os.chmod(target, 0o644)
-    path.symlink_to(target)
-    return lambda: (os.readlink(path), fingerprint(target), target.read_bytes())
-
-
-def _symlink_outside(path: Path, tmp_path: Path) -> Callable[[], object]:
-    target = tmp_path / "victim.txt"
-    target.write_bytes(b"not yours\n")
-    path.symlink_to(target)
-    return lambda: (os.readlink(path), fingerprint(target), target.read_bytes())
-
-
-def _dangling_symlink(path: Path, tmp_path: Path) -> Callable[[], object]:
-    path.symlink_to(tmp_path / "does-not-exist")
-    return lambda: (os.readlink(path), (tmp_path / "does-not-exist").exists())
-
-
-def _directory(path: Path, tmp_path: Path) -> Callable[[], object]:
-    path.mkdir()
-    (path / "inside").write_bytes(b"x")
-    return lambda: (fingerprint(path), os.listdir(path), (path / "inside").read_bytes())
-
-
-def _fifo(path: Path, tmp_path: Path) -> Callable[[], object]:
-    os.mkfifo(path)
-    return lambda: fingerprint(path)
-
-
-def _socket(path: Path, tmp_path: Path) -> Callable[[], object]:
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.bind(str(path))
-    return lambda: fingerprint(path)
-
-
-def _device_node(path: Path, tmp_path: Path) -> Callable[[], object]:
-    os.mknod(path, stat.S_IFCHR | 0o644, os.makedev(1, 3))
+def _obstruct(kind: str, path: Path, tmp_path: Path) -> Callable[[], object]:
+    """Put something not ours at ``path``; return a snapshot of it and of what it points to."""
+    if kind.startswith("symlink"):
+        target = tmp_path / "elsewhere" / "copy.json" if kind == "symlink-to-desired-copy" \
+            else tmp_path / "victim.txt"
+        target.parent.mkdir(exist_ok=True)
+        target.write_bytes(DESIRED if kind == "symlink-to-desired-copy" else b"not yours\n")
+        os.chmod(target, 0o644)
+        path.symlink_to(target)
+        return lambda: (os.readlink(path), fingerprint(target), target.read_bytes())
+    if kind == "dangling-symlink":
+        path.symlink_to(tmp_path / "does-not-exist")
+        return lambda: (os.readlink(path), (tmp_path / "does-not-exist").exists())
+    if kind == "directory":
+        path.mkdir()
+        (path / "inside").write_bytes(b"x")
+        return lambda: (fingerprint(path), os.listdir(path), (path / "inside").read_bytes())
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(str(path))
+    else:
+        os.mknod(path, stat.S_IFCHR | 0o644, os.makedev(1, 3))
     return lambda: (fingerprint(path), os.lstat(path).st_rdev)
 
 
 OBSTRUCTIONS = [
-    pytest.param(_symlink_to_desired_copy, "a symlink", id="symlink-to-desired-copy"),
-    pytest.param(_symlink_outside, "a symlink", id="symlink-outside"),
-    pytest.param(_dangling_symlink, "a symlink", id="dangling-symlink"),
-    pytest.param(_directory, "a directory", id="directory"),
-    pytest.param(_fifo, "a FIFO", id="fifo"),
-    pytest.param(_socket, "a socket", id="socket"),
-    pytest.param(_device_node, "a character device", id="device-node", marks=needs_root),
+    *(pytest.param(kind, "a symlink", id=kind)
+      for kind in ("symlink-to-desired-copy", "symlink-outside", "dangling-symlink")),
+    pytest.param("directory", "a directory", id="directory"),
+    pytest.param("fifo", "a FIFO", id="fifo"),
+    pytest.param("socket", "a socket", id="socket"),
+    pytest.param("device-node", "a character device", id="device-node", marks=needs_root),
 ]
 
 
@@ -500,12 +479,12 @@ def _remove(path: Path) -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("make", "what"), OBSTRUCTIONS)
+@pytest.mark.parametrize(("kind", "what"), OBSTRUCTIONS)
 async def test_non_regular_path_is_refused_untouched_and_recovers(
-    cdi_dir: Path, tmp_path: Path, make: Callable[[Path, Path], Callable[[], object]], what: str,
+    cdi_dir: Path, tmp_path: Path, kind: str, what: str,
 ) -> None:
     rig = Rig(cdi_dir, interval=60.0)
-    snapshot = make(rig.path, tmp_path)
+    snapshot = _obstruct(kind, rig.path, tmp_path)
     before = snapshot()
 
     condition = await rig.rec.reconcile("start")
