@@ -851,10 +851,6 @@ def steps_of(wf: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from job.get("steps", [])
 
 
-def test_workflows_exist() -> None:
-    assert {p.name for p in WORKFLOWS} >= {"ci.yml", "e2e.yml", "release.yml"}
-
-
 def test_workflows_match_the_github_schema() -> None:
     check = tool("check-jsonschema")
     result = run([check, "--builtin-schema", "vendor.github-workflows", *map(str, WORKFLOWS)])
@@ -872,6 +868,7 @@ def test_zizmor_finds_nothing() -> None:
 
 
 def test_actions_pinned_least_privilege_no_credentials() -> None:
+    assert {p.name for p in WORKFLOWS} >= {"ci.yml", "e2e.yml", "release.yml"}
     for path in WORKFLOWS:
         wf = workflow(path.name)
         text = path.read_text()

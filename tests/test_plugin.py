@@ -68,7 +68,7 @@ def make_plugin(tracker: HealthTracker, count: int = 4) -> HypervisorPlugin:
     return HypervisorPlugin("kvm", count, tracker, gate, metrics=Metrics())
 
 
-async def test_allocate_gate_refuses_with_the_reason_while_unhealthy() -> None:
+async def test_allocate_gate_refuses_with_the_reason_while_unhealthy_unknown_ids_before_it() -> None:
     tracker = healthy_tracker()
     async with served(make_plugin(tracker)) as stub:
         request = pb.AllocateRequest(container_requests=[
@@ -82,18 +82,14 @@ async def test_allocate_gate_refuses_with_the_reason_while_unhealthy() -> None:
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "KVM_CREATE_VM" in (refused.value.details() or "")
         assert "device" in (refused.value.details() or "")
+        # An unknown ID is the request's fault, healthy or not: INVALID_ARGUMENT, not the gate's.
+        unknown = pb.AllocateRequest(container_requests=[
+            pb.ContainerAllocateRequest(devices_ids=["kvm-4"])])
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Allocate(unknown, timeout=5)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         tracker.set_condition("device", True)
         await stub.Allocate(request, timeout=5)
-
-
-async def test_unknown_ids_are_invalid_argument_even_when_unhealthy() -> None:
-    tracker = HealthTracker(required=("device",))
-    async with served(make_plugin(tracker, count=2)) as stub:
-        request = pb.AllocateRequest(container_requests=[
-            pb.ContainerAllocateRequest(devices_ids=["kvm-2"])])
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await stub.Allocate(request, timeout=5)
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_every_stream_gets_every_transition_and_ends_cleanly() -> None:
