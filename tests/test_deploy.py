@@ -673,54 +673,52 @@ def _python_for(uid: int) -> str | None:
     return None
 
 
-def test_example_check_creates_a_vm_as_non_root() -> None:
-    """The example workloads' script, against a CDI-style node owned by UID 65534."""
+@pytest.fixture
+def workload_dir() -> Iterator[Path]:
+    """A world-readable directory with the example workloads' script and, as root, a dev/kvm
+    owned by the workload's UID, as the kubelet makes it through CDI (else dev is /dev)."""
     kvm = Path("/dev/kvm")
     if not kvm.exists():
         pytest.skip("no /dev/kvm on this machine")
-    script = (DEPLOY / "examples/vm_check.py").read_text()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         work.chmod(0o755)
-        (work / "vm_check.py").write_text(script)
-        cmd = ["vm_check.py", "--dev-dir", str(work / "dev")]
+        (work / "vm_check.py").write_text((DEPLOY / "examples/vm_check.py").read_text())
         if os.geteuid() != 0:
             if not os.access(kvm, os.R_OK | os.W_OK):
                 pytest.skip("/dev/kvm is not read-write for this user")
             (work / "dev").symlink_to("/dev")
-            result = run([sys.executable, str(work / cmd[0]), *cmd[1:]])
         else:
-            # As the kubelet would through CDI: a private node, owned by the workload's UID.
             (work / "dev").mkdir(mode=0o755)
-            node = work / "dev" / "kvm"
             try:
-                os.mknod(node, stat.S_IFCHR | 0o600, kvm.stat().st_rdev)
+                os.mknod(work / "dev" / "kvm", stat.S_IFCHR | 0o600, kvm.stat().st_rdev)
             except OSError as err:
                 pytest.skip(f"cannot create a device node here: {err}")
-            os.chown(node, WORKLOAD_UID, WORKLOAD_UID)
-            as_root = run([sys.executable, str(work / cmd[0]), *cmd[1:]])
-            assert as_root.returncode == 1 and "running as root" in as_root.stderr
-            python = _python_for(WORKLOAD_UID)
-            if python is None:
-                pytest.skip(f"no Python that UID {WORKLOAD_UID} may run")
-            result = run(
-                [python, str(work / cmd[0]), *cmd[1:]],
-                user=WORKLOAD_UID,
-                group=WORKLOAD_UID,
-                extra_groups=[],
-            )
+            os.chown(work / "dev" / "kvm", WORKLOAD_UID, WORKLOAD_UID)
+        yield work
+
+
+def test_example_check_creates_a_vm_as_non_root(workload_dir: Path) -> None:
+    """The example workloads' script, against a CDI-style node owned by UID 65534."""
+    cmd = [str(workload_dir / "vm_check.py"), "--dev-dir", str(workload_dir / "dev")]
+    if os.geteuid() != 0:
+        result = run([sys.executable, *cmd])
+    else:
+        as_root = run([sys.executable, *cmd])
+        assert as_root.returncode == 1 and "running as root" in as_root.stderr
+        python = _python_for(WORKLOAD_UID)
+        if python is None:
+            pytest.skip(f"no Python that UID {WORKLOAD_UID} may run")
+        result = run([python, *cmd], user=WORKLOAD_UID, group=WORKLOAD_UID, extra_groups=[])
     assert result.returncode == 0, result.stderr
     assert re.search(r"created a KVM VM as uid=(\d+) ", result.stdout), result.stdout
     assert "uid=0 " not in result.stdout
 
 
-def test_example_check_stops_on_sigterm_as_pid_1() -> None:
+def test_example_check_stops_on_sigterm_as_pid_1(workload_dir: Path) -> None:
     """In a container the script is PID 1, which the kernel gives no default action for SIGTERM:
     it must handle the signal itself, or every stop of the worker waits out the grace period and
     ends in SIGKILL. Run as the workload would be: PID 1 of its own PID namespace, UID 65534."""
-    kvm = Path("/dev/kvm")
-    if not kvm.exists():
-        pytest.skip("no /dev/kvm on this machine")
     if os.geteuid() != 0:
         pytest.skip("needs root: a PID namespace and a device node owned by the workload's UID")
     unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
@@ -729,37 +727,29 @@ def test_example_check_stops_on_sigterm_as_pid_1() -> None:
     python = _python_for(WORKLOAD_UID)
     if python is None:
         pytest.skip(f"no Python that UID {WORKLOAD_UID} may run")
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        work.chmod(0o755)
-        (work / "vm_check.py").write_text((DEPLOY / "examples/vm_check.py").read_text())
-        (work / "dev").mkdir(mode=0o755)
-        node = work / "dev" / "kvm"
-        os.mknod(node, stat.S_IFCHR | 0o600, kvm.stat().st_rdev)
-        os.chown(node, WORKLOAD_UID, WORKLOAD_UID)
-        proc = subprocess.Popen(
-            [unshare, "--pid", "--fork", setpriv, f"--reuid={WORKLOAD_UID}",
-             f"--regid={WORKLOAD_UID}", "--clear-groups", python, str(work / "vm_check.py"),
-             "--interval", "60", "--dev-dir", str(work / "dev")],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
-            assert proc.stdout is not None
-            first = proc.stdout.readline()  # one check done: it now sleeps for 60 s
-            assert "created a KVM VM" in first, first + (proc.stderr.read() if proc.stderr else "")
-            (child,) = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                        and _ppid(p) == proc.pid]  # fmt: skip
-            nspid = re.search(r"^NSpid:\s+(.*)$", Path(f"/proc/{child}/status").read_text(), re.M)
-            assert nspid and nspid.group(1).split()[-1] == "1", "the script is PID 1 in its namespace"
-            started = time.monotonic()
-            os.kill(child, signal.SIGTERM)
-            code = proc.wait(timeout=10)
-            elapsed = time.monotonic() - started
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        rest = proc.stdout.read()
+    proc = subprocess.Popen(
+        [unshare, "--pid", "--fork", setpriv, f"--reuid={WORKLOAD_UID}",
+         f"--regid={WORKLOAD_UID}", "--clear-groups", python, str(workload_dir / "vm_check.py"),
+         "--interval", "60", "--dev-dir", str(workload_dir / "dev")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # one check done: it now sleeps for 60 s
+        assert "created a KVM VM" in first, first + (proc.stderr.read() if proc.stderr else "")
+        (child,) = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                    and _ppid(p) == proc.pid]  # fmt: skip
+        nspid = re.search(r"^NSpid:\s+(.*)$", Path(f"/proc/{child}/status").read_text(), re.M)
+        assert nspid and nspid.group(1).split()[-1] == "1", "the script is PID 1 in its namespace"
+        started = time.monotonic()
+        os.kill(child, signal.SIGTERM)
+        code = proc.wait(timeout=10)
+        elapsed = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    rest = proc.stdout.read()
     assert code == 0 and "stopping on SIGTERM" in rest, rest
     assert elapsed < 5, f"took {elapsed:.1f} s to stop"
 
@@ -861,10 +851,6 @@ def steps_of(wf: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from job.get("steps", [])
 
 
-def test_workflows_exist() -> None:
-    assert {p.name for p in WORKFLOWS} >= {"ci.yml", "e2e.yml", "release.yml"}
-
-
 def test_workflows_match_the_github_schema() -> None:
     check = tool("check-jsonschema")
     result = run([check, "--builtin-schema", "vendor.github-workflows", *map(str, WORKFLOWS)])
@@ -882,6 +868,7 @@ def test_zizmor_finds_nothing() -> None:
 
 
 def test_actions_pinned_least_privilege_no_credentials() -> None:
+    assert {p.name for p in WORKFLOWS} >= {"ci.yml", "e2e.yml", "release.yml"}
     for path in WORKFLOWS:
         wf = workflow(path.name)
         text = path.read_text()

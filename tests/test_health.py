@@ -8,11 +8,12 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import wait_until
 
 from hlplugin.health import DeviceMonitor, HealthState, HealthTracker
 from hlplugin.metrics import Metrics
@@ -25,17 +26,6 @@ REQUIRED = ("device", "host_identity")
 
 def ok() -> None:
     pass
-
-
-def run(coro: Coroutine[Any, Any, None]) -> None:
-    asyncio.run(asyncio.wait_for(coro, GUARD * 2))
-
-
-async def until(predicate: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + GUARD
-    while not predicate():
-        assert time.monotonic() < deadline, "guard timeout"
-        await asyncio.sleep(0.005)
 
 
 async def wait_state(
@@ -94,148 +84,125 @@ def monitor(tracker: HealthTracker, **kwargs: Any) -> DeviceMonitor:
                          **kwargs)
 
 
-def test_healthy_probes_set_both_conditions_and_metrics() -> None:
-    async def scenario() -> None:
-        tracker = HealthTracker(REQUIRED)
-        metrics = Metrics()
-        state = await monitor(tracker, metrics=metrics).check()
-        assert state.healthy
-        assert set(state.conditions) == set(REQUIRED)
-        for check in REQUIRED:
-            assert sample(metrics, "hyperlight_probe_duration_seconds_count", {"check": check}) == 1
-
-    run(scenario())
-
-
-def test_without_host_dev_dir_identity_is_ok_unprobed() -> None:
-    async def scenario() -> None:
-        tracker = HealthTracker(REQUIRED)
-        metrics = Metrics()
-        mon = DeviceMonitor(tracker, "kvm", Path("/nonexistent-dev"), None, metrics=metrics,
-                            device_probe=ok)
-        state = await mon.check()
-        assert state.healthy
+@pytest.mark.parametrize("host_dev_dir", [Path("/nonexistent-host"), None])
+async def test_healthy_probes_set_both_conditions_and_metrics(host_dev_dir: Path | None) -> None:
+    """Without a host dev dir the identity condition is ok, unprobed."""
+    tracker = HealthTracker(REQUIRED)
+    metrics = Metrics()
+    identity = {"identity_probe": ok} if host_dev_dir else {}
+    mon = DeviceMonitor(tracker, "kvm", Path("/nonexistent-dev"), host_dev_dir, metrics=metrics,
+                        device_probe=ok, **identity)
+    state = await mon.check()
+    assert state.healthy
+    assert set(state.conditions) == set(REQUIRED)
+    for check in REQUIRED:
+        probed = check == "device" or host_dev_dir is not None
         assert sample(metrics, "hyperlight_probe_duration_seconds_count",
-                      {"check": "host_identity"}) == 0
-
-    run(scenario())
+                      {"check": check}) == probed
 
 
-def test_failing_device_probe_is_unhealthy_with_its_reason_then_recovers() -> None:
-    async def scenario() -> None:
-        tracker = HealthTracker(REQUIRED)
-        metrics = Metrics()
-        probe = Switch()
-        probe.error = ProbeError("KVM_CREATE_VM on /dev/kvm failed: [Errno 25] Inappropriate",
-                                 step="KVM_CREATE_VM", path=KVM, errno=25, reason="create_vm")
-        mon = monitor(tracker, metrics=metrics, device_probe=probe)
-        state = await mon.check()
-        assert not state.healthy
-        assert state.reasons == {"device": str(probe.error)}
-        assert sample(metrics, "hyperlight_probe_failures_total", {"reason": "create_vm"}) == 1
+async def test_failing_device_probe_is_unhealthy_with_its_reason_then_recovers() -> None:
+    tracker = HealthTracker(REQUIRED)
+    metrics = Metrics()
+    probe = Switch()
+    probe.error = ProbeError("KVM_CREATE_VM on /dev/kvm failed: [Errno 25] Inappropriate",
+                             step="KVM_CREATE_VM", path=KVM, errno=25, reason="create_vm")
+    mon = monitor(tracker, metrics=metrics, device_probe=probe)
+    state = await mon.check()
+    assert not state.healthy
+    assert state.reasons == {"device": str(probe.error)}
+    assert sample(metrics, "hyperlight_probe_failures_total", {"reason": "create_vm"}) == 1
 
-        probe.error = None
-        assert (await mon.check()).healthy
+    probe.error = None
+    assert (await mon.check()).healthy
 
-        probe.error = RuntimeError("surprise")
-        state = await mon.check()
-        assert state.reasons == {"device": "RuntimeError: surprise"}
-        assert sample(metrics, "hyperlight_probe_failures_total", {"reason": "error"}) == 1
-
-    run(scenario())
+    probe.error = RuntimeError("surprise")
+    state = await mon.check()
+    assert state.reasons == {"device": "RuntimeError: surprise"}
+    assert sample(metrics, "hyperlight_probe_failures_total", {"reason": "error"}) == 1
 
 
-def test_failing_identity_probe_is_unhealthy_while_the_device_is_fine() -> None:
-    async def scenario() -> None:
-        tracker = HealthTracker(REQUIRED)
-        metrics = Metrics()
-        identity = Switch()
-        identity.error = ProbeError("host device node /host-dev/kvm is missing",
-                                    step="lstat", reason="identity_missing")
-        state = await monitor(tracker, metrics=metrics, identity_probe=identity).check()
-        assert state.reasons == {"host_identity": "host device node /host-dev/kvm is missing"}
-        assert state.conditions["device"].ok
-        assert sample(metrics, "hyperlight_probe_failures_total",
-                      {"reason": "identity_missing"}) == 1
-
-    run(scenario())
+async def test_failing_identity_probe_is_unhealthy_while_the_device_is_fine() -> None:
+    tracker = HealthTracker(REQUIRED)
+    metrics = Metrics()
+    identity = Switch()
+    identity.error = ProbeError("host device node /host-dev/kvm is missing",
+                                step="lstat", reason="identity_missing")
+    state = await monitor(tracker, metrics=metrics, identity_probe=identity).check()
+    assert state.reasons == {"host_identity": "host device node /host-dev/kvm is missing"}
+    assert state.conditions["device"].ok
+    assert sample(metrics, "hyperlight_probe_failures_total",
+                  {"reason": "identity_missing"}) == 1
 
 
-def test_ensure_fresh_burst_probes_once_and_reprobes_after_max_age() -> None:
+async def test_ensure_fresh_burst_probes_once_and_reprobes_after_max_age() -> None:
     now = [100.0]
 
-    async def scenario() -> None:
-        tracker = HealthTracker(REQUIRED)
-        probe = Switch()
-        mon = monitor(tracker, device_probe=probe, clock=lambda: now[0])
-        states = await asyncio.gather(*(mon.ensure_fresh() for _ in range(50)))
-        assert probe.calls == 1
-        assert all(s.healthy for s in states)
+    tracker = HealthTracker(REQUIRED)
+    probe = Switch()
+    mon = monitor(tracker, device_probe=probe, clock=lambda: now[0])
+    states = await asyncio.gather(*(mon.ensure_fresh() for _ in range(50)))
+    assert probe.calls == 1
+    assert all(s.healthy for s in states)
 
-        now[0] += 0.9
-        await asyncio.gather(*(mon.ensure_fresh() for _ in range(10)))
-        assert probe.calls == 1
+    now[0] += 0.9
+    await asyncio.gather(*(mon.ensure_fresh() for _ in range(10)))
+    assert probe.calls == 1
 
-        now[0] += 0.2  # 1.1 s after the check completed
-        await mon.ensure_fresh()
-        assert probe.calls == 2
-        await mon.ensure_fresh(max_age=0.0)
-        assert probe.calls == 3
-
-    run(scenario())
+    now[0] += 0.2  # 1.1 s after the check completed
+    await mon.ensure_fresh()
+    assert probe.calls == 2
+    await mon.ensure_fresh(max_age=0.0)
+    assert probe.calls == 3
 
 
-def test_cancelled_ensure_fresh_caller_neither_stops_nor_fails_the_check(gate: Gate) -> None:
-    async def scenario() -> None:
-        tracker = HealthTracker(REQUIRED)
-        mon = monitor(tracker, device_probe=gate, budget=GUARD)
-        first = asyncio.create_task(mon.ensure_fresh())  # starts the check
-        await until(gate.started.is_set)
-        joiner = asyncio.create_task(mon.ensure_fresh())  # shares it
-        patient = asyncio.create_task(mon.ensure_fresh())  # shares it, and waits it out
-        await asyncio.sleep(0.01)
-        for caller in (first, joiner):
-            caller.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await caller
-        await asyncio.sleep(0.05)
-        # Cancelling callers reported nothing: the device is not checked yet, not unhealthy.
-        assert tracker.state.conditions["device"].reason == "not checked yet"
-        assert tracker.state.generation == 0
-        gate.release.set()
-        state = await wait_state(tracker, lambda s: s.healthy)  # the check's own result lands
-        assert state.conditions["device"].ok
-        assert (await patient).healthy
-        assert gate.calls == 1
-
-    run(scenario())
-
-
-def test_regression_cancelled_helper_does_not_poison_the_next_check(gate: Gate) -> None:
-    """Regression 2 of the upstream Go plugin's review: after a caller is cancelled mid-check, the
-    next check is a fresh one."""
-
-    async def scenario() -> None:
-        tracker = HealthTracker(REQUIRED)
-        mon = monitor(tracker, device_probe=gate, budget=2.0)
-        assert (await wait_healthy_after(mon, gate)).healthy
-
-        gate.release.clear()
-        gate.started.clear()
-        caller = asyncio.create_task(mon.check())
-        await until(gate.started.is_set)
+async def test_cancelled_ensure_fresh_caller_neither_stops_nor_fails_the_check(gate: Gate) -> None:
+    tracker = HealthTracker(REQUIRED)
+    mon = monitor(tracker, device_probe=gate, budget=GUARD)
+    first = asyncio.create_task(mon.ensure_fresh())  # starts the check
+    await wait_until(gate.started.is_set)
+    joiner = asyncio.create_task(mon.ensure_fresh())  # shares it
+    patient = asyncio.create_task(mon.ensure_fresh())  # shares it, and waits it out
+    await asyncio.sleep(0)  # one loop turn: both new callers reach their await on the shared check
+    for caller in (first, joiner):
         caller.cancel()
         with pytest.raises(asyncio.CancelledError):
             await caller
-        assert tracker.state.healthy  # cancellation is not a device failure
-        # The cancelled helper finishes a moment later, within the next check's budget.
-        threading.Timer(0.2, gate.release.set).start()
-        state = await mon.check()
-        assert state.healthy, state.describe()
-        assert gate.calls == 3  # the next check ran its own probe, not a leftover result
-        assert mon.runner.threads_started == 3
+    # A bounded watch, 50 ms: a report caused by the cancellations would be made on the loop
+    # while they unwind (already done above), so the next turns are where it would show.
+    await asyncio.sleep(0.05)
+    # Cancelling callers reported nothing: the device is not checked yet, not unhealthy.
+    assert tracker.state.conditions["device"].reason == "not checked yet"
+    assert tracker.state.generation == 0
+    gate.release.set()
+    state = await wait_state(tracker, lambda s: s.healthy)  # the check's own result lands
+    assert state.conditions["device"].ok
+    assert (await patient).healthy
+    assert gate.calls == 1
 
-    run(scenario())
+
+async def test_regression_cancelled_helper_does_not_poison_the_next_check(gate: Gate) -> None:
+    """Regression 2 of the upstream Go plugin's review: after a caller is cancelled mid-check, the
+    next check is a fresh one."""
+
+    tracker = HealthTracker(REQUIRED)
+    mon = monitor(tracker, device_probe=gate, budget=2.0)
+    assert (await wait_healthy_after(mon, gate)).healthy
+
+    gate.release.clear()
+    gate.started.clear()
+    caller = asyncio.create_task(mon.check())
+    await wait_until(gate.started.is_set)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert tracker.state.healthy  # cancellation is not a device failure
+    # The cancelled helper finishes a moment later, within the next check's budget.
+    threading.Timer(0.2, gate.release.set).start()
+    state = await mon.check()
+    assert state.healthy, state.describe()
+    assert gate.calls == 3  # the next check ran its own probe, not a leftover result
+    assert mon.runner.threads_started == 3
 
 
 async def wait_healthy_after(mon: DeviceMonitor, gate: Gate) -> HealthState:
@@ -243,63 +210,57 @@ async def wait_healthy_after(mon: DeviceMonitor, gate: Gate) -> HealthState:
     return await mon.check()
 
 
-def test_stuck_probe_times_out_with_at_most_one_helper(gate: Gate) -> None:
-    async def scenario() -> None:
-        tracker = HealthTracker(REQUIRED)
-        metrics = Metrics()
-        mon = monitor(tracker, device_probe=gate, budget=0.2, metrics=metrics)
-        state = await mon.check()
-        assert state.reasons == {"device": "check timed out after 0.2s"}
-        assert state.conditions["host_identity"].ok  # ran before the device probe hung
-        assert sample(metrics, "hyperlight_probe_failures_total", {"reason": "timeout"}) == 1
+async def test_stuck_probe_times_out_with_at_most_one_helper(gate: Gate) -> None:
+    tracker = HealthTracker(REQUIRED)
+    metrics = Metrics()
+    mon = monitor(tracker, device_probe=gate, budget=0.2, metrics=metrics)
+    state = await mon.check()
+    assert state.reasons == {"device": "check timed out after 0.2s"}
+    assert state.conditions["host_identity"].ok  # ran before the device probe hung
+    assert sample(metrics, "hyperlight_probe_failures_total", {"reason": "timeout"}) == 1
 
-        for _ in range(3):
-            state = await mon.ensure_fresh(max_age=0.0)
-            assert "still stuck" in state.reasons["device"]
-            alive = [t for t in threading.enumerate() if t.name.startswith(mon.runner.name)]
-            assert len(alive) <= 1
-        assert gate.calls == 1
-        assert mon.runner.threads_started == 1
-        assert sample(metrics, "hyperlight_probe_failures_total", {"reason": "budget"}) == 3
+    for _ in range(3):
+        state = await mon.ensure_fresh(max_age=0.0)
+        assert "still stuck" in state.reasons["device"]
+        alive = [t for t in threading.enumerate() if t.name.startswith(mon.runner.name)]
+        assert len(alive) <= 1
+    assert gate.calls == 1
+    assert mon.runner.threads_started == 1
+    assert sample(metrics, "hyperlight_probe_failures_total", {"reason": "budget"}) == 3
 
-        gate.release.set()
-        mon.runner.budget = GUARD
-        assert (await mon.check()).healthy
-
-    run(scenario())
+    gate.release.set()
+    mon.runner.budget = GUARD
+    assert (await mon.check()).healthy
 
 
-def test_waiter_wakes_on_every_transition() -> None:
-    async def scenario() -> None:
-        tracker = HealthTracker(REQUIRED)
-        probe = Switch()
-        mon = monitor(tracker, device_probe=probe)
-        seen: asyncio.Queue[HealthState] = asyncio.Queue()
+async def test_waiter_wakes_on_every_transition() -> None:
+    tracker = HealthTracker(REQUIRED)
+    probe = Switch()
+    mon = monitor(tracker, device_probe=probe)
+    seen: asyncio.Queue[HealthState] = asyncio.Queue()
 
-        async def waiter() -> None:
-            state = tracker.state
-            while True:
-                state = await tracker.wait_for_change(state.generation)
-                await seen.put(state)
+    async def waiter() -> None:
+        state = tracker.state
+        while True:
+            state = await tracker.wait_for_change(state.generation)
+            await seen.put(state)
 
-        task = asyncio.create_task(waiter())
-        try:
-            for failing in (False, True, False, True):
-                probe.error = RuntimeError("down") if failing else None
-                await mon.check()
-                async with asyncio.timeout(GUARD):
-                    state = await seen.get()
-                assert state.healthy is not failing
-            await mon.check()  # no transition: no wake-up
-            await asyncio.sleep(0.05)
-            assert seen.empty()
-        finally:
-            task.cancel()
-
-    run(scenario())
+    task = asyncio.create_task(waiter())
+    try:
+        for failing in (False, True, False, True):
+            probe.error = RuntimeError("down") if failing else None
+            await mon.check()
+            async with asyncio.timeout(GUARD):
+                state = await seen.get()
+            assert state.healthy is not failing
+        await mon.check()  # no transition: no wake-up
+        await asyncio.sleep(0.05)
+        assert seen.empty()
+    finally:
+        task.cancel()
 
 
-def test_run_reacts_to_node_events_without_waiting_for_the_interval(tmp_path: Path) -> None:
+async def test_run_reacts_to_node_events_without_waiting_for_the_interval(tmp_path: Path) -> None:
     dev, host = tmp_path / "dev", tmp_path / "host-dev"
     dev.mkdir()
     host.mkdir()
@@ -312,30 +273,27 @@ def test_run_reacts_to_node_events_without_waiting_for_the_interval(tmp_path: Pa
                 raise ProbeError(f"{path} is missing", step="lstat", reason="identity_missing")
         return probe
 
-    async def scenario() -> None:
-        tracker = HealthTracker(REQUIRED)
-        mon = DeviceMonitor(tracker, "kvm", dev, host, interval=3600,
-                            device_probe=exists(dev / "kvm"), identity_probe=exists(host / "kvm"))
-        task = asyncio.create_task(mon.run())
-        try:
+    tracker = HealthTracker(REQUIRED)
+    mon = DeviceMonitor(tracker, "kvm", dev, host, interval=3600,
+                        device_probe=exists(dev / "kvm"), identity_probe=exists(host / "kvm"))
+    task = asyncio.create_task(mon.run())
+    try:
+        await wait_state(tracker, lambda s: s.healthy)
+        for node, condition in ((dev / "kvm", "device"), (host / "kvm", "host_identity")):
+            node.unlink()
+            state = await wait_state(tracker, lambda s: not s.healthy)
+            assert state.reasons == {condition: f"{node} is missing"}
+            node.touch()
             await wait_state(tracker, lambda s: s.healthy)
-            for node, condition in ((dev / "kvm", "device"), (host / "kvm", "host_identity")):
-                node.unlink()
-                state = await wait_state(tracker, lambda s: not s.healthy)
-                assert state.reasons == {condition: f"{node} is missing"}
-                node.touch()
-                await wait_state(tracker, lambda s: s.healthy)
-        finally:
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-
-    run(scenario())
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mknod of the host device node needs root")
 @pytest.mark.skipif(not KVM.exists(), reason="needs /dev/kvm")
-def test_regression_host_node_disappearance_publishes_unhealthy(tmp_path: Path) -> None:
+async def test_regression_host_node_disappearance_publishes_unhealthy(tmp_path: Path) -> None:
     """Regression 1 of the upstream Go plugin's review: our /dev/kvm keeps working, but the host
     node new pods get is gone."""
     host = tmp_path / "host-dev"
@@ -350,28 +308,25 @@ def test_regression_host_node_disappearance_publishes_unhealthy(tmp_path: Path) 
 
     make_node()
 
-    async def scenario() -> None:
-        tracker = HealthTracker(REQUIRED)
-        # The real identity check; the device probe is injected so that only identity is at stake.
-        mon = DeviceMonitor(tracker, "kvm", KVM.parent, host, interval=3600, device_probe=ok)
-        task = asyncio.create_task(mon.run())
-        try:
-            await wait_state(tracker, lambda s: s.healthy)
-            node.unlink()
-            state = await wait_state(tracker, lambda s: not s.healthy)
-            assert set(state.reasons) == {"host_identity"}
-            assert f"host device node {node} is missing" in state.reasons["host_identity"]
-            make_node()
-            await wait_state(tracker, lambda s: s.healthy)
-        finally:
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-
-    run(scenario())
+    tracker = HealthTracker(REQUIRED)
+    # The real identity check; the device probe is injected so that only identity is at stake.
+    mon = DeviceMonitor(tracker, "kvm", KVM.parent, host, interval=3600, device_probe=ok)
+    task = asyncio.create_task(mon.run())
+    try:
+        await wait_state(tracker, lambda s: s.healthy)
+        node.unlink()
+        state = await wait_state(tracker, lambda s: not s.healthy)
+        assert set(state.reasons) == {"host_identity"}
+        assert f"host device node {node} is missing" in state.reasons["host_identity"]
+        make_node()
+        await wait_state(tracker, lambda s: s.healthy)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
 
-def test_run_never_checks_more_often_than_the_floor(tmp_path: Path) -> None:
+async def test_run_never_checks_more_often_than_the_floor(tmp_path: Path) -> None:
     """An interval of 0 (an in-process caller; the CLI refuses it) is not a busy loop."""
     from hlplugin.health import MIN_PERIOD
 
@@ -381,18 +336,15 @@ def test_run_never_checks_more_often_than_the_floor(tmp_path: Path) -> None:
         checks.append(time.monotonic())
         return checks[-1]
 
-    async def scenario() -> None:
-        mon = DeviceMonitor(HealthTracker(REQUIRED), "kvm", tmp_path, None, interval=0,
-                            device_probe=ok, clock=clock)
-        task = asyncio.create_task(mon.run())
-        try:
-            await until(lambda: len(checks) >= 5)
-        finally:
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-
-    run(scenario())
+    mon = DeviceMonitor(HealthTracker(REQUIRED), "kvm", tmp_path, None, interval=0,
+                        device_probe=ok, clock=clock)
+    task = asyncio.create_task(mon.run())
+    try:
+        await wait_until(lambda: len(checks) >= 5)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
     # The watcher's start may wake the loop once; the checks after it are periodic.
     gaps = [b - a for a, b in itertools.pairwise(checks[1:5])]
     assert min(gaps) >= MIN_PERIOD * 0.9, gaps

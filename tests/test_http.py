@@ -8,18 +8,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import struct
-import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import HAVE_KVM, Daemon, Node, needs_kvm, run
-from prometheus_client.parser import text_string_to_metric_families
-
-from hlplugin.emulator import KubeletEmulator
+from harness import HAVE_KVM, Daemon, Node, needs_kvm, on_kubelet, parse_metrics, wait_until
 
 KINDS = ["serve", "bootstrap"]
 RESOURCES = {"serve": "hyperlight.dev/hypervisor", "bootstrap": "hyperlight.dev/device-access"}
@@ -91,157 +88,146 @@ def still_open(conn: socket.socket) -> bool:
         conn.setblocking(True)
 
 
-async def settled_readyz(proc: Daemon) -> dict[str, Any]:
-    """/readyz once every condition has been checked (the first check runs after HTTP is up)."""
-    deadline = asyncio.get_running_loop().time() + 15
-    while True:
-        body = json.loads(await proc.wait_http("/readyz", 503))
-        reasons = [c["reason"] for c in body["conditions"].values()]
-        if "not checked yet" not in reasons:
-            return dict(body)
-        assert asyncio.get_running_loop().time() < deadline, body
-        await asyncio.sleep(0.05)
+@contextlib.asynccontextmanager
+async def started(kind: str, node: Node) -> AsyncIterator[Daemon]:
+    """The daemon of ``kind`` on ``node``; it must exit 0 when stopped."""
+    proc = await Daemon(args(kind, node)).start()
+    try:
+        yield proc
+    finally:
+        assert await proc.stop() == 0
+
+
+async def readyz_until(proc: Daemon, predicate: Callable[[dict[str, Any]], bool],
+                       what: str) -> dict[str, Any]:
+    """The first /readyz body (503, not ready) that satisfies ``predicate``."""
+    await proc.wait_http("/readyz", 503)
+    latest: dict[str, Any] = {}
+
+    def holds() -> bool:
+        nonlocal latest
+        status, _, raw = get(proc.port, "/readyz")
+        latest = json.loads(raw)
+        return status == 503 and predicate(latest)
+
+    await wait_until(holds, 15, what)
+    return latest
+
+
+def socket_fds(pid: int) -> int:
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return count
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_endpoints_answer_and_readyz_explains(tmp_path: Path, kind: str) -> None:
-    async def body() -> None:
-        node = empty_dev_node(tmp_path)
-        proc = await Daemon(args(kind, node)).start()
-        try:
-            ready = await settled_readyz(proc)
-            port = proc.port
-            assert ready["status"] == "not ready"
-            conditions = ready["conditions"]
-            assert set(conditions) == CONDITIONS[kind]
-            for name, condition in conditions.items():
-                assert set(condition) == {"ok", "reason"}, name
-                assert condition["ok"] or condition["reason"], f"{name} fails without a reason"
-            assert conditions["registered"] == {"ok": False,
-                                                "reason": "not registered with the kubelet"}
-            assert not conditions["device"]["ok"]
-            assert str(node.dev_dir / "kvm") in conditions["device"]["reason"]
+async def test_endpoints_answer_readyz_explains_and_bad_requests_get_4xx(tmp_path: Path, kind: str) -> None:
+    node = empty_dev_node(tmp_path)
+    async with started(kind, node) as proc:
+        # The first check runs after HTTP is up: wait until every condition has been checked.
+        ready = await readyz_until(proc, lambda body: "not checked yet" not in [
+            c["reason"] for c in body["conditions"].values()], "every condition checked")
+        port = proc.port
+        assert ready["status"] == "not ready"
+        conditions = ready["conditions"]
+        assert set(conditions) == CONDITIONS[kind]
+        for name, condition in conditions.items():
+            assert set(condition) == {"ok", "reason"}, name
+            assert condition["ok"] or condition["reason"], f"{name} fails without a reason"
+        assert conditions["registered"] == {"ok": False,
+                                            "reason": "not registered with the kubelet"}
+        assert not conditions["device"]["ok"]
+        assert str(node.dev_dir / "kvm") in conditions["device"]["reason"]
 
-            status, headers, raw = await asyncio.to_thread(get, port, "/readyz")
-            assert (status, headers["content-type"]) == (503, "application/json")
-            assert json.loads(raw) == ready
+        status, headers, raw = await asyncio.to_thread(get, port, "/readyz")
+        assert (status, headers["content-type"]) == (503, "application/json")
+        assert json.loads(raw) == ready
 
-            status, headers, raw = await asyncio.to_thread(get, port, "/healthz")
-            assert status == 200 and json.loads(raw) == {"status": "ok", "reason": ""}
+        status, headers, raw = await asyncio.to_thread(get, port, "/healthz")
+        assert status == 200 and json.loads(raw) == {"status": "ok", "reason": ""}
 
-            status, headers, raw = await asyncio.to_thread(get, port, "/metrics")
-            assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
-            names = {f.name for f in text_string_to_metric_families(raw.decode())}
-            assert "hyperlight_build_info" in names and "hyperlight_health_condition" in names
+        status, headers, raw = await asyncio.to_thread(get, port, "/metrics")
+        assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
+        names = {name for name, _ in parse_metrics(raw.decode())}
+        assert "hyperlight_build_info" in names and "hyperlight_health_condition" in names
 
-            status, headers, raw = await asyncio.to_thread(get, port, "/no-such-path")
-            assert status == 404 and b"/healthz" in raw
-            status, headers, raw = await asyncio.to_thread(get, port, "/healthz", "POST")
-            assert status == 405 and headers["allow"] == "GET"
-            status, headers, raw = await asyncio.to_thread(get, port, "/healthz", "HEAD")
-            assert status == 200 and raw == b""
-            assert proc.proc is not None and proc.proc.returncode is None
-        finally:
-            assert await proc.stop() == 0
+        status, headers, raw = await asyncio.to_thread(get, port, "/no-such-path")
+        assert status == 404 and b"/healthz" in raw
+        status, headers, raw = await asyncio.to_thread(get, port, "/healthz", "POST")
+        assert status == 405 and headers["allow"] == "GET"
+        status, headers, raw = await asyncio.to_thread(get, port, "/healthz", "HEAD")
+        assert status == 200 and raw == b""
 
-    run(body())
+        # Malformed requests get a 4xx (or 505) and the daemon lives.
+        cases = [
+            (b"NOT A VALID REQUEST LINE\r\n\r\n", 400),
+            (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400),  # a TLS hello
+            (b"GET\r\n\r\n", 400),
+            (b"GET /healthz HTTP/9.9\r\n\r\n", 505),
+            (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 414),
+            (b"GET /healthz HTTP/1.1\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+        ]
+        for data, status in cases:
+            answer = await asyncio.to_thread(raw_request, proc.port, data)
+            assert answer.split(b" ", 2)[:2] == [b"HTTP/1.1", str(status).encode()], \
+                (data[:30], answer[:80])
+        # A client that resets mid-request.
+        conn = socket.create_connection(("127.0.0.1", proc.port))
+        conn.sendall(b"GET /heal")
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+        assert (await asyncio.to_thread(get, proc.port, "/healthz"))[0] == 200
+        assert proc.proc is not None and proc.proc.returncode is None
+    # Client errors are the client's: no traceback, and every line is still a JSON record.
+    assert not [line for line in proc.raw if not line.startswith("{")], proc.raw
+    assert not any("Traceback" in line for line in proc.raw)
 
 
+@pytest.mark.guard(90)
 @pytest.mark.parametrize("kind", KINDS)
-def test_stalled_clients_block_no_endpoint(tmp_path: Path, kind: str) -> None:
+async def test_stalled_clients_block_no_endpoint(tmp_path: Path, kind: str) -> None:
     """Half-open connections hold nothing another client needs: every endpoint answers while
     they are still connected, and the server drops them at its whole-request deadline."""
 
-    async def body() -> None:
-        node = empty_dev_node(tmp_path)
-        proc = await Daemon(args(kind, node)).start()
-        try:
-            await proc.wait_http("/readyz", 503)
-            with stalled_clients(proc.port) as conns:
-                await asyncio.sleep(0.2)  # the server has accepted them all
-                for path, want in [("/healthz", 200), ("/readyz", 503), ("/metrics", 200)]:
-                    status, _, _ = await asyncio.to_thread(get, proc.port, path)
-                    assert status == want, path
-                # Answered while every stalled client was still connected, so not after it.
-                assert all(still_open(c) for c in conns)
-                deadline = time.monotonic() + 20
-                while any(still_open(c) for c in conns):
-                    assert time.monotonic() < deadline, "stalled clients were never dropped"
-                    await asyncio.sleep(0.2)
-            assert (await asyncio.to_thread(get, proc.port, "/healthz"))[0] == 200
-        finally:
-            assert await proc.stop() == 0
-
-    run(body(), timeout=90)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_malformed_requests_get_4xx_and_the_daemon_lives(tmp_path: Path, kind: str) -> None:
-    async def body() -> None:
-        node = empty_dev_node(tmp_path)
-        proc = await Daemon(args(kind, node)).start()
-        try:
-            await proc.wait_http("/readyz", 503)
-            cases = [
-                (b"NOT A VALID REQUEST LINE\r\n\r\n", 400),
-                (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400),  # a TLS hello
-                (b"GET\r\n\r\n", 400),
-                (b"GET /healthz HTTP/9.9\r\n\r\n", 505),
-                (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 414),
-                (b"GET /healthz HTTP/1.1\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", 431),
-            ]
-            for data, status in cases:
-                answer = await asyncio.to_thread(raw_request, proc.port, data)
-                assert answer.split(b" ", 2)[:2] == [b"HTTP/1.1", str(status).encode()], \
-                    (data[:30], answer[:80])
-            # A client that resets mid-request.
-            conn = socket.create_connection(("127.0.0.1", proc.port))
-            conn.sendall(b"GET /heal")
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            conn.close()
-            assert (await asyncio.to_thread(get, proc.port, "/healthz"))[0] == 200
-            assert proc.proc is not None and proc.proc.returncode is None
-        finally:
-            assert await proc.stop() == 0
-        # Client errors are the client's: no traceback, and every line is still a JSON record.
-        assert not [line for line in proc.raw if not line.startswith("{")], proc.raw
-        assert not any("Traceback" in line for line in proc.raw)
-
-    run(body())
+    node = empty_dev_node(tmp_path)
+    async with started(kind, node) as proc:
+        await proc.wait_http("/readyz", 503)
+        before = socket_fds(proc.pid)
+        with stalled_clients(proc.port) as conns:
+            await wait_until(lambda: socket_fds(proc.pid) >= before + len(conns), 10,
+                             "the server accepting every stalled client")
+            for path, want in [("/healthz", 200), ("/readyz", 503), ("/metrics", 200)]:
+                status, _, _ = await asyncio.to_thread(get, proc.port, path)
+                assert status == want, path
+            # Answered while every stalled client was still connected, so not after it.
+            assert all(still_open(c) for c in conns)
+            await wait_until(lambda: not any(still_open(c) for c in conns), 20,
+                             "the stalled clients being dropped")
+        assert (await asyncio.to_thread(get, proc.port, "/healthz"))[0] == 200
 
 
 @needs_kvm
 @pytest.mark.parametrize("kind", KINDS)
-def test_readyz_200_when_registered_and_healthy(tmp_path: Path, kind: str) -> None:
-    async def body() -> None:
-        assert HAVE_KVM
-        node = Node.make(tmp_path)  # the real /dev
-        kubelet = KubeletEmulator(node.plugin_dir)
-        await kubelet.start()
-        proc = await Daemon(args(kind, node)).start()
-        try:
-            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCES[kind]) > 0)
-            ready = json.loads(await proc.wait_http("/readyz", 200))
-            assert ready["status"] == "ready"
-            assert set(ready["conditions"]) == CONDITIONS[kind]
-            assert all(c == {"ok": True, "reason": ""} for c in ready["conditions"].values())
-            # Losing the kubelet makes it unready with the reason, not dead.
-            await kubelet.stop(remove_socket=True)
-            deadline = asyncio.get_running_loop().time() + 15
-            while True:  # "registered" and "listandwatch" flip a moment apart
-                ready = json.loads(await proc.wait_http("/readyz", 503))
-                conditions = ready["conditions"]
-                if not conditions["listandwatch"]["ok"] and not conditions["registered"]["ok"]:
-                    break
-                assert asyncio.get_running_loop().time() < deadline, ready
-                await asyncio.sleep(0.05)
-            assert conditions["listandwatch"]["reason"] == "the kubelet has no ListAndWatch open"
-            # Alive (not restarted). Known: while the old gRPC server stops (~0.2 s) /healthz can
-            # answer 503 "did not answer on its socket" once; lifecycle.alive() does not yet
-            # treat a stopping instance as "between instances".
-            await proc.wait_http("/healthz", 200, timeout=5)
-        finally:
-            assert await proc.stop() == 0
-            await kubelet.stop()
-
-    run(body())
+async def test_readyz_200_when_registered_and_healthy(tmp_path: Path, kind: str) -> None:
+    assert HAVE_KVM
+    node = Node.make(tmp_path)  # the real /dev
+    async with on_kubelet(node, args(kind, node)) as (kubelet, proc):
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCES[kind]) > 0)
+        ready = json.loads(await proc.wait_http("/readyz", 200))
+        assert ready["status"] == "ready"
+        assert set(ready["conditions"]) == CONDITIONS[kind]
+        assert all(c == {"ok": True, "reason": ""} for c in ready["conditions"].values())
+        # Losing the kubelet makes it unready with the reason, not dead.
+        await kubelet.stop(remove_socket=True)
+        ready = await readyz_until(  # "registered" and "listandwatch" flip a moment apart
+            proc, lambda body: not body["conditions"]["listandwatch"]["ok"]
+            and not body["conditions"]["registered"]["ok"], "both kubelet conditions failing")
+        conditions = ready["conditions"]
+        assert conditions["listandwatch"]["reason"] == "the kubelet has no ListAndWatch open"
+        # Alive (not restarted). Known: while the old gRPC server stops (~0.2 s) /healthz can
+        # answer 503 "did not answer on its socket" once; lifecycle.alive() does not yet
+        # treat a stopping instance as "between instances".
+        await proc.wait_http("/healthz", 200, timeout=5)
+        assert await proc.stop() == 0

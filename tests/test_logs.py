@@ -15,9 +15,10 @@ import tempfile
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
-from harness import Daemon, Node, eventually, needs_root, run, scrape, value, wait_metric
+from harness import Daemon, Node, daemon, needs_root, scrape, value, wait_metric, wait_until
 
 from hlplugin import __version__, logs
 from hlplugin.emulator import free_port
@@ -100,111 +101,91 @@ def test_configure_replaces_handlers_and_sets_level() -> None:
         root.setLevel(level)
 
 
-def test_lasting_faults_log_once_when_they_begin_and_once_when_they_end(tmp_path: Path) -> None:
-    """The CDI path obstructed by a directory and a missing device, over many retries and checks:
-    one warning each when they begin, one info when the CDI one ends, none in between."""
-
-    async def body() -> None:
-        dev = tmp_path / "dev"
-        dev.mkdir()
-        node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
-        node.cdi_dir.mkdir()
-        spec = node.cdi_dir / "hyperlight.json"
-        spec.mkdir()
-        proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--cdi-interval", "1",
-                                            "--health-interval", "1")).start()
-        try:
-            # Many failed passes and checks: proof that the fault lasted several periods.
-            await wait_metric(proc, lambda m: value(
-                m, "hyperlight_cdi_refusals_total", reason="not_regular") >= 5
-                and value(m, "hyperlight_probe_failures_total", reason="open") >= 3, timeout=30)
-            spec.rmdir()
-            await eventually(lambda: "condition cdi is healthy" in proc.messages())
-            refusals = value(await scrape(proc), "hyperlight_cdi_refusals_total", reason="not_regular")
-        finally:
-            assert await proc.stop() == 0
-
-        def count(text: str) -> int:
-            return sum(text in m for m in proc.messages())
-
-        assert count("condition cdi is unhealthy") == 1, proc.messages()
-        assert count("condition cdi is healthy") == 1
-        assert count("condition device is unhealthy") == 1
-        assert count("condition host_identity is unhealthy") == 1
-        warnings = [line for line in proc.lines if line["level"] in ("warning", "error")]
-        assert len(warnings) <= 3, warnings  # cdi, device, host_identity: not one per retry
-        assert refusals >= 5
-
-    run(body())
-
-
-def after_sigusr1(lines: list[dict[str, object]]) -> list[dict[str, object]]:
+def after_sigusr1(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The task dump, or the error it raised: either way a multi-line event."""
     return [line for line in lines if str(line["message"]).startswith("task ")
             or "dump_tasks" in str(line["message"])]
 
 
-def test_daemon_json_lines_are_complete(tmp_path: Path) -> None:
-    async def body() -> None:
-        dev = tmp_path / "dev"
-        dev.mkdir()
-        node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
-        proc = await Daemon(node.serve_args("--hypervisor", "kvm")).start()
-        try:
-            await eventually(lambda: "condition device is unhealthy" in
-                             " ".join(proc.messages()))
-            assert proc.proc is not None
-            proc.proc.send_signal(signal.SIGUSR1)  # multi-line task stacks
-            await eventually(lambda: len(after_sigusr1(proc.lines)) > 0)
-        finally:
-            assert await proc.stop() == 0
-        assert proc.raw and len(proc.raw) == len(proc.lines), [
-            line for line in proc.raw if not line.startswith("{")]
-        for line in proc.lines:
-            assert {"time", "level", "logger", "message"} <= set(line), line
-            assert line["level"] in ("debug", "info", "warning", "error")
-            assert line["logger"] and isinstance(line["logger"], str)
-        device = next(line for line in proc.lines
-                      if line["message"].startswith("condition device is unhealthy"))
-        assert device["level"] == "warning"
-        assert device["fields"]["condition"] == "device"
-        assert str(dev / "kvm") in device["fields"]["reason"]
+async def test_lasting_faults_log_once_when_they_begin_and_once_when_they_end(tmp_path: Path) -> None:
+    """The CDI path obstructed by a directory and a missing device, over many retries and checks:
+    one warning each when they begin, one info when the CDI one ends, none in between; and every
+    line, multi-line task stacks too, a complete JSON record."""
 
-    run(body())
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
+    node.cdi_dir.mkdir()
+    spec = node.cdi_dir / "hyperlight.json"
+    spec.mkdir()
+    async with daemon(node.serve_args("--hypervisor", "kvm", "--cdi-interval", "1",
+                                      "--health-interval", "1")) as proc:
+        # Many failed passes and checks: proof that the fault lasted several periods.
+        await wait_metric(proc, lambda m: value(
+            m, "hyperlight_cdi_refusals_total", reason="not_regular") >= 5
+            and value(m, "hyperlight_probe_failures_total", reason="open") >= 3, timeout=30)
+        spec.rmdir()
+        await wait_until(lambda: "condition cdi is healthy" in proc.messages())
+        refusals = value(await scrape(proc), "hyperlight_cdi_refusals_total", reason="not_regular")
+        assert proc.proc is not None
+        proc.proc.send_signal(signal.SIGUSR1)  # multi-line task stacks
+        await wait_until(lambda: len(after_sigusr1(proc.lines)) > 0)
+        assert await proc.stop() == 0
+
+    def count(text: str) -> int:
+        return sum(text in m for m in proc.messages())
+
+    assert count("condition cdi is unhealthy") == 1, proc.messages()
+    assert count("condition cdi is healthy") == 1
+    assert count("condition device is unhealthy") == 1
+    assert count("condition host_identity is unhealthy") == 1
+    dump = after_sigusr1(proc.lines)  # warnings asked for
+    warnings = [line for line in proc.lines
+                if line["level"] in ("warning", "error") and line not in dump]
+    assert len(warnings) <= 3, warnings  # cdi, device, host_identity: not one per retry
+    assert refusals >= 5
+    assert proc.raw and len(proc.raw) == len(proc.lines), [
+        line for line in proc.raw if not line.startswith("{")]
+    for line in proc.lines:
+        assert {"time", "level", "logger", "message"} <= set(line), line
+        assert line["level"] in ("debug", "info", "warning", "error")
+        assert line["logger"] and isinstance(line["logger"], str)
+    device = next(line for line in proc.lines
+                  if line["message"].startswith("condition device is unhealthy"))
+    assert device["level"] == "warning"
+    assert device["fields"]["condition"] == "device"
+    assert str(dev / "kvm") in device["fields"]["reason"]
 
 
-def test_text_is_the_default_one_line_per_event(tmp_path: Path) -> None:
-    async def body() -> None:
-        dev = tmp_path / "dev"
-        dev.mkdir()
-        node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
-        env = {k: v for k, v in os.environ.items() if k != "HYPERLIGHT_LOG_FORMAT"}
-        env["DEVICE_COUNT"] = "-4"  # one warning about the environment, for good measure
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "hlplugin", *node.serve_args(
-                "--hypervisor", "kvm", "--http-address", f"127.0.0.1:{free_port()}"),
-            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE)
-        assert proc.stderr is not None
-        lines: list[str] = []
-        try:
-            while not any("condition device is unhealthy" in line for line in lines):
-                lines.append((await asyncio.wait_for(proc.stderr.readline(), 15)).decode())
-            proc.send_signal(signal.SIGUSR1)
-            while not any(": task " in line or "dump_tasks" in line for line in lines):
-                lines.append((await asyncio.wait_for(proc.stderr.readline(), 15)).decode())
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            _, rest = await asyncio.wait_for(proc.communicate(), 15)
-        lines += rest.decode().splitlines(keepends=True)
-        assert proc.returncode == 0
-        bad = [line for line in lines if not TEXT_LINE.match(line)]
-        assert not bad, bad
-        assert any("DEVICE_COUNT" in line and "WARNING" in line for line in lines)
-        device = next(line for line in lines if "condition device is unhealthy" in line)
-        assert "condition='device'" in device and "reason=" in device
-
-    run(body())
+async def test_text_is_the_default_one_line_per_event(tmp_path: Path) -> None:
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
+    env = {k: v for k, v in os.environ.items() if k != "HYPERLIGHT_LOG_FORMAT"}
+    env["DEVICE_COUNT"] = "-4"  # one warning about the environment, for good measure
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hlplugin", *node.serve_args(
+            "--hypervisor", "kvm", "--http-address", f"127.0.0.1:{free_port()}"),
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    lines: list[str] = []
+    try:
+        while not any("condition device is unhealthy" in line for line in lines):
+            lines.append((await asyncio.wait_for(proc.stderr.readline(), 15)).decode())
+        proc.send_signal(signal.SIGUSR1)
+        while not any(": task " in line or "dump_tasks" in line for line in lines):
+            lines.append((await asyncio.wait_for(proc.stderr.readline(), 15)).decode())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, rest = await asyncio.wait_for(proc.communicate(), 15)
+    lines += rest.decode().splitlines(keepends=True)
+    assert proc.returncode == 0
+    bad = [line for line in lines if not TEXT_LINE.match(line)]
+    assert not bad, bad
+    assert any("DEVICE_COUNT" in line and "WARNING" in line for line in lines)
+    device = next(line for line in lines if "condition device is unhealthy" in line)
+    assert "condition='device'" in device and "reason=" in device
 
 
 HOSTILE = "id\x1b[2J\x00\x07\x7f\x9b31m\u2028\u202e\ud800\tend"
@@ -312,19 +293,19 @@ def test_foreign_lines_in_text_format_are_text_records() -> None:
 
 
 @needs_root
-def test_daemon_json_stderr_includes_grpc_bind_failures(tmp_path: Path) -> None:
+async def test_daemon_json_stderr_includes_grpc_bind_failures(tmp_path: Path) -> None:
     """A daemon whose socket cannot be bound (a plugin directory on read-only storage) in JSON
     mode: gRPC's repeated add_port lines are JSON records like the rest, and the start-up line says
     where each setting came from."""
     missing = Path(tempfile.mkdtemp(prefix="hlp-ro-", dir="/tmp"))  # short: a socket path
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(missing)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(missing)], check=True)  # noqa: ASYNC221 (the loop runs nothing else here)
 
-    async def body() -> None:
+    try:
         env = {"HYPERLIGHT_REGISTER_TIMEOUT": "2.5", "HYPERLIGHT_HTTP_ADDRESS": "garbage"}
         proc = await Daemon(["bootstrap", "--plugin-dir", str(missing), "--dev-dir", "/dev",
                              "--hypervisor", "kvm"], env).start()
         try:
-            await eventually(lambda: sum(
+            await wait_until(lambda: sum(
                 line["logger"] == "grpc" and "add_port" in str(line.get("fields"))
                 for line in proc.lines) >= 2, timeout=20)
         finally:
@@ -342,9 +323,6 @@ def test_daemon_json_stderr_includes_grpc_bind_failures(tmp_path: Path) -> None:
         assert start["fields"]["settings"]["plugin_dir"] == str(missing)
         assert "from the environment: register_timeout=2.5" in start["message"]
         assert "defaults: log_level=info" in start["message"]
-
-    try:
-        run(body())
     finally:
-        subprocess.run(["umount", str(missing)], check=True)
-        missing.rmdir()
+        subprocess.run(["umount", str(missing)], check=True)  # noqa: ASYNC221 (the loop runs nothing else here)
+        missing.rmdir()  # noqa: ASYNC240 (the loop runs nothing else here)

@@ -12,13 +12,11 @@ from pathlib import Path
 import pytest
 from harness import (
     HAVE_KVM,
-    Daemon,
     Node,
     Samples,
     needs_kvm,
     needs_root,
     on_kubelet,
-    run,
     scrape,
     value,
     wait_metric,
@@ -26,7 +24,7 @@ from harness import (
 from harness import daemon as harness_daemon
 
 from hlplugin import __version__, cdi, probe
-from hlplugin.emulator import AdmissionError, KubeletEmulator
+from hlplugin.emulator import AdmissionError
 from hlplugin.metrics import Metrics
 
 RESOURCE = "hyperlight.dev/hypervisor"
@@ -65,145 +63,118 @@ PROCESS_FAMILIES = {
 
 
 @pytest.mark.parametrize("daemon", ["serve", "bootstrap"])
-def test_series_exist_from_the_start_without_created(tmp_path: Path, daemon: str) -> None:
+async def test_series_exist_from_the_start_without_created(tmp_path: Path, daemon: str) -> None:
     """No kubelet, no hypervisor: nothing has happened, yet every counter series is there at 0,
     the health conditions the daemon has are 0 ("not checked yet"), the process's own resource
     use is exported, and no `_created` series is."""
 
-    async def body() -> None:
-        node = Node.make(tmp_path, dev_dir=tmp_path / "empty-dev")
-        (tmp_path / "empty-dev").mkdir()
-        args = (node.serve_args() if daemon == "serve" else
-                ["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", str(node.dev_dir)])
-        async with harness_daemon(args) as proc:
-            m = await scrape(proc)
-        for name, (label, values) in COUNTER_LABELS.items():
-            for v in values:
-                assert m.get((name, frozenset({(label, v)}))) == 0, f"{name}{{{label}={v!r}}}"
-        conditions = ("cdi", "device", "host_identity") if daemon == "serve" else ("device",)
-        for condition in conditions:
-            assert m[("hyperlight_health_condition", frozenset({("condition", condition)}))] == 0
-        assert m[("hyperlight_ready", frozenset())] == 0
-        assert not [k for k in m if k[0].endswith("_created")]
-        assert m[("process_resident_memory_bytes", frozenset())] > 1 << 20
-        assert m[("process_open_fds", frozenset())] > 3
-        assert ("process_cpu_seconds_total", frozenset()) in m
-
-    run(body())
+    node = Node.make(tmp_path, dev_dir=tmp_path / "empty-dev")
+    (tmp_path / "empty-dev").mkdir()
+    args = (node.serve_args() if daemon == "serve" else
+            ["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", str(node.dev_dir)])
+    async with harness_daemon(args) as proc:
+        m = await scrape(proc)
+    for name, (label, values) in COUNTER_LABELS.items():
+        for v in values:
+            assert m.get((name, frozenset({(label, v)}))) == 0, f"{name}{{{label}={v!r}}}"
+    conditions = ("cdi", "device", "host_identity") if daemon == "serve" else ("device",)
+    for condition in conditions:
+        assert m[("hyperlight_health_condition", frozenset({("condition", condition)}))] == 0
+    assert m[("hyperlight_ready", frozenset())] == 0
+    assert not [k for k in m if k[0].endswith("_created")]
+    assert m[("process_resident_memory_bytes", frozenset())] > 1 << 20
+    assert m[("process_open_fds", frozenset())] > 3
+    assert ("process_cpu_seconds_total", frozenset()) in m
 
 
 @needs_kvm
-def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        spec = node.cdi_dir / cdi.SPEC_FILE
-        args = node.serve_args("--device-count", "4", "--health-interval", "1")
-        async with on_kubelet(node, args) as (kubelet, proc):
-            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
-            m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
-            first = series(m)
-            assert value(m, "hyperlight_build_info", version=__version__) == 1
-            assert value(m, "hyperlight_registrations_total", result="success") == 1
-            assert value(m, "hyperlight_devices_advertised") == 4
-            assert value(m, "hyperlight_devices_healthy") == 4
-            for condition in ("cdi", "device", "host_identity"):
-                assert value(m, "hyperlight_health_condition", condition=condition) == 1
-            assert value(m, "hyperlight_ready") == 1 and (await proc.http("/readyz"))[0] == 200
-            assert value(m, "hyperlight_health_transitions_total", to="healthy") == 1
-            assert value(m, "hyperlight_health_transitions_total", to="unhealthy") == 0
-            assert value(m, "hyperlight_cdi_repairs_total", cause="missing") == 1  # the first write
-            probes = value(m, "hyperlight_probe_duration_seconds_count", check="device")
-            assert probes >= 1
-            assert value(m, "hyperlight_probe_duration_seconds_count", check="host_identity") >= 1
-            await wait_metric(proc, lambda m: value(
-                m, "hyperlight_probe_duration_seconds_count", check="device") > probes)
+async def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> None:
+    node = Node.make(tmp_path)
+    spec = node.cdi_dir / cdi.SPEC_FILE
+    args = node.serve_args("--device-count", "4", "--health-interval", "1")
+    async with on_kubelet(node, args) as (kubelet, proc):
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
+        m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
+        first = series(m)
+        assert value(m, "hyperlight_build_info", version=__version__) == 1
+        assert value(m, "hyperlight_registrations_total", result="success") == 1
+        assert value(m, "hyperlight_devices_advertised") == 4
+        assert value(m, "hyperlight_devices_healthy") == 4
+        for condition in ("cdi", "device", "host_identity"):
+            assert value(m, "hyperlight_health_condition", condition=condition) == 1
+        assert value(m, "hyperlight_ready") == 1 and (await proc.http("/readyz"))[0] == 200
+        assert value(m, "hyperlight_health_transitions_total", to="healthy") == 1
+        assert value(m, "hyperlight_health_transitions_total", to="unhealthy") == 0
+        assert value(m, "hyperlight_cdi_repairs_total", cause="missing") == 1  # the first write
+        probes = value(m, "hyperlight_probe_duration_seconds_count", check="device")
+        assert probes >= 1
+        assert value(m, "hyperlight_probe_duration_seconds_count", check="host_identity") >= 1
+        await wait_metric(proc, lambda m: value(
+            m, "hyperlight_probe_duration_seconds_count", check="device") > probes)
 
-            # Allocations by result.
-            await kubelet.admit(RESOURCE)
-            with pytest.raises(AdmissionError):
-                await kubelet.allocate(RESOURCE, [["kvm-99"]])
-            m = await scrape(proc)
-            assert value(m, "hyperlight_allocations_total", result="success") == 1
-            assert value(m, "hyperlight_allocations_total", result="invalid") == 1
+        # Allocations by result.
+        await kubelet.admit(RESOURCE)
+        with pytest.raises(AdmissionError):
+            await kubelet.allocate(RESOURCE, [["kvm-99"]])
+        m = await scrape(proc)
+        assert value(m, "hyperlight_allocations_total", result="success") == 1
+        assert value(m, "hyperlight_allocations_total", result="invalid") == 1
 
-            # CDI repairs by cause. Each damage is atomic: an in-place write is first an empty
-            # file, which is malformed, and would count as that instead.
-            desired = spec.read_bytes()
-            stale = json.loads(desired)
-            stale["devices"][0]["containerEdits"]["env"].append("EXTRA=1")
+        # CDI repairs by cause. Each damage is atomic: an in-place write is first an empty
+        # file, which is malformed, and would count as that instead.
+        desired = spec.read_bytes()
+        stale = json.loads(desired)
+        stale["devices"][0]["containerEdits"]["env"].append("EXTRA=1")
 
-            def replace_with(content: bytes) -> None:
-                temp = tmp_path / "damage"
-                temp.write_bytes(content)
-                os.replace(temp, spec)
+        def replace_with(content: bytes) -> None:
+            temp = tmp_path / "damage"
+            temp.write_bytes(content)
+            os.replace(temp, spec)
 
-            damage: list[tuple[str, Callable[[], None]]] = [
-                ("missing", spec.unlink),
-                ("malformed", lambda: replace_with(b"{ not json")),
-                ("stale", lambda: replace_with(json.dumps(stale).encode())),
-                ("metadata", lambda: spec.chmod(0o600)),
-            ]
-            for cause, act in damage:
-                before = value(await scrape(proc), "hyperlight_cdi_repairs_total", cause=cause)
-                act()
-                await wait_metric(proc, lambda m, c=cause, b=before: value(
-                    m, "hyperlight_cdi_repairs_total", cause=c) == b + 1)
-                assert spec.read_bytes() == desired, cause
+        damage: list[tuple[str, Callable[[], None]]] = [
+            ("missing", spec.unlink),
+            ("malformed", lambda: replace_with(b"{ not json")),
+            ("stale", lambda: replace_with(json.dumps(stale).encode())),
+            ("metadata", lambda: spec.chmod(0o600)),
+        ]
+        for cause, act in damage:
+            before = value(await scrape(proc), "hyperlight_cdi_repairs_total", cause=cause)
+            act()
+            await wait_metric(proc, lambda m, c=cause, b=before: value(
+                m, "hyperlight_cdi_repairs_total", cause=c) == b + 1)
+            assert spec.read_bytes() == desired, cause
 
-            # Refusal: the CDI path obstructed by a directory. The daemon rewrites a deleted spec
-            # at once, so the directory is renamed into the gap, as often as it takes.
-            obstruction = tmp_path / "obstruction"
-            obstruction.mkdir()
-            while not spec.is_dir():
-                with contextlib.suppress(FileNotFoundError):
-                    spec.unlink()
-                with contextlib.suppress(NotADirectoryError, FileExistsError):
-                    os.rename(obstruction, spec)
-            m = await wait_metric(proc, lambda m: value(
-                m, "hyperlight_health_condition", condition="cdi") == 0
-                and value(m, "hyperlight_devices_healthy") == 0)
-            assert value(m, "hyperlight_cdi_refusals_total", reason="not_regular") >= 1
-            assert value(m, "hyperlight_ready") == 0 and (await proc.http("/readyz"))[0] == 503
-            assert value(m, "hyperlight_health_transitions_total", to="unhealthy") == 1
-            with pytest.raises(AdmissionError):
-                await kubelet.allocate(RESOURCE, [["kvm-1"]])
-            m = await scrape(proc)
-            assert value(m, "hyperlight_allocations_total", result="refused") == 1
-            spec.rmdir()
-            m = await wait_metric(proc, lambda m: value(m, "hyperlight_devices_healthy") == 4)
-            assert value(m, "hyperlight_health_condition", condition="cdi") == 1
-            assert value(m, "hyperlight_health_transitions_total", to="healthy") == 2
+        # Refusal: the CDI path obstructed by a directory. The daemon rewrites a deleted spec
+        # at once, so the directory is renamed into the gap, as often as it takes.
+        obstruction = tmp_path / "obstruction"
+        obstruction.mkdir()
+        while not spec.is_dir():
+            with contextlib.suppress(FileNotFoundError):
+                spec.unlink()
+            with contextlib.suppress(NotADirectoryError, FileExistsError):
+                os.rename(obstruction, spec)
+        m = await wait_metric(proc, lambda m: value(
+            m, "hyperlight_health_condition", condition="cdi") == 0
+            and value(m, "hyperlight_devices_healthy") == 0)
+        assert value(m, "hyperlight_cdi_refusals_total", reason="not_regular") >= 1
+        assert value(m, "hyperlight_ready") == 0 and (await proc.http("/readyz"))[0] == 503
+        assert value(m, "hyperlight_health_transitions_total", to="unhealthy") == 1
+        with pytest.raises(AdmissionError):
+            await kubelet.allocate(RESOURCE, [["kvm-1"]])
+        m = await scrape(proc)
+        assert value(m, "hyperlight_allocations_total", result="refused") == 1
+        spec.rmdir()
+        m = await wait_metric(proc, lambda m: value(m, "hyperlight_devices_healthy") == 4)
+        assert value(m, "hyperlight_health_condition", condition="cdi") == 1
+        assert value(m, "hyperlight_health_transitions_total", to="healthy") == 2
 
-            # Registrations: a kubelet restart; the stream gauge does not leak the old stream.
-            await kubelet.restart()
-            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
-            m = await wait_metric(proc, lambda m: value(
-                m, "hyperlight_registrations_total", result="success") == 2)
-            m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
-            assert series(m) == first, "every event moved a series that existed from the start"
-
-    run(body())
-
-
-def test_registration_failures_and_no_stream(tmp_path: Path) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        hanging = KubeletEmulator(node.plugin_dir, mode="hang")
-        await hanging.start()
-        proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--device-count", "2",
-                                            "--register-timeout", "0.3")).start()
-        try:
-            first = series(await scrape(proc))
-            m = await wait_metric(proc, lambda m: value(
-                m, "hyperlight_registrations_total", result="failure") >= 2, timeout=20)
-            assert series(m) == first
-            assert value(m, "hyperlight_registrations_total", result="success") == 0
-            assert value(m, "hyperlight_listandwatch_streams") == 0
-        finally:
-            await proc.stop()
-            await hanging.stop(remove_socket=True)
-
-    run(body())
+        # Registrations: a kubelet restart; the stream gauge does not leak the old stream.
+        await kubelet.restart()
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
+        m = await wait_metric(proc, lambda m: value(
+            m, "hyperlight_registrations_total", result="success") == 2)
+        m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
+        assert series(m) == first, "every event moved a series that existed from the start"
 
 
 def make_node(path: Path, numbers: int) -> Path:
@@ -214,62 +185,56 @@ def make_node(path: Path, numbers: int) -> Path:
 
 
 @needs_root
-def test_probe_failures_by_reason(tmp_path: Path) -> None:
+async def test_probe_failures_by_reason(tmp_path: Path) -> None:
     """A node with /dev/null's numbers is not KVM (api_version); a host view whose node has other
     numbers is not the granted device (identity_mismatch)."""
 
-    async def body() -> None:
-        dev = make_node(tmp_path / "dev", os.makedev(1, 3))
-        host = make_node(tmp_path / "host", os.makedev(1, 5))
-        node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=host)
-        async with on_kubelet(node, node.serve_args("--hypervisor", "kvm", "--device-count", "2",
-                                            "--health-interval", "1")) as (kubelet, proc):
-            first = series(await scrape(proc))
-            m = await wait_metric(proc, lambda m: value(
-                m, "hyperlight_probe_failures_total", reason="api_version") >= 2
-                and value(m, "hyperlight_probe_failures_total", reason="identity_mismatch") >= 2)
-            assert value(m, "hyperlight_health_condition", condition="device") == 0
-            assert value(m, "hyperlight_health_condition", condition="host_identity") == 0
-            assert value(m, "hyperlight_health_transitions_total", to="healthy") == 0
-            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2)
-            m = await wait_metric(proc, lambda m: value(m, "hyperlight_devices_advertised") == 2)
-            assert value(m, "hyperlight_devices_healthy") == 0
-            os.unlink(host / "kvm")
-            m = await wait_metric(proc, lambda m: value(
-                m, "hyperlight_probe_failures_total", reason="identity_missing") >= 1)
-            assert series(m) == first
-
-    run(body())
+    dev = make_node(tmp_path / "dev", os.makedev(1, 3))
+    host = make_node(tmp_path / "host", os.makedev(1, 5))
+    node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=host)
+    async with on_kubelet(node, node.serve_args("--hypervisor", "kvm", "--device-count", "2",
+                                        "--health-interval", "1")) as (kubelet, proc):
+        first = series(await scrape(proc))
+        m = await wait_metric(proc, lambda m: value(
+            m, "hyperlight_probe_failures_total", reason="api_version") >= 2
+            and value(m, "hyperlight_probe_failures_total", reason="identity_mismatch") >= 2)
+        assert value(m, "hyperlight_health_condition", condition="device") == 0
+        assert value(m, "hyperlight_health_condition", condition="host_identity") == 0
+        assert value(m, "hyperlight_health_transitions_total", to="healthy") == 0
+        await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2)
+        m = await wait_metric(proc, lambda m: value(m, "hyperlight_devices_advertised") == 2)
+        assert value(m, "hyperlight_devices_healthy") == 0
+        os.unlink(host / "kvm")
+        m = await wait_metric(proc, lambda m: value(
+            m, "hyperlight_probe_failures_total", reason="identity_missing") >= 1)
+        assert series(m) == first
 
 
 @needs_root
-def test_bootstrap_families_move_with_their_events(tmp_path: Path) -> None:
-    async def body() -> None:
-        numbers = os.stat("/dev/kvm").st_rdev if HAVE_KVM else os.makedev(10, 232)
-        dev = make_node(tmp_path / "dev", numbers)
-        node = Node.make(tmp_path, dev_dir=dev)
-        async with on_kubelet(node, ["bootstrap", "--plugin-dir", str(node.plugin_dir),
-                             "--dev-dir", str(dev)]) as (kubelet, proc):
-            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
-            m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
-            first = series(m)
-            assert value(m, "hyperlight_build_info", version=__version__) == 1
-            assert value(m, "hyperlight_registrations_total", result="success") == 1
-            assert value(m, "hyperlight_devices_advertised") == 1
-            assert value(m, "hyperlight_devices_healthy") == 1
-            assert value(m, "hyperlight_health_condition", condition="device") == 1
-            await kubelet.admit(ACCESS)
-            with pytest.raises(AdmissionError):
-                await kubelet.allocate(ACCESS, [["kvm-0"]])
-            os.unlink(dev / "kvm")
-            m = await wait_metric(proc, lambda m: value(m, "hyperlight_devices_healthy") == 0)
-            assert value(m, "hyperlight_health_condition", condition="device") == 0
-            assert value(m, "hyperlight_health_transitions_total", to="unhealthy") == 1
-            with pytest.raises(AdmissionError):
-                await kubelet.allocate(ACCESS, [["device-access-kvm"]])
-            m = await scrape(proc)
-            for result in ("success", "invalid", "refused"):
-                assert value(m, "hyperlight_allocations_total", result=result) == 1, result
-            assert series(m) == first
-
-    run(body())
+async def test_bootstrap_families_move_with_their_events(tmp_path: Path) -> None:
+    numbers = os.stat("/dev/kvm").st_rdev if HAVE_KVM else os.makedev(10, 232)
+    dev = make_node(tmp_path / "dev", numbers)
+    node = Node.make(tmp_path, dev_dir=dev)
+    async with on_kubelet(node, ["bootstrap", "--plugin-dir", str(node.plugin_dir),
+                         "--dev-dir", str(dev)]) as (kubelet, proc):
+        await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
+        m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
+        first = series(m)
+        assert value(m, "hyperlight_build_info", version=__version__) == 1
+        assert value(m, "hyperlight_registrations_total", result="success") == 1
+        assert value(m, "hyperlight_devices_advertised") == 1
+        assert value(m, "hyperlight_devices_healthy") == 1
+        assert value(m, "hyperlight_health_condition", condition="device") == 1
+        await kubelet.admit(ACCESS)
+        with pytest.raises(AdmissionError):
+            await kubelet.allocate(ACCESS, [["kvm-0"]])
+        os.unlink(dev / "kvm")
+        m = await wait_metric(proc, lambda m: value(m, "hyperlight_devices_healthy") == 0)
+        assert value(m, "hyperlight_health_condition", condition="device") == 0
+        assert value(m, "hyperlight_health_transitions_total", to="unhealthy") == 1
+        with pytest.raises(AdmissionError):
+            await kubelet.allocate(ACCESS, [["device-access-kvm"]])
+        m = await scrape(proc)
+        for result in ("success", "invalid", "refused"):
+            assert value(m, "hyperlight_allocations_total", result=result) == 1, result
+        assert series(m) == first

@@ -12,8 +12,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from harness import run, wait_until
 
 from hlplugin.probe import (
     BoundedRunner,
@@ -86,20 +88,56 @@ def test_non_kvm_char_device_fails_at_api_version_with_enotty(tmp_path: Path) ->
         probe_device("kvm", tmp_path)
 
 
-def test_missing_kvm_node_fails_at_open_with_enoent(tmp_path: Path) -> None:
-    with pytest.raises(ProbeError) as info:
-        probe_kvm(tmp_path / "kvm")
-    err = info.value
-    assert (err.step, err.errno, err.reason) == ("open", errno.ENOENT, "open")
-    assert f"open on {tmp_path / 'kvm'} failed: [Errno {errno.ENOENT}]" in str(err)
+# --- refusals without a device: (what is at the path, the check, what it must say) ---------------
 
 
-def test_regular_file_is_not_kvm(tmp_path: Path) -> None:
-    path = tmp_path / "kvm"
+def _regular(path: Path) -> None:
     path.write_bytes(b"")
+
+
+def _symlink(target: str | Path) -> Callable[[Path], None]:
+    return lambda path: path.symlink_to(target)
+
+
+SELF = KVM if KVM.exists() else Path("/dev/null")  # the device whose host twin is checked
+Make = Callable[[Path], None] | None
+REFUSALS: dict[str, tuple[str, Make, Callable[[Path], None], dict[str, Any], str]] = {
+    # id: (node name, what is put there, the check on it, the error's attributes, message text)
+    "kvm-missing": ("kvm", None, lambda p: probe_kvm(p),
+                    {"step": "open", "errno": errno.ENOENT, "reason": "open"},
+                    "open on {path} failed: [Errno 2]"),
+    "kvm-regular-file": ("kvm", _regular, lambda p: probe_kvm(p, guest=False),
+                         {"step": "KVM_GET_API_VERSION", "errno": errno.ENOTTY}, ""),
+    "mshv-regular-file": ("mshv", _regular, lambda p: probe_mshv(p),
+                          {"reason": "not_char_device"}, "not a character device (a regular file"),
+    "mshv-symlink": ("mshv", _symlink("/dev/null"), lambda p: probe_device("mshv", p.parent),
+                     {"reason": "not_char_device"}, "not a character device (a symlink"),
+    "mshv-missing": ("mshv", None, lambda p: probe_mshv(p), {"errno": errno.ENOENT}, "{path}"),
+    "identity-missing": ("kvm", None, lambda p: check_host_identity(SELF, p),
+                         {"reason": "identity_missing", "errno": errno.ENOENT, "path": "{path}"},
+                         "host device node {path} is missing"),
+    "identity-regular-file": ("kvm", _regular, lambda p: check_host_identity(SELF, p),
+                              {"reason": "not_char_device"},
+                              "not a character device (a regular file"),
+    "identity-symlink-to-the-real-node": ("kvm", _symlink(SELF),
+                                          lambda p: check_host_identity(SELF, p),
+                                          {"reason": "not_char_device"}, "a symlink"),
+}
+
+
+@pytest.mark.parametrize(("name", "make", "check", "attributes", "message"),
+                         list(REFUSALS.values()), ids=list(REFUSALS))
+def test_what_is_not_the_device_is_refused_saying_why(
+        tmp_path: Path, name: str, make: Make, check: Callable[[Path], None],
+        attributes: dict[str, Any], message: str) -> None:
+    path = tmp_path / name
+    if make is not None:
+        make(path)
     with pytest.raises(ProbeError) as info:
-        probe_kvm(path, guest=False)
-    assert (info.value.step, info.value.errno) == ("KVM_GET_API_VERSION", errno.ENOTTY)
+        check(path)
+    for attribute, want in attributes.items():
+        assert getattr(info.value, attribute) == (path if want == "{path}" else want), attribute
+    assert message.format(path=path) in str(info.value)
 
 
 def test_unknown_hypervisor_is_a_programming_error(tmp_path: Path) -> None:
@@ -117,27 +155,6 @@ def test_mshv_char_device_that_opens_passes(tmp_path: Path) -> None:
     probe_device("mshv", tmp_path)
 
 
-def test_mshv_regular_file_fails(tmp_path: Path) -> None:
-    (tmp_path / "mshv").write_bytes(b"")
-    with pytest.raises(ProbeError, match=r"not a character device \(a regular file") as info:
-        probe_mshv(tmp_path / "mshv")
-    assert info.value.reason == "not_char_device"
-
-
-def test_mshv_symlink_to_char_device_fails(tmp_path: Path) -> None:
-    (tmp_path / "mshv").symlink_to("/dev/null")
-    with pytest.raises(ProbeError, match=r"not a character device \(a symlink") as info:
-        probe_device("mshv", tmp_path)
-    assert info.value.reason == "not_char_device"
-
-
-def test_mshv_missing_fails_with_enoent(tmp_path: Path) -> None:
-    with pytest.raises(ProbeError) as info:
-        probe_mshv(tmp_path / "mshv")
-    assert info.value.errno == errno.ENOENT
-    assert str(tmp_path / "mshv") in str(info.value)
-
-
 @needs_root
 def test_mshv_char_device_that_does_not_open_fails(tmp_path: Path) -> None:
     # No driver behind 511:511: the node is a char device, but open fails (ENXIO/ENODEV).
@@ -151,48 +168,20 @@ def test_mshv_char_device_that_does_not_open_fails(tmp_path: Path) -> None:
 # --- host identity --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def device() -> Path:
-    """The device whose host twin is checked: /dev/kvm when present, else /dev/null."""
-    return KVM if KVM.exists() else Path("/dev/null")
+@needs_root
+def test_host_identity_matching_node_passes(tmp_path: Path) -> None:
+    host = mknod_char(tmp_path / "kvm", os.stat(SELF).st_rdev)
+    check_host_identity(SELF, host)
 
 
 @needs_root
-def test_host_identity_matching_node_passes(tmp_path: Path, device: Path) -> None:
-    host = mknod_char(tmp_path / "kvm", os.stat(device).st_rdev)
-    check_host_identity(device, host)
-
-
-def test_host_identity_missing_node_fails(tmp_path: Path, device: Path) -> None:
-    with pytest.raises(ProbeError) as info:
-        check_host_identity(device, tmp_path / "kvm")
-    err = info.value
-    assert (err.reason, err.errno, err.path) == ("identity_missing", errno.ENOENT, tmp_path / "kvm")
-    assert f"host device node {tmp_path / 'kvm'} is missing" in str(err)
-
-
-def test_host_identity_regular_file_fails(tmp_path: Path, device: Path) -> None:
-    (tmp_path / "kvm").write_bytes(b"")
-    with pytest.raises(ProbeError, match=r"not a character device \(a regular file") as info:
-        check_host_identity(device, tmp_path / "kvm")
-    assert info.value.reason == "not_char_device"
-
-
-def test_host_identity_symlink_to_the_real_node_is_refused(tmp_path: Path, device: Path) -> None:
-    (tmp_path / "kvm").symlink_to(device)
-    with pytest.raises(ProbeError, match="a symlink") as info:
-        check_host_identity(device, tmp_path / "kvm")
-    assert info.value.reason == "not_char_device"
-
-
-@needs_root
-def test_host_identity_other_numbers_fail(tmp_path: Path, device: Path) -> None:
+def test_host_identity_other_numbers_fail(tmp_path: Path) -> None:
     host = mknod_char(tmp_path / "kvm", ZERO_NUMBERS)
-    rdev = os.stat(device).st_rdev
+    rdev = os.stat(SELF).st_rdev
     with pytest.raises(ProbeError) as info:
-        check_host_identity(device, host)
+        check_host_identity(SELF, host)
     assert info.value.reason == "identity_mismatch"
-    assert f"is 1:5, but {device} is {os.major(rdev)}:{os.minor(rdev)}" in str(info.value)
+    assert f"is 1:5, but {SELF} is {os.major(rdev)}:{os.minor(rdev)}" in str(info.value)
 
 
 def test_host_identity_requires_the_device_itself(tmp_path: Path) -> None:
@@ -239,13 +228,6 @@ def helpers(runner: BoundedRunner) -> int:
     return sum(t.name.startswith(runner.name + "-") for t in threading.enumerate())
 
 
-async def until(predicate: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + GUARD
-    while not predicate():
-        assert time.monotonic() < deadline, "guard timeout"
-        await asyncio.sleep(0.005)
-
-
 def test_runner_returns_the_result() -> None:
     runner = BoundedRunner()
     assert asyncio.run(runner.run(lambda: 42)) == 42
@@ -281,8 +263,10 @@ def test_helper_errors_reach_the_caller_only(caplog: pytest.LogCaptureFixture) -
         with pytest.raises(ProbeError, match="timed out"):
             await runner.run(fail_late, budget=0.05)
         release.set()
-        await until(lambda r=runner: not r.busy)  # type: ignore[misc]
-        await asyncio.sleep(0.05)  # let any late callback reach this loop
+        await wait_until(lambda r=runner: not r.busy)  # type: ignore[misc]
+        # A bounded watch, 50 ms: the helper is done, so a late callback is already queued on
+        # this loop; a few turns deliver it.
+        await asyncio.sleep(0.05)
         del runner  # the helper's future holds whatever waited on it
         gc.collect()
 
@@ -294,105 +278,89 @@ def test_helper_errors_reach_the_caller_only(caplog: pytest.LogCaptureFixture) -
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
-def test_stuck_helper_times_out_and_blocks_a_second_helper(gate: Gate) -> None:
+async def test_stuck_helper_times_out_and_blocks_a_second_helper(gate: Gate) -> None:
     runner = BoundedRunner(budget=0.2, name="stuck-test")
+    with pytest.raises(ProbeError, match=r"timed out after 0\.2s") as info:
+        await runner.run(gate)
+    assert (info.value.step, info.value.reason) == ("timeout", "timeout")
+    assert runner.busy
 
-    async def scenario() -> None:
-        with pytest.raises(ProbeError, match=r"timed out after 0\.2s") as info:
-            await runner.run(gate)
-        assert (info.value.step, info.value.reason) == ("timeout", "timeout")
-        assert runner.busy
+    count = 0
 
-        count = 0
+    def other() -> int:
+        nonlocal count
+        count += 1
+        return 2
 
-        def other() -> int:
-            nonlocal count
-            count += 1
-            return 2
+    for _ in range(3):
+        with pytest.raises(ProbeError, match="previous check is still stuck") as info:
+            await runner.run(other)
+        assert info.value.step == "budget"
+    assert count == 0
+    assert runner.threads_started == 1
+    assert helpers(runner) == 1
 
-        for _ in range(3):
-            with pytest.raises(ProbeError, match="previous check is still stuck") as info:
-                await runner.run(other)
-            assert info.value.step == "budget"
-        assert count == 0
-        assert runner.threads_started == 1
-        assert helpers(runner) == 1
-
-        gate.release.set()
-        assert await runner.run(other, budget=GUARD) == 2
-        assert runner.threads_started == 2
-        assert gate.calls == 1
-
-    asyncio.run(scenario())
+    gate.release.set()
+    assert await runner.run(other, budget=GUARD) == 2
+    assert runner.threads_started == 2
+    assert gate.calls == 1
 
 
-def test_a_sub_second_budget_is_reported_as_it_is(gate: Gate) -> None:
+async def test_a_sub_second_budget_is_reported_as_it_is(gate: Gate) -> None:
     """A 0.25 s budget is "0.25s" in the reason, never rounded to "0.2s" or "0.0s"."""
     runner = BoundedRunner(budget=0.25, name="quarter-test")
 
-    async def scenario() -> None:
-        with pytest.raises(ProbeError) as info:
-            await runner.run(gate)
-        assert str(info.value).endswith("check timed out after 0.25s")
-        with pytest.raises(ProbeError) as again:
-            await runner.run(gate, budget=0.04)
-        assert "still stuck after 0.04s" in str(again.value)
-
-    asyncio.run(scenario())
+    with pytest.raises(ProbeError) as info:
+        await runner.run(gate)
+    assert str(info.value).endswith("check timed out after 0.25s")
+    with pytest.raises(ProbeError) as again:
+        await runner.run(gate, budget=0.04)
+    assert "still stuck after 0.04s" in str(again.value)
 
 
-def test_next_call_waits_for_a_helper_that_finishes_within_its_budget(gate: Gate) -> None:
+async def test_next_call_waits_for_a_helper_that_finishes_within_its_budget(gate: Gate) -> None:
     runner = BoundedRunner(budget=0.1)
 
-    async def scenario() -> None:
-        with pytest.raises(ProbeError, match="timed out"):
-            await runner.run(gate)
-        threading.Timer(0.2, gate.release.set).start()
-        # The previous helper is still running when this call starts; it waits and then runs.
-        assert runner.busy
-        assert await runner.run(lambda: 3, budget=GUARD) == 3
-        assert gate.finished.is_set()
-
-    asyncio.run(scenario())
+    with pytest.raises(ProbeError, match="timed out"):
+        await runner.run(gate)
+    threading.Timer(0.2, gate.release.set).start()
+    # The previous helper is still running when this call starts; it waits and then runs.
+    assert runner.busy
+    assert await runner.run(lambda: 3, budget=GUARD) == 3
+    assert gate.finished.is_set()
 
 
-def test_cancelled_caller_leaves_the_helper_running_and_the_next_call_clean(gate: Gate) -> None:
+async def test_cancelled_caller_leaves_the_helper_running_and_the_next_call_clean(gate: Gate) -> None:
     runner = BoundedRunner(budget=GUARD)
 
-    async def scenario() -> None:
-        task = asyncio.create_task(runner.run(gate))
-        await until(gate.started.is_set)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert runner.busy and not gate.finished.is_set()  # the helper was not disturbed
-        gate.release.set()
-        await until(gate.finished.is_set)
-        assert await runner.run(lambda: 5) == 5
-        assert runner.threads_started == 2
-
-    asyncio.run(scenario())
+    task = asyncio.create_task(runner.run(gate))
+    await wait_until(gate.started.is_set)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert runner.busy and not gate.finished.is_set()  # the helper was not disturbed
+    gate.release.set()
+    await wait_until(gate.finished.is_set)
+    assert await runner.run(lambda: 5) == 5
+    assert runner.threads_started == 2
 
 
-def test_caller_cancelled_while_waiting_for_a_stuck_helper(gate: Gate) -> None:
+async def test_caller_cancelled_while_waiting_for_a_stuck_helper(gate: Gate) -> None:
     runner = BoundedRunner(budget=0.1)
 
-    async def scenario() -> None:
-        with pytest.raises(ProbeError, match="timed out"):
-            await runner.run(gate)
-        waiting = asyncio.create_task(runner.run(lambda: 0, budget=GUARD))
-        await asyncio.sleep(0.05)
-        waiting.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await waiting
-        gate.release.set()
-        assert await runner.run(lambda: 6, budget=GUARD) == 6
-        assert runner.threads_started == 2
-
-    asyncio.run(scenario())
+    with pytest.raises(ProbeError, match="timed out"):
+        await runner.run(gate)
+    waiting = asyncio.create_task(runner.run(lambda: 0, budget=GUARD))
+    await asyncio.sleep(0)  # one loop turn: it reaches its wait for the stuck helper
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    gate.release.set()
+    assert await runner.run(lambda: 6, budget=GUARD) == 6
+    assert runner.threads_started == 2
 
 
-def test_concurrent_callers_never_run_two_helpers_at_once() -> None:
+async def test_concurrent_callers_never_run_two_helpers_at_once() -> None:
     runner = BoundedRunner(budget=GUARD)
     running = 0
     peak = 0
@@ -408,10 +376,7 @@ def test_concurrent_callers_never_run_two_helpers_at_once() -> None:
             running -= 1
         return 1
 
-    async def scenario() -> list[int]:
-        return await asyncio.gather(*(runner.run(work) for _ in range(10)))
-
-    assert asyncio.run(scenario()) == [1] * 10
+    assert await asyncio.gather(*(runner.run(work) for _ in range(10))) == [1] * 10
     assert peak == 1
     assert runner.threads_started == 10
 
@@ -424,9 +389,9 @@ def test_helper_finishing_after_its_loop_closed_is_quiet(
         asyncio.run(runner.run(gate))
     with caplog.at_level(logging.DEBUG):
         gate.release.set()
-        deadline = time.monotonic() + GUARD
-        while runner.busy and time.monotonic() < deadline:
-            time.sleep(0.005)
+        run(wait_until(lambda: not runner.busy, GUARD, "the helper finishing"))
+        # A bounded watch, 50 ms: the helper is done; any callback it scheduled on the closed
+        # loop has failed (and would have logged) by now.
         time.sleep(0.05)
     assert not runner.busy
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []

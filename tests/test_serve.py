@@ -8,14 +8,25 @@ import json
 import os
 import signal
 import stat
-import subprocess
-import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
-from harness import Daemon, Node, eventually, needs_kvm, needs_root, on_kubelet, run
+from harness import (
+    Daemon,
+    Node,
+    Samples,
+    daemon,
+    needs_kvm,
+    needs_root,
+    on_kubelet,
+    scrape,
+    value,
+    wait_metric,
+    wait_until,
+)
 
 from hlplugin.emulator import AdmissionError, KubeletEmulator
 
@@ -23,13 +34,19 @@ RESOURCE = "hyperlight.dev/hypervisor"
 CDI_NAME = "hyperlight.dev/hypervisor=kvm"
 
 
-async def started(node: Node, *extra: str, env: dict[str, str] | None = None,
-                  kubelet: KubeletEmulator | None = None) -> tuple[KubeletEmulator, Daemon]:
-    if kubelet is None:
-        kubelet = KubeletEmulator(node.plugin_dir)
-        await kubelet.start()
-    proc = await Daemon(node.serve_args(*extra), env).start()
-    return kubelet, proc
+def hyperlight_series(samples: Samples) -> set[tuple[str, frozenset[tuple[str, str]]]]:
+    return {key for key in samples if key[0].startswith("hyperlight_")}
+
+
+@contextlib.asynccontextmanager
+async def kubelet_at(node: Node) -> AsyncIterator[KubeletEmulator]:
+    """A kubelet emulator that comes (or comes back) while a daemon runs."""
+    kubelet = KubeletEmulator(node.plugin_dir)
+    await kubelet.start()
+    try:
+        yield kubelet
+    finally:
+        await kubelet.stop()
 
 
 def running(node: Node, *extra: str, env: dict[str, str] | None = None
@@ -39,388 +56,239 @@ def running(node: Node, *extra: str, env: dict[str, str] | None = None
 
 
 @needs_kvm
-def test_registers_and_advertises_slots(tmp_path: Path) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        async with running(node, "--device-count", "5") as (kubelet, proc):
-            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 5)
-            resource = kubelet.resources[RESOURCE]
-            assert resource.endpoint == "hyperlight.sock"
-            assert not resource.options.pre_start_required
-            assert not resource.options.get_preferred_allocation_available
-            assert sorted(resource.devices) == sorted(f"kvm-{i}" for i in range(5))
-            assert set(resource.devices.values()) == {"Healthy"}
-            assert kubelet.rejections == []
-            await proc.wait_http("/readyz", 200)
-
-    run(body())
-
-
-@needs_kvm
-def test_allocate_answers_cdi_reference_per_container(tmp_path: Path) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        async with running(node, "--device-count", "10") as (kubelet, _proc):
-            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 10)
-            one = await kubelet.admit(RESOURCE)
-            assert len(one.container_responses) == 1
-            assert [d.name for d in one.container_responses[0].cdi_devices] == [CDI_NAME]
-            assert not one.container_responses[0].annotations
-            assert not one.container_responses[0].devices
-            several = await kubelet.allocate(RESOURCE, [["kvm-3"], ["kvm-4", "kvm-5"], ["kvm-6"]])
-            assert len(several.container_responses) == 3
-            for entry in several.container_responses:
-                assert [d.name for d in entry.cdi_devices] == [CDI_NAME]
-            with pytest.raises(AdmissionError) as refused:
-                await kubelet.allocate(RESOURCE, [["kvm-1"], ["kvm-999"]])
-            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
-            assert "kvm-999" in refused.value.details
-
-    run(body())
-
-
-@needs_kvm
-def test_cdi_annotations_for_old_kubelets(tmp_path: Path) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        async with running(node, "--device-count", "2", "--cdi-annotations") as (kubelet, _proc):
-            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 2)
-            response = await kubelet.allocate(RESOURCE, [["kvm-1"]])
-            entry = response.container_responses[0]
-            assert dict(entry.annotations) == {"cdi.k8s.io/hyperlight.dev_kvm-1": CDI_NAME}
+async def test_registers_advertises_slots_and_answers_a_cdi_reference_per_container(
+        tmp_path: Path) -> None:
+    node = Node.make(tmp_path)
+    async with running(node, "--device-count", "10") as (kubelet, proc):
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 10)
+        resource = kubelet.resources[RESOURCE]
+        assert resource.endpoint == "hyperlight.sock"
+        assert not resource.options.pre_start_required
+        assert not resource.options.get_preferred_allocation_available
+        assert sorted(resource.devices) == sorted(f"kvm-{i}" for i in range(10))
+        assert set(resource.devices.values()) == {"Healthy"}
+        assert kubelet.rejections == []
+        await proc.wait_http("/readyz", 200)
+        one = await kubelet.admit(RESOURCE)
+        assert len(one.container_responses) == 1
+        assert [d.name for d in one.container_responses[0].cdi_devices] == [CDI_NAME]
+        assert not one.container_responses[0].annotations
+        assert not one.container_responses[0].devices
+        several = await kubelet.allocate(RESOURCE, [["kvm-3"], ["kvm-4", "kvm-5"], ["kvm-6"]])
+        assert len(several.container_responses) == 3
+        for entry in several.container_responses:
             assert [d.name for d in entry.cdi_devices] == [CDI_NAME]
-
-    run(body())
-
-
-@needs_kvm
-def test_unusable_cdi_path_refuses_allocation_with_reason(tmp_path: Path) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        node.cdi_dir.mkdir()
-        (node.cdi_dir / "hyperlight.json").mkdir()  # a directory where our file belongs
-        async with running(node, "--device-count", "2") as (kubelet, proc):
-            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2)
-            assert kubelet.allocatable(RESOURCE) == 0
-            with pytest.raises(AdmissionError) as refused:
-                await kubelet.allocate(RESOURCE, [["kvm-0"]])
-            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
-            assert "cdi" in refused.value.details and "directory" in refused.value.details
-            body = json.loads(await proc.wait_http("/readyz", 503))
-            assert body["conditions"]["cdi"]["ok"] is False
-            (node.cdi_dir / "hyperlight.json").rmdir()
-            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 2)
-            await kubelet.admit(RESOURCE)
-
-    run(body())
+        with pytest.raises(AdmissionError) as refused:
+            await kubelet.allocate(RESOURCE, [["kvm-1"], ["kvm-999"]])
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "kvm-999" in refused.value.details
 
 
 @needs_kvm
-def test_kubelet_restart_re_registers(tmp_path: Path) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        async with running(node, "--device-count", "3") as (kubelet, _proc):
-            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 3)
-            for _ in range(3):
-                calls = kubelet.register_calls
+async def test_cdi_annotations_for_old_kubelets(tmp_path: Path) -> None:
+    node = Node.make(tmp_path)
+    async with running(node, "--device-count", "2", "--cdi-annotations") as (kubelet, _proc):
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 2)
+        response = await kubelet.allocate(RESOURCE, [["kvm-1"]])
+        entry = response.container_responses[0]
+        assert dict(entry.annotations) == {"cdi.k8s.io/hyperlight.dev_kvm-1": CDI_NAME}
+        assert [d.name for d in entry.cdi_devices] == [CDI_NAME]
+
+
+@needs_kvm
+async def test_unusable_cdi_path_refuses_allocation_with_reason(tmp_path: Path) -> None:
+    node = Node.make(tmp_path)
+    node.cdi_dir.mkdir()
+    (node.cdi_dir / "hyperlight.json").mkdir()  # a directory where our file belongs
+    async with running(node, "--device-count", "2") as (kubelet, proc):
+        await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2)
+        assert kubelet.allocatable(RESOURCE) == 0
+        with pytest.raises(AdmissionError) as refused:
+            await kubelet.allocate(RESOURCE, [["kvm-0"]])
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "cdi" in refused.value.details and "directory" in refused.value.details
+        body = json.loads(await proc.wait_http("/readyz", 503))
+        assert body["conditions"]["cdi"]["ok"] is False
+        (node.cdi_dir / "hyperlight.json").rmdir()
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 2)
+        await kubelet.admit(RESOURCE)
+
+
+@needs_kvm
+@pytest.mark.parametrize("event", ["kubelet restart", "own socket deleted"])
+async def test_re_registers_after_a_kubelet_restart_or_losing_its_socket(tmp_path: Path,
+                                                                         event: str) -> None:
+    """When its socket goes, the daemon ends the old streams before registering anew: the kubelet
+    keys streams on the resource, so an old stream ending after the new registration would stop
+    the new endpoint. The emulator reproduces that, so this fails if we register first."""
+    node = Node.make(tmp_path)
+    async with running(node, "--device-count", "3") as (kubelet, _proc):
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 3)
+        for _ in range(3):
+            calls = kubelet.register_calls
+            if event == "kubelet restart":
                 await kubelet.restart()  # deletes every socket, serves kubelet.sock anew
                 assert kubelet.capacity(RESOURCE) == 0
-                await kubelet.wait_for(lambda c=calls: kubelet.allocatable(RESOURCE) == 3
-                                       and kubelet.register_calls > c, timeout=10)
-                await kubelet.admit(RESOURCE)
-
-    run(body())
-
-
-@needs_kvm
-def test_own_socket_deleted_ends_old_streams_before_registering(tmp_path: Path) -> None:
-    """The kubelet keys streams on the resource: an old stream ending after the new registration
-    would stop the new endpoint. The emulator reproduces that, so this fails if we register first."""
-
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        async with running(node, "--device-count", "3") as (kubelet, _proc):
-            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 3)
-            for _ in range(3):
-                calls = kubelet.register_calls
+            else:
                 os.unlink(node.plugin_dir / "hyperlight.sock")
-                await kubelet.wait_for(lambda c=calls: kubelet.register_calls > c
-                                       and kubelet.allocatable(RESOURCE) == 3)
-                await asyncio.sleep(0.3)  # a late old-stream end would land here
+            await kubelet.wait_for(lambda c=calls: kubelet.allocatable(RESOURCE) == 3
+                                   and kubelet.register_calls > c, timeout=10)
+            if event == "own socket deleted":
+                # A bounded watch, 300 ms: an old stream ends when its server stops, well within
+                # this on loopback, and its end would unregister the resource at once.
+                await asyncio.sleep(0.3)
                 assert kubelet.registered(RESOURCE)
                 assert kubelet.allocatable(RESOURCE) == 3
-                await kubelet.admit(RESOURCE)
-
-    run(body())
+            await kubelet.admit(RESOURCE)
 
 
-def test_kubelet_absent_at_start_then_appears(tmp_path: Path) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        proc = await Daemon(node.serve_args("--device-count", "2", "--hypervisor", "kvm")).start()
-        kubelet = KubeletEmulator(node.plugin_dir)
-        try:
-            body = json.loads(await proc.wait_http("/readyz", 503))
-            assert body["conditions"]["registered"]["ok"] is False
-            await eventually(lambda: (node.plugin_dir / "hyperlight.sock").exists())
-            await asyncio.sleep(0.5)
-            await kubelet.start()
+async def test_kubelet_absent_at_start_then_appears(tmp_path: Path) -> None:
+    node = Node.make(tmp_path)
+    async with daemon(node.serve_args("--device-count", "2", "--hypervisor", "kvm")) as proc:
+        body = json.loads(await proc.wait_http("/readyz", 503))
+        assert body["conditions"]["registered"]["ok"] is False
+        await wait_until(lambda: (node.plugin_dir / "hyperlight.sock").exists())
+        # Not a wait for an event: the kubelet comes half a second late, once the daemon has
+        # looked for it and gone to wait, so that only kubelet.sock's appearance can wake it.
+        await asyncio.sleep(0.5)
+        async with kubelet_at(node) as kubelet:
             await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2, timeout=10)
-        finally:
-            await proc.stop()
-            await kubelet.stop()
-
-    run(body())
 
 
-def test_register_that_never_answers_is_bounded_and_retried(tmp_path: Path) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        hanging = KubeletEmulator(node.plugin_dir, mode="hang")
-        await hanging.start()
-        proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--device-count", "2",
-                                            "--register-timeout", "0.3")).start()
-        try:
-            await hanging.wait_for(lambda: hanging.register_calls >= 3, timeout=20)
-            body = json.loads(await proc.wait_http("/readyz", 503))
-            assert body["conditions"]["registered"]["ok"] is False
-            assert any("registration" in m and "DEADLINE_EXCEEDED" in m for m in proc.messages())
-            await hanging.stop(remove_socket=True)
-            kubelet = KubeletEmulator(node.plugin_dir)
-            await kubelet.start()
-            try:
-                await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2, timeout=10)
-            finally:
-                await kubelet.stop()
-        finally:
-            await proc.stop()
-
-    run(body())
-
-
-def test_socket_deleted_during_register_starts_fresh_server(tmp_path: Path) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        hanging = KubeletEmulator(node.plugin_dir, mode="hang")
-        await hanging.start()
-        proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--register-timeout", "60")).start()
-        sock = node.plugin_dir / "hyperlight.sock"
-        try:
-            await hanging.wait_for(lambda: hanging.register_calls == 1, timeout=10)
-            os.unlink(sock)
-            # Without the fix the daemon waits out the 60 s register timeout first.
-            await eventually(sock.exists, timeout=10)
-            await hanging.wait_for(lambda: hanging.register_calls == 2, timeout=10)
-        finally:
-            await proc.stop()
-            await hanging.stop()
-
-    run(body())
-
-
-def test_reset_connections_are_bounded_and_logged_once(tmp_path: Path) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        resetting = KubeletEmulator(node.plugin_dir, mode="reset")
-        await resetting.start()
-        proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--register-timeout", "1")).start()
-
-        async def failures() -> float:
-            _, text = await proc.http("/metrics")
-            for line in text.decode().splitlines():
-                if line.startswith('hyperlight_registrations_total{result="failure"}'):
-                    return float(line.split()[-1])
-            return 0.0
-
-        try:
-            deadline = asyncio.get_running_loop().time() + 30
-            while await failures() < 4:
-                assert asyncio.get_running_loop().time() < deadline, "registration never retried"
-                await asyncio.sleep(0.1)
-            await proc.wait_http("/readyz", 503)
-            assert (await proc.http("/healthz"))[0] == 200
-            # A lasting failure is logged when it begins, not on every retry.
-            warned = [line for line in proc.lines
-                      if line["level"] == "warning" and "registration" in line["message"]]
-            assert len(warned) == 1, warned
-            await resetting.stop(remove_socket=True)
-            kubelet = KubeletEmulator(node.plugin_dir)
-            await kubelet.start()
-            try:
-                await kubelet.wait_for(lambda: kubelet.registered(RESOURCE), timeout=15)
-                await eventually(lambda: any("after" in m and "failed attempts" in m
-                                             for m in proc.messages()))
-            finally:
-                await kubelet.stop()
-        finally:
-            await proc.stop()
-
-    run(body())
-
-
-def test_sigusr1_logs_every_task_and_keeps_running(tmp_path: Path) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        async with running(node, "--hypervisor", "kvm", "--device-count", "2") as (kubelet, proc):
-            await kubelet.wait_for(lambda: kubelet.registered(RESOURCE))
-            assert proc.proc is not None
-            proc.proc.send_signal(signal.SIGUSR1)
-            await eventually(lambda: any(m.startswith("task ") and " waits in: " in m
+@pytest.mark.parametrize(("mode", "timeout", "error"), [("hang", "0.3", "DEADLINE_EXCEEDED"),
+                                                        ("reset", "1", "")])
+async def test_failing_registrations_are_bounded_retried_and_logged_once(
+        tmp_path: Path, mode: str, timeout: str, error: str) -> None:
+    """A kubelet whose Register never answers, or that resets every connection: each attempt is
+    bounded by --register-timeout and retried; the daemon stays live and unready, says so once,
+    and registers with a working kubelet, saying how many attempts failed."""
+    node = Node.make(tmp_path)
+    args = node.serve_args("--hypervisor", "kvm", "--device-count", "2",
+                           "--register-timeout", timeout)
+    async with on_kubelet(node, args, mode=mode) as (faulty, proc):
+        first = hyperlight_series(await scrape(proc))
+        m = await wait_metric(proc, lambda m: value(
+            m, "hyperlight_registrations_total", result="failure") >= 3, timeout=30)
+        assert hyperlight_series(m) == first  # failures move series that exist from the start
+        assert value(m, "hyperlight_registrations_total", result="success") == 0
+        assert value(m, "hyperlight_listandwatch_streams") == 0
+        if mode == "hang":
+            assert faulty.register_calls >= 3
+        body = json.loads(await proc.wait_http("/readyz", 503))
+        assert body["conditions"]["registered"]["ok"] is False
+        assert (await proc.http("/healthz"))[0] == 200
+        assert any("registration" in m and error in m for m in proc.messages())
+        # A lasting failure is logged when it begins, not on every retry.
+        warned = [line for line in proc.lines
+                  if line["level"] == "warning" and "registration" in line["message"]]
+        assert len(warned) == 1, warned
+        await faulty.stop(remove_socket=True)
+        async with kubelet_at(node) as kubelet:
+            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2, timeout=15)
+            await wait_until(lambda: any("after" in m and "failed attempts" in m
                                          for m in proc.messages()))
-            assert proc.proc.returncode is None
-            assert (await proc.http("/healthz"))[0] == 200
 
-    run(body())
+
+async def test_socket_deleted_during_register_starts_fresh_server(tmp_path: Path) -> None:
+    node = Node.make(tmp_path)
+    sock = node.plugin_dir / "hyperlight.sock"
+    args = node.serve_args("--hypervisor", "kvm", "--register-timeout", "60")
+    async with on_kubelet(node, args, mode="hang") as (hanging, _proc):
+        await hanging.wait_for(lambda: hanging.register_calls == 1, timeout=10)
+        os.unlink(sock)
+        # Without the fix the daemon waits out the 60 s register timeout first.
+        await wait_until(sock.exists, timeout=10)
+        await hanging.wait_for(lambda: hanging.register_calls == 2, timeout=10)
+
+
+async def test_sigusr1_logs_every_task_and_keeps_running(tmp_path: Path) -> None:
+    node = Node.make(tmp_path)
+    async with running(node, "--hypervisor", "kvm", "--device-count", "2") as (kubelet, proc):
+        await kubelet.wait_for(lambda: kubelet.registered(RESOURCE))
+        assert proc.proc is not None
+        proc.proc.send_signal(signal.SIGUSR1)
+        await wait_until(lambda: any(m.startswith("task ") and " waits in: " in m
+                                     for m in proc.messages()))
+        assert proc.proc.returncode is None
+        assert (await proc.http("/healthz"))[0] == 200
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_stops_quickly_removes_socket_keeps_spec(tmp_path: Path, signum: int) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        kubelet, proc = await started(node, "--hypervisor", "kvm", "--device-count", "2")
-        try:
-            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2)
-            spec = (node.cdi_dir / "hyperlight.json").read_bytes()
-            began = time.monotonic()
-            code = await proc.signal(signum)
-            elapsed = time.monotonic() - began
-            assert code == 0
-            assert elapsed < 5, f"took {elapsed:.2f}s to stop"  # the contract is 2 s; a guard
-            assert not (node.plugin_dir / "hyperlight.sock").exists()
-            assert (node.plugin_dir / "kubelet.sock").exists()
-            assert (node.cdi_dir / "hyperlight.json").read_bytes() == spec
-            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 0)
-        finally:
-            await kubelet.stop()
-
-    run(body())
+async def test_signal_stops_quickly_removes_socket_keeps_spec(tmp_path: Path, signum: int) -> None:
+    node = Node.make(tmp_path)
+    async with running(node, "--hypervisor", "kvm", "--device-count", "2") as (kubelet, proc):
+        await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2)
+        spec = (node.cdi_dir / "hyperlight.json").read_bytes()
+        began = time.monotonic()
+        code = await proc.signal(signum)
+        elapsed = time.monotonic() - began
+        assert code == 0
+        assert elapsed < 5, f"took {elapsed:.2f}s to stop"  # the contract is 2 s; a guard
+        assert not (node.plugin_dir / "hyperlight.sock").exists()
+        assert (node.plugin_dir / "kubelet.sock").exists()
+        assert (node.cdi_dir / "hyperlight.json").read_bytes() == spec
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 0)
 
 
-@pytest.mark.parametrize(("argv", "flag"), [
-    (["--device-count", "0"], "--device-count"),
-    (["--device-count", "abc"], "--device-count"),
-    (["--device-uid", "-1"], "--device-uid"),
-    (["--device-gid", "4294967296"], "--device-gid"),
-    (["--hypervisor", "xen"], "--hypervisor"),
-    (["--http-address", "nonsense"], "--http-address"),
-    (["--log-format", "xml"], "--log-format"),
-    (["--log-level", "loud"], "--log-level"),
-    (["--cdi-interval", "-3"], "--cdi-interval"),
-    (["--no-such-flag"], "--no-such-flag"),
+@needs_kvm
+@pytest.mark.parametrize(("env", "flags", "count", "owner"), [
+    ({"DEVICE_COUNT": "-4", "DEVICE_UID": "4294967296", "DEVICE_GID": "abc"}, [], 2000,
+     (65534, 65534)),  # invalid: the defaults, with a warning naming each
+    ({"DEVICE_COUNT": "7", "DEVICE_UID": "1000", "DEVICE_GID": "1001"}, ["--device-gid", "2002"],
+     7, (1000, 2002)),  # valid twins apply, and a flag wins
 ])
-def test_invalid_flags_exit_2_naming_the_flag(argv: list[str], flag: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "hlplugin", "serve", *argv],
-                            capture_output=True, text=True, timeout=30)
-    assert result.returncode == 2
-    assert flag in result.stderr
+async def test_env_twins_apply_flags_win_and_invalid_values_fall_back_with_warning(
+        tmp_path: Path, env: dict[str, str], flags: list[str], count: int,
+        owner: tuple[int, int]) -> None:
+    node = Node.make(tmp_path)
+    async with running(node, *flags, env=env) as (kubelet, proc):
+        await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == count)
+        spec = json.loads((node.cdi_dir / "hyperlight.json").read_bytes())
+        device_node = spec["devices"][0]["containerEdits"]["deviceNodes"][0]
+        assert (device_node["uid"], device_node["gid"]) == owner
+        warnings = [line["message"] for line in proc.lines if line["level"] == "warning"]
+        fallbacks = [name for name in env if any(name in w and "default" in w for w in warnings)]
+        assert fallbacks == (list(env) if count == 2000 else []), warnings
 
 
-@needs_kvm
-def test_invalid_env_values_fall_back_with_warning(tmp_path: Path) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        env = {"DEVICE_COUNT": "-4", "DEVICE_UID": "4294967296", "DEVICE_GID": "abc"}
-        async with running(node, env=env) as (kubelet, proc):
-            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2000)
-            spec = json.loads((node.cdi_dir / "hyperlight.json").read_bytes())
-            device_node = spec["devices"][0]["containerEdits"]["deviceNodes"][0]
-            assert (device_node["uid"], device_node["gid"]) == (65534, 65534)
-            warnings = [line["message"] for line in proc.lines if line["level"] == "warning"]
-            for name in env:
-                assert any(name in w and "default" in w for w in warnings), (name, warnings)
-
-    run(body())
-
-
-@needs_kvm
-def test_env_twins_apply_and_flags_win(tmp_path: Path) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        env = {"DEVICE_COUNT": "7", "DEVICE_UID": "1000", "DEVICE_GID": "1001"}
-        async with running(node, "--device-gid", "2002", env=env) as (kubelet, _proc):
-            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 7)
-            spec = json.loads((node.cdi_dir / "hyperlight.json").read_bytes())
-            device_node = spec["devices"][0]["containerEdits"]["deviceNodes"][0]
-            assert (device_node["uid"], device_node["gid"]) == (1000, 2002)
-
-    run(body())
-
-
-def test_version_and_help() -> None:
-    from hlplugin import __version__
-
-    out = subprocess.run([sys.executable, "-m", "hlplugin", "--version"], capture_output=True,
-                         text=True, timeout=30)
-    assert out.returncode == 0 and __version__ in out.stdout
-    help_text = subprocess.run([sys.executable, "-m", "hlplugin", "serve", "--help"],
-                               capture_output=True, text=True, timeout=30).stdout
-    for flag, twin in [("--plugin-dir", "HYPERLIGHT_PLUGIN_DIR"), ("--cdi-dir", "HYPERLIGHT_CDI_DIR"),
-                       ("--dev-dir", "HYPERLIGHT_DEV_DIR"), ("--host-dev-dir", "HYPERLIGHT_HOST_DEV_DIR"),
-                       ("--hypervisor", "HYPERLIGHT_HYPERVISOR"), ("--device-count", "DEVICE_COUNT"),
-                       ("--device-uid", "DEVICE_UID"), ("--device-gid", "DEVICE_GID"),
-                       ("--http-address", "HYPERLIGHT_HTTP_ADDRESS"),
-                       ("--log-format", "HYPERLIGHT_LOG_FORMAT"), ("--log-level", "HYPERLIGHT_LOG_LEVEL"),
-                       ("--cdi-annotations", "HYPERLIGHT_CDI_ANNOTATIONS")]:
-        assert flag in help_text and twin in help_text, flag
-
-
-def test_socket_path_occupied_by_a_non_socket_is_not_deleted(tmp_path: Path) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        blocker = node.plugin_dir / "hyperlight.sock"
-        blocker.write_text("not ours")
-        async with running(node, "--hypervisor", "kvm") as (kubelet, proc):
-            await eventually(lambda: any("not a socket" in m for m in proc.messages()), 10)
-            assert blocker.read_text() == "not ours"
-            assert stat.S_ISREG(os.lstat(blocker).st_mode)
-            blocker.unlink()
-            await kubelet.wait_for(lambda: kubelet.registered(RESOURCE), timeout=15)
-
-    run(body())
-
-
-def test_plugin_dir_too_long_for_a_socket_exits_2(tmp_path: Path) -> None:
-    long_dir = tmp_path / ("d" * 100)
-    result = subprocess.run([sys.executable, "-m", "hlplugin", "serve", "--plugin-dir", str(long_dir)],
-                            capture_output=True, text=True, timeout=30)
-    assert result.returncode == 2
-    assert "--plugin-dir" in result.stderr and "too long" in result.stderr
+async def test_socket_path_occupied_by_a_non_socket_is_not_deleted(tmp_path: Path) -> None:
+    node = Node.make(tmp_path)
+    blocker = node.plugin_dir / "hyperlight.sock"
+    blocker.write_text("not ours")
+    async with running(node, "--hypervisor", "kvm") as (kubelet, proc):
+        await wait_until(lambda: any("not a socket" in m for m in proc.messages()), 10)
+        assert blocker.read_text() == "not ours"
+        assert stat.S_ISREG(os.lstat(blocker).st_mode)
+        blocker.unlink()
+        await kubelet.wait_for(lambda: kubelet.registered(RESOURCE), timeout=15)
 
 
 @needs_kvm
 @needs_root
-def test_no_hypervisor_at_start_stays_up_unready_then_recovers(tmp_path: Path) -> None:
-    async def body() -> None:
-        dev = tmp_path / "dev"
-        dev.mkdir()
-        node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
-        async with running(node, "--device-count", "2") as (kubelet, proc):
-            ready = json.loads(await proc.wait_http("/readyz", 503))
-            assert ready["conditions"]["hypervisor"]["ok"] is False
-            await asyncio.sleep(0.5)
-            assert kubelet.allocatable(RESOURCE) == 0
-            assert (await proc.http("/healthz"))[0] == 200
-            os.mknod(dev / "kvm", stat.S_IFCHR | 0o600, os.stat("/dev/kvm").st_rdev)
-            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 2, timeout=10)
-            await proc.wait_http("/readyz", 200)
-            await kubelet.admit(RESOURCE)
+async def test_no_hypervisor_at_start_stays_up_unready_then_recovers(tmp_path: Path) -> None:
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
+    async with running(node, "--device-count", "2") as (kubelet, proc):
+        ready = json.loads(await proc.wait_http("/readyz", 503))
+        assert ready["conditions"]["hypervisor"]["ok"] is False
+        # A bounded watch, half a second: registration follows a found hypervisor within
+        # milliseconds, so none in this time means none without one.
+        await asyncio.sleep(0.5)
+        assert kubelet.allocatable(RESOURCE) == 0
+        assert (await proc.http("/healthz"))[0] == 200
+        os.mknod(dev / "kvm", stat.S_IFCHR | 0o600, os.stat("/dev/kvm").st_rdev)
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 2, timeout=10)
+        await proc.wait_http("/readyz", 200)
+        await kubelet.admit(RESOURCE)
 
-    run(body())
 
-
-def test_sigterm_while_register_is_in_flight_exits_promptly(tmp_path: Path) -> None:
-    async def body() -> None:
-        node = Node.make(tmp_path)
-        hanging = KubeletEmulator(node.plugin_dir, mode="hang")
-        await hanging.start()
-        proc = await Daemon(node.serve_args("--hypervisor", "kvm", "--register-timeout", "60")).start()
-        try:
-            await hanging.wait_for(lambda: hanging.register_calls >= 1, timeout=20)
-            began = time.monotonic()
-            assert await proc.stop() == 0
-            assert time.monotonic() - began < 5  # the contract is 2 s; a guard
-            assert not (node.plugin_dir / "hyperlight.sock").exists()
-        finally:
-            await hanging.stop()
-
-    run(body())
+async def test_sigterm_while_register_is_in_flight_exits_promptly(tmp_path: Path) -> None:
+    node = Node.make(tmp_path)
+    args = node.serve_args("--hypervisor", "kvm", "--register-timeout", "60")
+    async with on_kubelet(node, args, mode="hang") as (hanging, proc):
+        await hanging.wait_for(lambda: hanging.register_calls >= 1, timeout=20)
+        began = time.monotonic()
+        assert await proc.stop() == 0
+        assert time.monotonic() - began < 5  # the contract is 2 s; a guard
+        assert not (node.plugin_dir / "hyperlight.sock").exists()
