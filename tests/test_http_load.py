@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from harness import Daemon, Node, eventually, needs_kvm, run
+from harness import Daemon, Node, needs_kvm, run, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from hlplugin.emulator import KubeletEmulator
@@ -237,7 +237,7 @@ async def settled(proc: Daemon, kubelet: KubeletEmulator, watch: Watch, nofile: 
     # The connection cap, and the accept batches (32 each) in flight for a few loop turns.
     share = cap(nofile) + 4 * 32
     assert watch.fds <= watch.base_fds + share, f"{watch.fds} fds, of {limit}"
-    await eventually(lambda: open_fds(proc.pid) <= watch.base_fds + 8, timeout=30)
+    await wait_until(lambda: open_fds(proc.pid) <= watch.base_fds + 8, timeout=30)
     peak = status_value(proc.pid, "VmHWM") / 1024
     assert peak < memory_limit_mib(), f"peak RSS {peak:.0f} MiB"
     assert watch.probes and not watch.failed(), watch.failed()[:10]
@@ -260,7 +260,7 @@ def test_two_thousand_slow_clients(tmp_path: Path, nofile: int | None) -> None:
     async def body() -> None:
         async with attacked_daemon(tmp_path, nofile) as (kubelet, proc):
             with Watch(proc, kubelet) as watch:
-                await eventually(lambda: watch.device_checks > 0, timeout=30)
+                await wait_until(lambda: watch.device_checks > 0, timeout=30)
                 conns = await asyncio.to_thread(connect_all, proc.port, SLOW_CLIENTS, HALF_REQUEST)
                 stop = threading.Event()
                 dribbling = asyncio.create_task(asyncio.to_thread(dribble, conns, stop))
@@ -269,7 +269,7 @@ def test_two_thousand_slow_clients(tmp_path: Path, nofile: int | None) -> None:
                     # Held while the daemon runs two device checks (each opens fds) and the
                     # CDI checks run meanwhile (every second).
                     checks = watch.device_checks
-                    await eventually(lambda: watch.device_checks >= checks + 2, timeout=30)
+                    await wait_until(lambda: watch.device_checks >= checks + 2, timeout=30)
                 finally:
                     stop.set()
                     await dribbling
@@ -277,7 +277,7 @@ def test_two_thousand_slow_clients(tmp_path: Path, nofile: int | None) -> None:
                         conn.close()
                 # Answers to the probes after the EOFs, too.
                 probes = len(watch.probes)
-                await eventually(lambda: len(watch.probes) >= probes + 6, timeout=30)
+                await wait_until(lambda: len(watch.probes) >= probes + 6, timeout=30)
             await settled(proc, kubelet, watch, nofile)
 
     run(body(), timeout=180)
@@ -292,7 +292,7 @@ def test_healthz_burst(tmp_path: Path, nofile: int | None) -> None:
             with Watch(proc, kubelet) as watch:
                 statuses = await asyncio.to_thread(burst, proc.port, BURST)
                 probes = len(watch.probes)
-                await eventually(lambda: len(watch.probes) >= probes + 6, timeout=30)
+                await wait_until(lambda: len(watch.probes) >= probes + 6, timeout=30)
             answered = [s for s in statuses if s > 0]
             print(f"burst: {len(answered)} of {BURST} answered, {statuses.count(0)} closed "
                   f"unanswered, {statuses.count(-1)} still open")

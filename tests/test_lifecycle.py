@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import eventually, run
+from harness import run, wait_until
 
 from hlplugin import cli, config
 from hlplugin.bootstrap import SOCKET as ACCESS_SOCKET
@@ -152,7 +152,7 @@ def test_registration_failure_names_its_cause_and_counts_every_attempt(
                                  ) as plugin:
                 readiness = plugin_readiness(lambda: plugin, healthy_tracker())
                 failed = {"result": "failure"}
-                await eventually(
+                await wait_until(
                     lambda: sample(metrics, "hyperlight_registrations_total", **failed) >= 3)
                 ok, reason = readiness()["registered"]
                 assert not ok

@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from harness import eventually, run
+from harness import run, wait_until
 
 from hlplugin.health import HealthTracker
 from hlplugin.lifecycle import PluginLifecycle
@@ -26,7 +26,7 @@ def test_cancelled_again_while_stopping_still_stops_the_server_and_removes_its_s
         task = asyncio.create_task(lifecycle.run())
         socket = plugin_dir / "p.sock"
         if turns is None:
-            await eventually(socket.exists)  # serving, waiting for a kubelet that never comes
+            await wait_until(socket.exists)  # serving, waiting for a kubelet that never comes
         else:
             for _ in range(turns):  # somewhere in start-up: creating, binding, starting
                 await asyncio.sleep(0)

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import HAVE_KVM, Node, eventually, needs_kvm, on_kubelet, run
+from harness import HAVE_KVM, Node, needs_kvm, on_kubelet, run, wait_until
 
 from hlplugin import cdi
 from hlplugin.emulator import free_port, with_parent_death
@@ -296,7 +296,7 @@ def test_live_prometheus_fires_and_resolves_device_unhealthy(
             prometheus.start()
             try:
                 started = time.monotonic()
-                await eventually(lambda: prometheus.value("hyperlight_devices_healthy") == 4,
+                await wait_until(lambda: prometheus.value("hyperlight_devices_healthy") == 4,
                                  timeout=30)
                 assert states() == []
                 marks = {"start to healthy in Prometheus": time.monotonic() - started}
@@ -318,13 +318,13 @@ def test_live_prometheus_fires_and_resolves_device_unhealthy(
                     seen.extend(s for s in now if not seen or seen[-1] != s)
                     return now == ["firing"]
 
-                await eventually(firing, timeout=20)
+                await wait_until(firing, timeout=20)
                 assert seen[0] == "pending" and seen[-1] == "firing", seen
                 marks["obstruction to firing"] = time.monotonic() - obstructed
 
                 spec.rmdir()
                 freed = time.monotonic()
-                await eventually(lambda: states() == [], timeout=20)
+                await wait_until(lambda: states() == [], timeout=20)
                 marks["freed to resolved"] = time.monotonic() - freed
                 assert prometheus.value("hyperlight_devices_healthy") == 4
                 return marks
