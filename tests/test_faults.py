@@ -302,7 +302,7 @@ class HangingDevFs:
 
 _WORKER = r"""
 import json, os, sys, time
-mode, path, stop = sys.argv[1], sys.argv[2], sys.argv[3]
+mode, path, stop, pause = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[5])
 contents = {name: open(os.path.join(sys.argv[4], name), "rb").read() for name in os.listdir(sys.argv[4])}
 if mode == "read":
     label = {data: name for name, data in contents.items()}
@@ -318,6 +318,8 @@ if mode == "read":
             except OSError as exc:
                 key = "error " + (exc.strerror or str(exc))
             counts[key] = counts.get(key, 0) + 1
+            if pause:
+                time.sleep(pause)
     print(json.dumps({"counts": counts, "odd": odd}))
 else:
     stale, n = contents["stale"], 0
@@ -327,23 +329,24 @@ else:
             f.write(stale)
         os.rename(temp, path)
         n += 1
-        time.sleep(float(sys.argv[5]))
+        time.sleep(pause)
     print(json.dumps({"tampered": n}))
 """
 
 
 @contextlib.contextmanager
-def workers(root: Path, path: Path, contents: dict[str, bytes], readers: int,
-            tamper_pause: float | None = None) -> Iterator[dict[str, Any]]:
-    """Reader processes that classify every read of ``path`` (and a tamperer when
-    ``tamper_pause`` is given); on a clean exit the yielded dict holds their merged counts."""
+def workers(root: Path, path: Path, contents: dict[str, bytes], readers: int, pause: float = 0.0,
+            tamper: float | None = None) -> Iterator[dict[str, Any]]:
+    """Reader processes that classify every read of ``path`` by ``contents``, pausing ``pause`` s
+    between reads (and a tamperer writing ``contents["stale"]`` every ``tamper`` s); on a clean
+    exit the yielded dict holds their merged counts."""
     stop, known = root / "workers.stop", root / "workers.known"
     known.mkdir()
     for name, data in contents.items():
         (known / name).write_bytes(data)
-    modes = ["read"] * readers + ([] if tamper_pause is None else ["tamper"])
+    modes = [("read", pause)] * readers + ([] if tamper is None else [("tamper", tamper)])
     procs = [subprocess.Popen([sys.executable, "-c", _WORKER, mode, str(path), str(stop), str(known),
-                               str(tamper_pause)], stdout=subprocess.PIPE) for mode in modes]
+                               str(wait)], stdout=subprocess.PIPE) for mode, wait in modes]
     result: dict[str, Any] = {"counts": {}, "odd": [], "tampered": 0}
     try:
         yield result
@@ -680,36 +683,6 @@ async def test_registration_failure_is_bounded_then_recovers(tmp_path: Path, kin
 # --- restarts ------------------------------------------------------------------------------------
 
 
-class SpecWatch:
-    """A thread that reads the spec every millisecond and counts anything but the exact bytes."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.reads = 0
-        self.bad: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data = self.path.read_bytes()
-                if data != DESIRED:
-                    self.bad.append(f"content {data[:40]!r}")
-            except OSError as exc:
-                self.bad.append(str(exc))
-            self.reads += 1
-            time.sleep(0.001)
-
-    def __enter__(self) -> SpecWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-
 @needs_kvm
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 async def test_plugin_restart_re_registers_and_keeps_the_spec(tmp_path: Path, signum: int) -> None:
@@ -718,7 +691,7 @@ async def test_plugin_restart_re_registers_and_keeps_the_spec(tmp_path: Path, si
         add_sibling(node.cdi_dir, row)
         async with rig(node) as r:
             times = []
-            with SpecWatch(r.spec) as watch:
+            with workers(tmp_path, r.spec, {"desired": DESIRED}, readers=1, pause=0.001) as watch:
                 for _ in range(3):
                     await r.proc.signal(signum)
                     await r.wait(lambda: r.kubelet.allocatable(RESOURCE) == 0)
@@ -730,10 +703,11 @@ async def test_plugin_restart_re_registers_and_keeps_the_spec(tmp_path: Path, si
                     await r.healthy()
                     times.append(time.monotonic() - began)
                     await r.admit()
-            assert watch.bad == [] and watch.reads > 100
+            reads = sum(watch["counts"].values())
+            assert set(watch["counts"]) == {"desired"} and reads > 100, watch
             row.recovered(max(times))
             row.facts.update(restarts=3, start_to_registered_median_s=round(median(times), 3),
-                             spec_reads_during=watch.reads, spec_read_errors=0)
+                             spec_reads_during=reads, spec_read_errors=0)
 
 
 @needs_kvm
@@ -923,7 +897,7 @@ async def test_sigkill_in_the_middle_of_repairs_leaves_no_temp_file_nor_torn_spe
         async with rig(node) as r:
             kills = leftovers = 0
             with workers(tmp_path, r.spec, {"desired": DESIRED, "stale": STALE}, readers=1,
-                         tamper_pause=0.001) as result:
+                         tamper=0.001) as result:
                 for _ in range(12):
                     # Killed while busy: after it has repaired the tamperer's writes a few times.
                     await wait_metric(r.proc, lambda s: sum(repairs(s).values()) >= 4, GUARD)
@@ -1011,38 +985,33 @@ class Call:
     details: str = ""
 
 
-class Flapper:
-    """A thread that puts a directory at the CDI path and takes it away, recording when the
+@contextlib.contextmanager
+def flapping(path: Path, hold: tuple[float, float]) -> Iterator[dict[str, list[tuple[float, float]]]]:
+    """A thread that puts a directory at ``path`` and takes it away, recording when the
     obstruction was certainly there ([placed, lifting)) and certainly not ([cleared, next))."""
+    windows: dict[str, list[tuple[float, float]]] = {"obstructed": [], "clear": []}
+    stop = threading.Event()
 
-    def __init__(self, path: Path, hold: tuple[float, float]) -> None:
-        self.path = path
-        self.hold = hold
-        self.obstructed: list[tuple[float, float]] = []
-        self.clear: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
+    def flap() -> None:
         cleared = time.monotonic()
-        while not self._stop.is_set():
-            time.sleep(random.uniform(*self.hold))
-            self.clear.append((cleared, time.monotonic()))
-            obstruct(self.path, os.mkdir)
+        while not stop.is_set():
+            time.sleep(random.uniform(*hold))
+            windows["clear"].append((cleared, time.monotonic()))
+            obstruct(path, os.mkdir)
             placed = time.monotonic()
-            time.sleep(random.uniform(*self.hold))
+            time.sleep(random.uniform(*hold))
             lifting = time.monotonic()
-            os.rmdir(self.path)
-            self.obstructed.append((placed, lifting))
+            os.rmdir(path)
+            windows["obstructed"].append((placed, lifting))
             cleared = time.monotonic()
 
-    def __enter__(self) -> Flapper:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
+    thread = threading.Thread(target=flap, daemon=True)
+    thread.start()
+    try:
+        yield windows
+    finally:
+        stop.set()
+        thread.join(10)
 
 
 def within(call: Call, windows: list[tuple[float, float]]) -> bool:
@@ -1081,7 +1050,7 @@ async def test_thousand_concurrent_allocates_while_health_flaps(tmp_path: Path) 
 
                 # Windows of 0.05-0.6 s against bursts that take about half a second: many
                 # calls lie wholly inside one window, so the check below decides them.
-                with Flapper(r.spec, (0.05, 0.6)) as flapper:
+                with flapping(r.spec, (0.05, 0.6)) as windows:
                     for _ in range(BURSTS):
                         await asyncio.gather(*(allocate(i) for i in range(1000)))
                 await r.healthy()
@@ -1089,10 +1058,10 @@ async def test_thousand_concurrent_allocates_while_health_flaps(tmp_path: Path) 
             refused = [c for c in calls if not c.ok]
             other = [f"{c.code}: {c.details}" for c in refused
                      if c.code != "FAILED_PRECONDITION" or not REASON.search(c.details)]
-            wrong_ok = [c for c in ok if within(c, flapper.obstructed)]
-            wrong_refusal = [c for c in refused if within(c, flapper.clear)]
-            decisive = sum(within(c, flapper.clear) for c in ok) + sum(
-                within(c, flapper.obstructed) for c in refused)
+            wrong_ok = [c for c in ok if within(c, windows["obstructed"])]
+            wrong_refusal = [c for c in refused if within(c, windows["clear"])]
+            decisive = sum(within(c, windows["clear"]) for c in ok) + sum(
+                within(c, windows["obstructed"]) for c in refused)
             assert len(calls) == BURSTS * 1000
             assert other == [], other[:5]
             assert wrong_ok == [] and wrong_refusal == [], (len(wrong_ok), len(wrong_refusal))
@@ -1102,6 +1071,6 @@ async def test_thousand_concurrent_allocates_while_health_flaps(tmp_path: Path) 
             await r.admit()
             latency = sorted(c.received - c.sent for c in calls)
             row.facts.update(calls=len(calls), succeeded=len(ok), refused_with_reason=len(refused),
-                             decided_by_windows=decisive, wrong=0, flaps=len(flapper.obstructed),
+                             decided_by_windows=decisive, wrong=0, flaps=len(windows["obstructed"]),
                              transitions_seen_by_kubelet=flaps,
                              latency_p50_ms=round(latency[len(latency) // 2] * 1000, 1))
