@@ -308,7 +308,7 @@ if mode == "read":
     label = {data: name for name, data in contents.items()}
     counts, odd = {}, []
     while not os.path.exists(stop):
-        for _ in range(500):
+        for _ in range(1 if pause else 500):
             try:
                 with open(path, "rb") as f:
                     data = f.read()
