@@ -431,6 +431,16 @@ def serve_args(node: Node, *extra: str, count: int = COUNT) -> list[str]:
 
 
 @contextlib.asynccontextmanager
+async def matrix_row(name: str, tmp_path: Path, *, dev: bool = False) -> AsyncIterator[tuple[Row, Rig]]:
+    """One row of the matrix on a fresh node (with a sibling CDI spec to keep) and its rig."""
+    with scenario(name) as row:
+        node = fresh_node(tmp_path, dev=dev)
+        add_sibling(node.cdi_dir, row)
+        async with rig(node) as r:
+            yield row, r
+
+
+@contextlib.asynccontextmanager
 async def rig(node: Node, *extra: str) -> AsyncIterator[Rig]:
     """The daemon registered and healthy on a kubelet; on failure its last log lines."""
     async with on_kubelet(node, serve_args(node, *extra)) as (kubelet, proc):
@@ -461,30 +471,27 @@ async def exact(r: Rig) -> float:
 @needs_kvm
 @pytest.mark.parametrize("kind", list(TAMPER))
 async def test_cdi_missing_stale_malformed_is_repaired_exactly(tmp_path: Path, kind: str) -> None:
-    with scenario(f"CDI {kind}") as row:
-        node = fresh_node(tmp_path)
-        add_sibling(node.cdi_dir, row)
-        async with rig(node) as r:
-            assert r.spec.read_bytes() == DESIRED
-            before = await r.repairs()
-            times = []
-            for _ in range(5):
-                TAMPER[kind](r.spec)
-                times.append(await exact(r))
-                await r.admit()
+    async with matrix_row(f"CDI {kind}", tmp_path) as (row, r):
+        assert r.spec.read_bytes() == DESIRED
+        before = await r.repairs()
+        times = []
+        for _ in range(5):
+            TAMPER[kind](r.spec)
+            times.append(await exact(r))
+            await r.admit()
 
-            def counted(samples: Samples) -> dict[str, float]:
-                return {c: n - before.get(c, 0) for c, n in repairs(samples).items()
-                        if n != before.get(c)}
+        def counted(samples: Samples) -> dict[str, float]:
+            return {c: n - before.get(c, 0) for c, n in repairs(samples).items()
+                    if n != before.get(c)}
 
-            # The file is renamed into place a moment before the counter moves: wait for it.
-            delta = counted(await wait_metric(r.proc, lambda s: sum(counted(s).values()) >= 5, GUARD))
-            assert delta == {kind: 5}, delta  # each repair counted under its own cause
-            assert temp_files(node.cdi_dir) == []
-            assert r.kubelet.register_calls == 1  # repaired in place, no restart
-            row.recovered(max(times))
-            row.facts.update(median_ms=round(median(times) * 1000, 1), repairs=5,
-                             cause_counted=kind, exact="byte-identical to `hlplugin cdi`")
+        # The file is renamed into place a moment before the counter moves: wait for it.
+        delta = counted(await wait_metric(r.proc, lambda s: sum(counted(s).values()) >= 5, GUARD))
+        assert delta == {kind: 5}, delta  # each repair counted under its own cause
+        assert temp_files(r.node.cdi_dir) == []
+        assert r.kubelet.register_calls == 1  # repaired in place, no restart
+        row.recovered(max(times))
+        row.facts.update(median_ms=round(median(times) * 1000, 1), repairs=5,
+                         cause_counted=kind, exact="byte-identical to `hlplugin cdi`")
 
 
 # --- faults that withdraw every slot while the daemon stays live --------------------------------
@@ -686,48 +693,42 @@ async def test_registration_failure_is_bounded_then_recovers(tmp_path: Path, kin
 @needs_kvm
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 async def test_plugin_restart_re_registers_and_keeps_the_spec(tmp_path: Path, signum: int) -> None:
-    with scenario(f"Plugin restart: {signal.Signals(signum).name}") as row:
-        node = fresh_node(tmp_path)
-        add_sibling(node.cdi_dir, row)
-        async with rig(node) as r:
-            times = []
-            with workers(tmp_path, r.spec, {"desired": DESIRED}, readers=1, pause=0.001) as watch:
-                for _ in range(3):
-                    await r.proc.signal(signum)
-                    await r.wait(lambda: r.kubelet.allocatable(RESOURCE) == 0)
-                    assert spec_is_exact(r.spec)
-                    if signum == signal.SIGKILL:
-                        assert (node.plugin_dir / SOCKET).exists()  # stale, left behind
-                    began = time.monotonic()
-                    await r.proc.start()
-                    await r.healthy()
-                    times.append(time.monotonic() - began)
-                    await r.admit()
-            reads = sum(watch["counts"].values())
-            assert set(watch["counts"]) == {"desired"} and reads > 100, watch
-            row.recovered(max(times))
-            row.facts.update(restarts=3, start_to_registered_median_s=round(median(times), 3),
-                             spec_reads_during=reads, spec_read_errors=0)
+    async with matrix_row(f"Plugin restart: {signal.Signals(signum).name}", tmp_path) as (row, r):
+        times = []
+        with workers(tmp_path, r.spec, {"desired": DESIRED}, readers=1, pause=0.001) as watch:
+            for _ in range(3):
+                await r.proc.signal(signum)
+                await r.wait(lambda: r.kubelet.allocatable(RESOURCE) == 0)
+                assert spec_is_exact(r.spec)
+                if signum == signal.SIGKILL:
+                    assert (r.node.plugin_dir / SOCKET).exists()  # stale, left behind
+                began = time.monotonic()
+                await r.proc.start()
+                await r.healthy()
+                times.append(time.monotonic() - began)
+                await r.admit()
+        reads = sum(watch["counts"].values())
+        assert set(watch["counts"]) == {"desired"} and reads > 100, watch
+        row.recovered(max(times))
+        row.facts.update(restarts=3, start_to_registered_median_s=round(median(times), 3),
+                         spec_reads_during=reads, spec_read_errors=0)
 
 
 @needs_kvm
 async def test_kubelet_restart_re_registers_quickly(tmp_path: Path) -> None:
-    with scenario("Kubelet restart") as row:
-        node = fresh_node(tmp_path)
-        add_sibling(node.cdi_dir, row)
-        async with rig(node) as r:
-            times = []
-            for _ in range(5):
-                calls = r.kubelet.register_calls
-                began = time.monotonic()
-                await r.kubelet.restart()  # deletes every socket, serves kubelet.sock anew
-                await r.wait(lambda c=calls: r.kubelet.register_calls > c  # type: ignore[misc]
-                             and r.kubelet.allocatable(RESOURCE) == r.count)
-                times.append(time.monotonic() - began)
-                await r.admit()
-            row.recovered(median(times))
-            row.facts.update(restarts=5, re_registered_max_ms=round(max(times) * 1000, 1),
-                             upstream_go="5.01 s")
+    async with matrix_row("Kubelet restart", tmp_path) as (row, r):
+        times = []
+        for _ in range(5):
+            calls = r.kubelet.register_calls
+            began = time.monotonic()
+            await r.kubelet.restart()  # deletes every socket, serves kubelet.sock anew
+            await r.wait(lambda c=calls: r.kubelet.register_calls > c  # type: ignore[misc]
+                         and r.kubelet.allocatable(RESOURCE) == r.count)
+            times.append(time.monotonic() - began)
+            await r.admit()
+        row.recovered(median(times))
+        row.facts.update(restarts=5, re_registered_max_ms=round(max(times) * 1000, 1),
+                         upstream_go="5.01 s")
 
 
 # --- atomic replacement during allocation ---------------------------------------------------------
@@ -739,34 +740,31 @@ async def test_atomic_replacement_during_allocation(tmp_path: Path) -> None:
     """Readers in other processes read the spec non-stop while it is tampered with and Allocate
     repairs it: every read is a complete desired, stale or malformed file (the tamperer's own
     atomic writes), never torn, empty or missing."""
-    with scenario("Atomic replacement during allocation") as row:
-        node = fresh_node(tmp_path)
-        add_sibling(node.cdi_dir, row)
-        async with rig(node) as r:
-            known = {"desired": DESIRED, "stale": STALE, "malformed": MALFORMED}
-            with workers(tmp_path, r.spec, known, readers=2) as result:
-                times = []
-                began = time.monotonic()
-                cycles = 0
-                while cycles < 200 or time.monotonic() - began < 4.0:
-                    write_atomically(r.spec, STALE if cycles % 2 else MALFORMED)
-                    t0 = time.monotonic()
-                    response = await r.kubelet.allocate(RESOURCE, [[f"kvm-{cycles % COUNT}"]])
-                    times.append(time.monotonic() - t0)
-                    assert response.container_responses[0].cdi_devices[0].name == CDI_NAME
-                    # Repaired before the answer: the runtime will read the exact spec.
-                    assert r.spec.read_bytes() == DESIRED
-                    cycles += 1
-                    await asyncio.sleep(0.005)  # pacing: the readers get the CPU in between
-            counts = result["counts"]
-            reads = sum(counts.values())
-            assert set(counts) <= {"desired", "stale", "malformed"}, result
-            assert reads > 100_000, counts
-            assert temp_files(node.cdi_dir) == []
-            row.recovered(median(times))
-            row.facts.update(reads=reads, complete=reads, torn=0, errors=0,
-                             allocations=cycles, allocate_p_max_ms=round(max(times) * 1000, 1),
-                             upstream_go="6,813 reads, repair after 2.93 s")
+    async with matrix_row("Atomic replacement during allocation", tmp_path) as (row, r):
+        known = {"desired": DESIRED, "stale": STALE, "malformed": MALFORMED}
+        with workers(tmp_path, r.spec, known, readers=2) as result:
+            times = []
+            began = time.monotonic()
+            cycles = 0
+            while cycles < 200 or time.monotonic() - began < 4.0:
+                write_atomically(r.spec, STALE if cycles % 2 else MALFORMED)
+                t0 = time.monotonic()
+                response = await r.kubelet.allocate(RESOURCE, [[f"kvm-{cycles % COUNT}"]])
+                times.append(time.monotonic() - t0)
+                assert response.container_responses[0].cdi_devices[0].name == CDI_NAME
+                # Repaired before the answer: the runtime will read the exact spec.
+                assert r.spec.read_bytes() == DESIRED
+                cycles += 1
+                await asyncio.sleep(0.005)  # pacing: the readers get the CPU in between
+        counts = result["counts"]
+        reads = sum(counts.values())
+        assert set(counts) <= {"desired", "stale", "malformed"}, result
+        assert reads > 100_000, counts
+        assert temp_files(r.node.cdi_dir) == []
+        row.recovered(median(times))
+        row.facts.update(reads=reads, complete=reads, torn=0, errors=0,
+                         allocations=cycles, allocate_p_max_ms=round(max(times) * 1000, 1),
+                         upstream_go="6,813 reads, repair after 2.93 s")
 
 
 # --- preservation --------------------------------------------------------------------------------
@@ -891,32 +889,29 @@ async def test_sigkill_in_the_middle_of_repairs_leaves_no_temp_file_nor_torn_spe
     """A tamperer rewrites the spec stale every millisecond, so the daemon is always repairing;
     it is SIGKILLed again and again. Readers never see anything but a complete file; temp files a
     kill leaves behind are removed by the next start."""
-    with scenario("SIGKILL in the middle of CDI repairs") as row:
-        node = fresh_node(tmp_path)
-        add_sibling(node.cdi_dir, row)
-        async with rig(node) as r:
-            kills = leftovers = 0
-            with workers(tmp_path, r.spec, {"desired": DESIRED, "stale": STALE}, readers=1,
-                         tamper=0.001) as result:
-                for _ in range(12):
-                    # Killed while busy: after it has repaired the tamperer's writes a few times.
-                    await wait_metric(r.proc, lambda s: sum(repairs(s).values()) >= 4, GUARD)
-                    await asyncio.sleep(random.uniform(0, 0.02))  # a random point in a repair
-                    await r.proc.signal(signal.SIGKILL)
-                    kills += 1
-                    leftovers += len(temp_files(node.cdi_dir))
-                    await r.proc.start()
-            began = time.monotonic()
-            await r.healthy()
-            await exact(r)
-            row.recovered(time.monotonic() - began)
-            assert temp_files(node.cdi_dir) == []
-            await r.admit()
-            counts = result["counts"]
-            assert set(counts) <= {"desired", "stale"}, result
-            row.facts.update(kills=kills, temp_files_left_by_kills=leftovers,
-                             temp_files_after_restart=0, reads=sum(counts.values()),
-                             torn=0, tampered=result["tampered"])
+    async with matrix_row("SIGKILL in the middle of CDI repairs", tmp_path) as (row, r):
+        kills = leftovers = 0
+        with workers(tmp_path, r.spec, {"desired": DESIRED, "stale": STALE}, readers=1,
+                     tamper=0.001) as result:
+            for _ in range(12):
+                # Killed while busy: after it has repaired the tamperer's writes a few times.
+                await wait_metric(r.proc, lambda s: sum(repairs(s).values()) >= 4, GUARD)
+                await asyncio.sleep(random.uniform(0, 0.02))  # a random point in a repair
+                await r.proc.signal(signal.SIGKILL)
+                kills += 1
+                leftovers += len(temp_files(r.node.cdi_dir))
+                await r.proc.start()
+        began = time.monotonic()
+        await r.healthy()
+        await exact(r)
+        row.recovered(time.monotonic() - began)
+        assert temp_files(r.node.cdi_dir) == []
+        await r.admit()
+        counts = result["counts"]
+        assert set(counts) <= {"desired", "stale"}, result
+        row.facts.update(kills=kills, temp_files_left_by_kills=leftovers,
+                         temp_files_after_restart=0, reads=sum(counts.values()),
+                         torn=0, tampered=result["tampered"])
 
 
 @needs_kvm
@@ -925,55 +920,52 @@ async def test_inotify_flood_costs_nothing_wrong(tmp_path: Path) -> None:
     """10,000 events across every watched directory (foreign names, our spec's attributes, the
     kubelet's checkpoint): no re-registration, no health flap, no rewrite, Allocate keeps working,
     and a real tamper afterwards is still repaired at once."""
-    with scenario("inotify flood (10,000 events)") as row:
-        node = fresh_node(tmp_path, dev=True)
-        add_sibling(node.cdi_dir, row)
-        async with rig(node) as r:
-            resource = r.kubelet.resources[RESOURCE]
-            lists, calls = resource.lists_received, r.kubelet.register_calls
-            inode = os.stat(r.spec).st_ino
-            before = await r.repairs()
-            cpu = cpu_seconds(r.proc.pid)
+    async with matrix_row("inotify flood (10,000 events)", tmp_path, dev=True) as (row, r):
+        resource = r.kubelet.resources[RESOURCE]
+        lists, calls = resource.lists_received, r.kubelet.register_calls
+        inode = os.stat(r.spec).st_ino
+        before = await r.repairs()
+        cpu = cpu_seconds(r.proc.pid)
 
-            def flood() -> int:
-                events = 0
-                for i in range(1000):  # cdi dir: 4,000 events on foreign names
-                    for d in (node.cdi_dir, node.dev_dir):
-                        f = d / f"foreign-{i}"
-                        f.touch()          # CREATE (+ ATTRIB-free: new file)
-                        f.unlink()         # DELETE
-                        events += 2
-                    os.utime(r.spec)       # ATTRIB on our own file
-                    checkpoint = node.plugin_dir / "kubelet_internal_checkpoint"
-                    temp = node.plugin_dir / f".checkpoint-{i}"
-                    temp.write_bytes(b"{}")  # CREATE, MODIFY, CLOSE_WRITE
-                    os.rename(temp, checkpoint)  # MOVED_FROM, MOVED_TO
-                    events += 6
-                return events
+        def flood() -> int:
+            events = 0
+            for i in range(1000):  # cdi dir: 4,000 events on foreign names
+                for d in (r.node.cdi_dir, r.node.dev_dir):
+                    f = d / f"foreign-{i}"
+                    f.touch()          # CREATE (+ ATTRIB-free: new file)
+                    f.unlink()         # DELETE
+                    events += 2
+                os.utime(r.spec)       # ATTRIB on our own file
+                checkpoint = r.node.plugin_dir / "kubelet_internal_checkpoint"
+                temp = r.node.plugin_dir / f".checkpoint-{i}"
+                temp.write_bytes(b"{}")  # CREATE, MODIFY, CLOSE_WRITE
+                os.rename(temp, checkpoint)  # MOVED_FROM, MOVED_TO
+                events += 6
+            return events
 
-            job = asyncio.create_task(asyncio.to_thread(flood))
-            allocations = 0
-            while not job.done():
-                await r.kubelet.allocate(RESOURCE, [["kvm-1"]])
-                allocations += 1
-                await asyncio.sleep(0.01)  # pacing: an Allocate every 10 ms during the flood
-            events = await job
-            # A bounded watch for a late reaction to the flood's tail: every event was queued
-            # before the flood returned, and the daemon handles a burst within a few ms (its
-            # repairs above take 1-6 ms), so 0.5 s is a hundred times that.
-            await asyncio.sleep(0.5)
-            used = cpu_seconds(r.proc.pid) - cpu
-            assert events >= 10_000
-            assert r.kubelet.register_calls == calls and r.kubelet.registered(RESOURCE)
-            assert resource.lists_received == lists  # health never flapped
-            assert os.stat(r.spec).st_ino == inode and await r.repairs() == before
-            await r.live()
-            os.unlink(r.spec)
-            row.recovered(await exact(r))
-            await r.admit()
-            row.facts.update(events=events, daemon_cpu_s=round(used, 2),
-                             allocations_during=allocations, re_registrations=0,
-                             health_flaps=0, rewrites=0)
+        job = asyncio.create_task(asyncio.to_thread(flood))
+        allocations = 0
+        while not job.done():
+            await r.kubelet.allocate(RESOURCE, [["kvm-1"]])
+            allocations += 1
+            await asyncio.sleep(0.01)  # pacing: an Allocate every 10 ms during the flood
+        events = await job
+        # A bounded watch for a late reaction to the flood's tail: every event was queued
+        # before the flood returned, and the daemon handles a burst within a few ms (its
+        # repairs above take 1-6 ms), so 0.5 s is a hundred times that.
+        await asyncio.sleep(0.5)
+        used = cpu_seconds(r.proc.pid) - cpu
+        assert events >= 10_000
+        assert r.kubelet.register_calls == calls and r.kubelet.registered(RESOURCE)
+        assert resource.lists_received == lists  # health never flapped
+        assert os.stat(r.spec).st_ino == inode and await r.repairs() == before
+        await r.live()
+        os.unlink(r.spec)
+        row.recovered(await exact(r))
+        await r.admit()
+        row.facts.update(events=events, daemon_cpu_s=round(used, 2),
+                         allocations_during=allocations, re_registrations=0,
+                         health_flaps=0, rewrites=0)
 
 
 @dataclass
@@ -1027,50 +1019,47 @@ async def test_thousand_concurrent_allocates_while_health_flaps(tmp_path: Path) 
     """1,000 Allocate calls in flight at once, six times, while a directory comes and goes at
     the CDI path. No wrong answer: no success lies wholly inside a time the path was obstructed,
     no refusal wholly inside a time it was clear, and every refusal names its reason."""
-    with scenario("1,000 concurrent Allocates while health flaps") as row:
-        node = fresh_node(tmp_path)
-        add_sibling(node.cdi_dir, row)
-        async with rig(node) as r:
-            calls: list[Call] = []
-            lists = r.kubelet.resources[RESOURCE].lists_received
-            async with grpc.aio.insecure_channel(f"unix://{node.plugin_dir / SOCKET}") as ch:
-                stub = pb_grpc.DevicePluginStub(ch)
+    async with matrix_row("1,000 concurrent Allocates while health flaps", tmp_path) as (row, r):
+        calls: list[Call] = []
+        lists = r.kubelet.resources[RESOURCE].lists_received
+        async with grpc.aio.insecure_channel(f"unix://{r.node.plugin_dir / SOCKET}") as ch:
+            stub = pb_grpc.DevicePluginStub(ch)
 
-                async def allocate(i: int) -> None:
-                    call = Call(time.monotonic())
-                    request = pb.AllocateRequest(container_requests=[
-                        pb.ContainerAllocateRequest(devices_ids=[f"kvm-{i % COUNT}"])])
-                    try:
-                        response = await stub.Allocate(request, timeout=60)
-                        call.ok = response.container_responses[0].cdi_devices[0].name == CDI_NAME
-                    except grpc.aio.AioRpcError as exc:
-                        call.code, call.details = exc.code().name, exc.details() or ""
-                    call.received = time.monotonic()
-                    calls.append(call)
+            async def allocate(i: int) -> None:
+                call = Call(time.monotonic())
+                request = pb.AllocateRequest(container_requests=[
+                    pb.ContainerAllocateRequest(devices_ids=[f"kvm-{i % COUNT}"])])
+                try:
+                    response = await stub.Allocate(request, timeout=60)
+                    call.ok = response.container_responses[0].cdi_devices[0].name == CDI_NAME
+                except grpc.aio.AioRpcError as exc:
+                    call.code, call.details = exc.code().name, exc.details() or ""
+                call.received = time.monotonic()
+                calls.append(call)
 
-                # Windows of 0.05-0.6 s against bursts that take about half a second: many
-                # calls lie wholly inside one window, so the check below decides them.
-                with flapping(r.spec, (0.05, 0.6)) as windows:
-                    for _ in range(BURSTS):
-                        await asyncio.gather(*(allocate(i) for i in range(1000)))
-                await r.healthy()
-            ok = [c for c in calls if c.ok]
-            refused = [c for c in calls if not c.ok]
-            other = [f"{c.code}: {c.details}" for c in refused
-                     if c.code != "FAILED_PRECONDITION" or not REASON.search(c.details)]
-            wrong_ok = [c for c in ok if within(c, windows["obstructed"])]
-            wrong_refusal = [c for c in refused if within(c, windows["clear"])]
-            decisive = sum(within(c, windows["clear"]) for c in ok) + sum(
-                within(c, windows["obstructed"]) for c in refused)
-            assert len(calls) == BURSTS * 1000
-            assert other == [], other[:5]
-            assert wrong_ok == [] and wrong_refusal == [], (len(wrong_ok), len(wrong_refusal))
-            assert ok and refused, "health did not flap during the calls"
-            assert decisive > 0, "no call lay wholly inside one window: nothing was decided"
-            flaps = r.kubelet.resources[RESOURCE].lists_received - lists
-            await r.admit()
-            latency = sorted(c.received - c.sent for c in calls)
-            row.facts.update(calls=len(calls), succeeded=len(ok), refused_with_reason=len(refused),
-                             decided_by_windows=decisive, wrong=0, flaps=len(windows["obstructed"]),
-                             transitions_seen_by_kubelet=flaps,
-                             latency_p50_ms=round(latency[len(latency) // 2] * 1000, 1))
+            # Windows of 0.05-0.6 s against bursts that take about half a second: many
+            # calls lie wholly inside one window, so the check below decides them.
+            with flapping(r.spec, (0.05, 0.6)) as windows:
+                for _ in range(BURSTS):
+                    await asyncio.gather(*(allocate(i) for i in range(1000)))
+            await r.healthy()
+        ok = [c for c in calls if c.ok]
+        refused = [c for c in calls if not c.ok]
+        other = [f"{c.code}: {c.details}" for c in refused
+                 if c.code != "FAILED_PRECONDITION" or not REASON.search(c.details)]
+        wrong_ok = [c for c in ok if within(c, windows["obstructed"])]
+        wrong_refusal = [c for c in refused if within(c, windows["clear"])]
+        decisive = sum(within(c, windows["clear"]) for c in ok) + sum(
+            within(c, windows["obstructed"]) for c in refused)
+        assert len(calls) == BURSTS * 1000
+        assert other == [], other[:5]
+        assert wrong_ok == [] and wrong_refusal == [], (len(wrong_ok), len(wrong_refusal))
+        assert ok and refused, "health did not flap during the calls"
+        assert decisive > 0, "no call lay wholly inside one window: nothing was decided"
+        flaps = r.kubelet.resources[RESOURCE].lists_received - lists
+        await r.admit()
+        latency = sorted(c.received - c.sent for c in calls)
+        row.facts.update(calls=len(calls), succeeded=len(ok), refused_with_reason=len(refused),
+                         decided_by_windows=decisive, wrong=0, flaps=len(windows["obstructed"]),
+                         transitions_seen_by_kubelet=flaps,
+                         latency_p50_ms=round(latency[len(latency) // 2] * 1000, 1))
