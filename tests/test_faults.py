@@ -623,8 +623,9 @@ async def test_fault_withdraws_every_slot_keeps_liveness_and_recovers_without_re
             assert not fault.ok or conditions[fault.ok]["ok"], conditions
             await r.live()
             details = await r.refused(fault.condition, fault.refusal)
-            # A bounded watch that nothing is written meanwhile: the reconciler retries after
-            # 0.1 s, doubling, so 0.3 s spans two retries, 0.5 s three and 1 s four.
+            # For the CDI faults, a bounded watch that the retries write nothing meanwhile: the
+            # reconciler retries 0.1 s after a failure, doubling (0.1, 0.3, 0.7 s ...), so each
+            # watch (0.3-1 s, begun after the failure was seen) spans at least two retries.
             await asyncio.sleep(fault.watch)
             fault.still(r)
             began = time.monotonic()
@@ -951,8 +952,8 @@ async def test_inotify_flood_costs_nothing_wrong(tmp_path: Path) -> None:
             await asyncio.sleep(0.01)  # pacing: an Allocate every 10 ms during the flood
         events = await job
         # A bounded watch for a late reaction to the flood's tail: every event was queued
-        # before the flood returned, and the daemon handles a burst within a few ms (its
-        # repairs above take 1-6 ms), so 0.5 s is a hundred times that.
+        # before the flood returned, and the daemon reacts to an event within a few ms (a
+        # repair takes 1-6 ms in the CDI rows), so 0.5 s is a hundred times that.
         await asyncio.sleep(0.5)
         used = cpu_seconds(r.proc.pid) - cpu
         assert events >= 10_000
@@ -984,7 +985,7 @@ def flapping(path: Path, hold: tuple[float, float]) -> Iterator[dict[str, list[t
     windows: dict[str, list[tuple[float, float]]] = {"obstructed": [], "clear": []}
     stop = threading.Event()
 
-    def flap() -> None:
+    def flap() -> None:  # the sleeps hold each state a random time: the world, not a wait
         cleared = time.monotonic()
         while not stop.is_set():
             time.sleep(random.uniform(*hold))
