@@ -84,6 +84,7 @@ REASON = re.compile(r"is not usable on this node: .*\b(cdi|device|host_identity)
 # What `hlplugin cdi` prints: the exact content every repair must produce.
 DESIRED = subprocess.run([sys.executable, "-m", "hlplugin", "cdi", "--hypervisor", "kvm"],
                          capture_output=True, check=True, timeout=60).stdout
+STALE_IN_PLACE = DESIRED.replace(b"65534", b"65533", 1)  # same length: no new block
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -504,10 +505,9 @@ def fill_and_stale_in_place(r: Rig) -> None:
         while True:
             f.write(b"\0" * 1024)
     assert os.statvfs(r.node.cdi_dir).f_bavail == 0
-    stale = DESIRED.replace(b"65534", b"65533", 1)
-    assert len(stale) == len(DESIRED)
+    assert len(STALE_IN_PLACE) == len(DESIRED)
     with open(r.spec, "r+b", buffering=0) as f:  # in place: no truncation, no new inode
-        f.write(stale)
+        f.write(STALE_IN_PLACE)
 
 
 def never_written_through(r: Rig) -> None:
@@ -570,7 +570,7 @@ def nothing_written(r: Rig) -> None:
 
 def old_spec_intact(r: Rig) -> None:
     assert temp_files(r.node.cdi_dir) == []
-    assert r.spec.read_bytes() == DESIRED.replace(b"65534", b"65533", 1)  # never truncated
+    assert r.spec.read_bytes() == STALE_IN_PLACE  # never truncated
 
 
 BACKOFF = {"note": "recovery waits for the retry backoff"}
