@@ -19,14 +19,13 @@ import json
 import os
 import platform
 import shutil
-import signal
 import stat
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,10 +42,12 @@ from hlplugin.plugin import MAX_STREAMS
 from hlplugin.probe import check_host_identity, probe_kvm
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the one harness: node root, daemon process, poller
+from harness import Daemon, Node, cpu_seconds, on_kubelet, proc_status, wait_until  # noqa: E402
+
 RESOURCE = "hyperlight.dev/hypervisor"
 BOOT_RESOURCE = "hyperlight.dev/device-access"
 KVM = Path("/dev/kvm")
-MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -112,101 +113,54 @@ def ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
 
 
-# --- processes and the node ----------------------------------------------------------------------
+# --- the node and its processes (tests/harness.py) -----------------------------------------------
+
+RDEV = os.stat(KVM).st_rdev if KVM.exists() else os.makedev(10, 232)
 
 
-def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS, VmHWM ... in KiB from /proc/<pid>/status."""
-    out: dict[str, int] = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if value.strip().endswith("kB"):
-            out[key] = int(value.split()[0])
-    return out
+def make_node(tmp: Path, name: str) -> Node:
+    """A node root whose host-dev view (and a dev dir for the bootstrap) hold a KVM node to flip;
+    the main daemon opens the real /dev/kvm."""
+    root = tmp / name
+    for d in (root / "host-dev", root / "dev"):
+        d.mkdir(parents=True)
+        os.mknod(d / "kvm", stat.S_IFCHR | 0o600, RDEV)
+    return Node.make(root, KVM.parent, root / "host-dev")
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def set_identity(directory: Path, ok: bool) -> None:
+    """Atomically put the KVM node (ok) or a regular file (not ok) at <dir>/kvm."""
+    temp = directory / ".flip"
+    if ok:
+        os.mknod(temp, stat.S_IFCHR | 0o600, RDEV)
+    else:
+        temp.write_bytes(b"not a device\n")
+    os.rename(temp, directory / "kvm")
 
 
-class Proc:
-    """A daemon (or the baseline server) as a process; stderr to a file."""
-
-    def __init__(self, argv: list[str], log: Path) -> None:
-        self.log = log
-        self._file = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.started = time.monotonic()
-        self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=self._file)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        self._file.close()
+async def flip(node: Node, kubelet: KubeletEmulator, ok: bool, count: int,
+               resource: str = RESOURCE, directory: Path | None = None) -> None:
+    set_identity(directory or node.host_dev_dir, ok)
+    await kubelet.wait_for(lambda: kubelet.allocatable(resource) == (count if ok else 0), 30)
 
 
-class Node:
-    """A temporary node root: plugin dir, CDI dir, and a host-dev view with a KVM node to flip."""
+def bootstrap_args(node: Node) -> list[str]:
+    return ["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", str(node.root / "dev"),
+            "--hypervisor", "kvm"]
 
-    def __init__(self, root: Path, name: str) -> None:
-        self.root = root / name
-        self.plugin_dir = self.root / "device-plugins"
-        self.cdi_dir = self.root / "cdi"
-        self.host_dev = self.root / "host-dev"
-        self.dev = self.root / "dev"
-        for d in (self.plugin_dir, self.host_dev, self.dev):
-            d.mkdir(parents=True)
-        self.rdev = os.stat(KVM).st_rdev
-        os.mknod(self.host_dev / "kvm", stat.S_IFCHR | 0o600, self.rdev)
-        os.mknod(self.dev / "kvm", stat.S_IFCHR | 0o600, self.rdev)
-        self.procs: list[Proc] = []
-        self._flip = 0
 
-    @property
-    def spec(self) -> Path:
-        return self.cdi_dir / SPEC_FILE
-
-    def serve(self, *extra: str) -> Proc:
-        argv = [sys.executable, "-m", "hlplugin", "serve", "--plugin-dir", str(self.plugin_dir),
-                "--cdi-dir", str(self.cdi_dir), "--dev-dir", str(KVM.parent), "--host-dev-dir",
-                str(self.host_dev), "--hypervisor", "kvm", "--http-address", "127.0.0.1:0",
-                "--log-format", "json", *extra]
-        proc = Proc(argv, self.root / f"serve-{len(self.procs)}.log")
-        self.procs.append(proc)
-        return proc
-
-    def bootstrap(self) -> Proc:
-        argv = [sys.executable, "-m", "hlplugin", "bootstrap", "--plugin-dir",
-                str(self.plugin_dir), "--dev-dir", str(self.dev), "--hypervisor", "kvm",
-                "--http-address", "127.0.0.1:0", "--log-format", "json"]
-        proc = Proc(argv, self.root / f"bootstrap-{len(self.procs)}.log")
-        self.procs.append(proc)
-        return proc
-
-    def set_identity(self, ok: bool, directory: Path | None = None) -> None:
-        """Atomically put the KVM node (ok) or a regular file (not ok) at <dir>/kvm."""
-        directory = directory or self.host_dev
-        self._flip += 1
-        temp = directory / f".flip-{self._flip}"
-        if ok:
-            os.mknod(temp, stat.S_IFCHR | 0o600, self.rdev)
-        else:
-            temp.write_bytes(b"not a device\n")
-        os.rename(temp, directory / "kvm")
-
-    def close(self) -> None:
-        for proc in self.procs:
-            proc.stop()
+@contextlib.asynccontextmanager
+async def served(tmp: Path, name: str, *extra: str, count: int = 2000, bootstrap: bool = False,
+                 timeout: float = 30.0) -> AsyncIterator[tuple[Node, KubeletEmulator, Daemon]]:
+    """A kubelet emulator and the main daemon (or the bootstrap), registered with every slot
+    Healthy; both stopped on the way out."""
+    node = make_node(tmp, name)
+    args = bootstrap_args(node) if bootstrap else node.serve_args(
+        "--hypervisor", "kvm", "--device-count", str(count), *extra)
+    resource, count = (BOOT_RESOURCE, 1) if bootstrap else (RESOURCE, count)
+    async with on_kubelet(node, args) as (kubelet, proc):
+        await kubelet.wait_for(lambda: kubelet.allocatable(resource) == count, timeout)
+        yield node, kubelet, proc
 
 
 BASELINE_SERVER = r"""
@@ -229,31 +183,30 @@ asyncio.run(main())
 """
 
 
-async def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, step: float = 0.0005,
-                   what: str = "condition") -> float:
-    began = time.monotonic()
-    while not predicate():
-        if time.monotonic() - began > timeout:
-            raise TimeoutError(f"{what} not met within {timeout}s")
-        await asyncio.sleep(step)
-    return time.monotonic() - began
+@contextlib.asynccontextmanager
+async def baseline_server(root: Path) -> AsyncIterator[tuple[str, int]]:
+    """The baseline: an empty grpc.aio DevicePlugin server; (its target, its pid)."""
+    sock = root / "baseline.sock"
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", BASELINE_SERVER, str(sock),
+                                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        await wait_until(sock.exists, 30, "baseline socket")
+        yield f"unix://{sock}", child.pid
+    finally:
+        child.terminate()
+        await child.wait()
 
 
-async def registered(kubelet: KubeletEmulator, count: int, resource: str = RESOURCE,
-                     timeout: float = 30.0) -> None:
-    await kubelet.wait_for(lambda: kubelet.allocatable(resource) == count, timeout)
+def target(node: Node) -> str:
+    return f"unix://{node.plugin_dir}/hyperlight.sock"
 
 
 # --- Allocate latency ----------------------------------------------------------------------------
 
 
-def allocate_request() -> pb.AllocateRequest:
-    return pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["kvm-0"])])
-
-
 async def hammer(stub: pb_grpc.DevicePluginStub, calls: int, concurrency: int) -> tuple[list[float], float]:
     """``calls`` Allocates from ``concurrency`` workers; (latencies, seconds for all)."""
-    request = allocate_request()
+    request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["kvm-0"])])
     latencies: list[float] = []
     remaining = [calls]
 
@@ -270,54 +223,38 @@ async def hammer(stub: pb_grpc.DevicePluginStub, calls: int, concurrency: int) -
 
 
 async def bench_allocate(tmp: Path, p: Profile) -> None:
-    node = Node(tmp, "allocate")
-    kubelet = KubeletEmulator(node.plugin_dir)
-    await kubelet.start()
-    base_sock = node.root / "baseline.sock"
-    baseline = Proc([sys.executable, "-c", BASELINE_SERVER, str(base_sock)], node.root / "baseline.log")
-    node.procs.append(baseline)
-    node.serve("--device-count", "2000")
-    try:
-        await registered(kubelet, 2000)
-        await wait_for(base_sock.exists, what="baseline socket")
-        targets = {"baseline": f"unix://{base_sock}", "hlplugin": f"unix://{node.plugin_dir}/hyperlight.sock"}
-        async with grpc.aio.insecure_channel(targets["baseline"]) as bch, \
-                grpc.aio.insecure_channel(targets["hlplugin"]) as dch:
-            stubs = {"baseline": pb_grpc.DevicePluginStub(bch), "hlplugin": pb_grpc.DevicePluginStub(dch)}
-            for stub in stubs.values():
-                await hammer(stub, 200, 4)  # warm up connections and code paths
-            for concurrency in (1, 16):
-                runs: dict[str, list[dict[str, float]]] = {"baseline": [], "hlplugin": []}
-                for rep in range(p.repeats):
-                    order = ["baseline", "hlplugin"] if rep % 2 == 0 else ["hlplugin", "baseline"]
-                    for who in order:
-                        lat, took = await hammer(stubs[who], p.allocs, concurrency)
-                        runs[who].append({"p50": pct(lat, 50), "p99": pct(lat, 99),
-                                          "rate": len(lat) / took})
-                pairs = zip(runs["hlplugin"], runs["baseline"], strict=True)
-                ratios = [d["p50"] / b["p50"] for d, b in pairs]
+    async with served(tmp, "allocate") as (node, _, _), baseline_server(node.root) as (base, base_pid), \
+            grpc.aio.insecure_channel(base) as bch, grpc.aio.insecure_channel(target(node)) as dch:
+        stubs = {"baseline": pb_grpc.DevicePluginStub(bch), "hlplugin": pb_grpc.DevicePluginStub(dch)}
+        for stub in stubs.values():
+            await hammer(stub, 200, 4)  # warm up connections and code paths
+        for concurrency in (1, 16):
+            runs: dict[str, list[dict[str, float]]] = {"baseline": [], "hlplugin": []}
+            for rep in range(p.repeats):
+                order = ["baseline", "hlplugin"] if rep % 2 == 0 else ["hlplugin", "baseline"]
+                for who in order:
+                    lat, took = await hammer(stubs[who], p.allocs, concurrency)
+                    runs[who].append({"p50": pct(lat, 50), "p99": pct(lat, 99), "rate": len(lat) / took})
+            pairs = zip(runs["hlplugin"], runs["baseline"], strict=True)
+            ratios = [d["p50"] / b["p50"] for d, b in pairs]
 
-                def med(who: str, key: str, r: dict[str, list[dict[str, float]]] = runs) -> float:
-                    return statistics.median(x[key] for x in r[who])
+            def med(who: str, key: str, r: dict[str, list[dict[str, float]]] = runs) -> float:
+                return statistics.median(x[key] for x in r[who])
 
-                ratio = statistics.median(ratios)
-                record(Figure(f"Allocate p50, concurrency {concurrency}", ms(med("hlplugin", "p50")), "ms",
-                              goal="<= 1.5x baseline p50", met=ratio <= 1.5,
-                              baseline=ms(med("baseline", "p50")), ratio=round(ratio, 2),
-                              detail={"ratios": [round(r, 2) for r in ratios], "calls": p.allocs,
-                                      "repeats": p.repeats}))
-                record(Figure(f"Allocate p99, concurrency {concurrency}", ms(med("hlplugin", "p99")), "ms",
-                              baseline=ms(med("baseline", "p99")),
-                              ratio=round(med("hlplugin", "p99") / med("baseline", "p99"), 2)))
-                record(Figure(f"Allocate throughput, concurrency {concurrency}",
-                              round(med("hlplugin", "rate")), "calls/s",
-                              baseline=round(med("baseline", "rate")),
-                              ratio=round(med("hlplugin", "rate") / med("baseline", "rate"), 2)))
-        FIGURES_MEM["baseline_grpc_server_kib"] = proc_status(baseline.pid)["VmHWM"]
-        FIGURES_MEM["baseline_pid"] = baseline.pid
-    finally:
-        node.close()
-        await kubelet.stop()
+            ratio = statistics.median(ratios)
+            record(Figure(f"Allocate p50, concurrency {concurrency}", ms(med("hlplugin", "p50")), "ms",
+                          goal="<= 1.5x baseline p50", met=ratio <= 1.5,
+                          baseline=ms(med("baseline", "p50")), ratio=round(ratio, 2),
+                          detail={"ratios": [round(r, 2) for r in ratios], "calls": p.allocs,
+                                  "repeats": p.repeats}))
+            record(Figure(f"Allocate p99, concurrency {concurrency}", ms(med("hlplugin", "p99")), "ms",
+                          baseline=ms(med("baseline", "p99")),
+                          ratio=round(med("hlplugin", "p99") / med("baseline", "p99"), 2)))
+            record(Figure(f"Allocate throughput, concurrency {concurrency}",
+                          round(med("hlplugin", "rate")), "calls/s",
+                          baseline=round(med("baseline", "rate")),
+                          ratio=round(med("hlplugin", "rate") / med("baseline", "rate"), 2)))
+        FIGURES_MEM["baseline_grpc_server_kib"] = proc_status(base_pid)["VmHWM"]
 
 
 FIGURES_MEM: dict[str, int] = {}
@@ -326,11 +263,14 @@ FIGURES_MEM: dict[str, int] = {}
 # --- broadcast of a health transition -------------------------------------------------------------
 
 
-async def open_streams(target: str, count: int, seen: list[list[tuple[float, bool]]],
-                       per_channel: int = 50) -> tuple[list[grpc.aio.Channel], list[asyncio.Task[None]]]:
-    """``count`` raw ListAndWatch streams; each appends (arrival, healthy) without parsing."""
-    channels = [grpc.aio.insecure_channel(target) for _ in range((count + per_channel - 1) // per_channel)]
-    tasks = []
+@contextlib.asynccontextmanager
+async def raw_streams(node: Node, count: int, per_channel: int = 50,
+                      ) -> AsyncIterator[list[list[tuple[float, bool]]]]:
+    """``count`` raw ListAndWatch streams, each logging (arrival, healthy) without parsing, once
+    every one has received its first list."""
+    channels = [grpc.aio.insecure_channel(target(node))
+                for _ in range((count + per_channel - 1) // per_channel)]
+    seen: list[list[tuple[float, bool]]] = [[] for _ in range(count)]
 
     async def consume(channel: grpc.aio.Channel, log: list[tuple[float, bool]]) -> None:
         call = channel.unary_stream("/v1beta1.DevicePlugin/ListAndWatch",
@@ -340,49 +280,39 @@ async def open_streams(target: str, count: int, seen: list[list[tuple[float, boo
             async for raw in call:
                 log.append((time.monotonic(), b"Unhealthy" not in raw))
 
-    for i in range(count):
-        log: list[tuple[float, bool]] = []
-        seen.append(log)
-        tasks.append(asyncio.create_task(consume(channels[i // per_channel], log)))
-    return channels, tasks
-
-
-async def bench_broadcast(tmp: Path, p: Profile) -> None:
-    node = Node(tmp, "broadcast")
-    kubelet = KubeletEmulator(node.plugin_dir)
-    await kubelet.start()
-    node.serve("--device-count", "2000")
-    seen: list[list[tuple[float, bool]]] = []
-    channels: list[grpc.aio.Channel] = []
-    tasks: list[asyncio.Task[None]] = []
+    tasks = [asyncio.create_task(consume(channels[i // per_channel], log))
+             for i, log in enumerate(seen)]
     try:
-        await registered(kubelet, 2000)
-        channels, tasks = await open_streams(f"unix://{node.plugin_dir}/hyperlight.sock", p.streams, seen)
-        await wait_for(lambda: all(s and s[-1][1] for s in seen), what="first lists")
-        times: list[float] = []
-        for i in range(p.transitions):
-            healthy = i % 2 == 1
-            t0 = time.monotonic()
-            node.set_identity(healthy)
-            await wait_for(lambda h=healthy: all(s[-1][1] == h for s in seen), what="broadcast")
-            arrivals = [next(t for t, h in reversed(s) if h == healthy) for s in seen]
-            times.append(max(arrivals) - t0)
-            await asyncio.sleep(0.02)
-        if p.transitions % 2:
-            node.set_identity(True)
-        record(Figure(f"health transition seen by all {p.streams} streams, p99", ms(pct(times, 99)), "ms",
-                      goal="<= 100 ms", met=pct(times, 99) <= 0.1,
-                      detail={"p50_ms": ms(pct(times, 50)), "max_ms": ms(max(times)),
-                              "transitions": len(times), "devices": 2000,
-                              "includes": "inotify, KVM check with guest, broadcast, client receipt"}))
+        await wait_until(lambda: all(seen), 30, f"{count} streams' first lists", step=0.0005)
+        yield seen
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for channel in channels:
             await channel.close(None)
-        node.close()
-        await kubelet.stop()
+
+
+async def bench_broadcast(tmp: Path, p: Profile) -> None:
+    async with served(tmp, "broadcast") as (node, _, _), raw_streams(node, p.streams) as seen:
+        await wait_until(lambda: all(s[-1][1] for s in seen), 30, "first lists", step=0.0005)
+        times: list[float] = []
+        for i in range(p.transitions):
+            healthy = i % 2 == 1
+            t0 = time.monotonic()
+            set_identity(node.host_dev_dir, healthy)
+            await wait_until(lambda h=healthy: all(s[-1][1] == h for s in seen),  # type: ignore[misc]
+                             30, "broadcast", step=0.0005)
+            arrivals = [next(t for t, h in reversed(s) if h == healthy) for s in seen]
+            times.append(max(arrivals) - t0)
+            await asyncio.sleep(0.02)  # pacing: transitions 20 ms apart
+        if p.transitions % 2:
+            set_identity(node.host_dev_dir, True)
+    record(Figure(f"health transition seen by all {p.streams} streams, p99", ms(pct(times, 99)), "ms",
+                  goal="<= 100 ms", met=pct(times, 99) <= 0.1,
+                  detail={"p50_ms": ms(pct(times, 50)), "max_ms": ms(max(times)),
+                          "transitions": len(times), "devices": 2000,
+                          "includes": "inotify, KVM check with guest, broadcast, client receipt"}))
 
 
 # --- CDI repair ----------------------------------------------------------------------------------
@@ -405,7 +335,7 @@ def measure_repairs(spec: Path, desired: bytes, kind: str, count: int) -> list[f
         temp.write_bytes(content)
         os.rename(temp, spec)
 
-    tamper: dict[str, Callable[[], None]] = {
+    tamper: dict[str, Callable[[], object]] = {
         "missing": lambda: os.unlink(spec),
         "stale": lambda: write_atomically(stale),
         "malformed": lambda: write_atomically(malformed),
@@ -417,7 +347,7 @@ def measure_repairs(spec: Path, desired: bytes, kind: str, count: int) -> list[f
         watch.add_watch(spec.parent, inotify_simple.flags.MOVED_TO | inotify_simple.flags.CREATE
                         | inotify_simple.flags.CLOSE_WRITE | inotify_simple.flags.ATTRIB)
         for _ in range(count):
-            time.sleep(0.01)
+            time.sleep(0.01)  # pacing: tamperings 10 ms apart
             watch.read(timeout=0)
             t0 = time.monotonic()
             tamper[kind]()
@@ -430,65 +360,51 @@ def measure_repairs(spec: Path, desired: bytes, kind: str, count: int) -> list[f
 
 
 async def bench_cdi(tmp: Path, p: Profile) -> None:
-    node = Node(tmp, "cdi")
-    kubelet = KubeletEmulator(node.plugin_dir)
-    await kubelet.start()
-    node.serve("--device-count", "2000")
     desired = render_spec("kvm", 65534, 65534)
-    try:
-        await registered(kubelet, 2000)
+    async with served(tmp, "cdi") as (node, _, _):
         for kind in ("missing", "stale", "malformed", "in-place", "mode"):
-            times = await asyncio.to_thread(measure_repairs, node.spec, desired, kind, p.tampers)
+            times = await asyncio.to_thread(measure_repairs, node.cdi_dir / SPEC_FILE, desired, kind,
+                                            p.tampers)
             record(Figure(f"CDI {kind} -> repaired, p99 of {len(times)}", ms(pct(times, 99)), "ms",
                           goal="<= 100 ms", met=pct(times, 99) <= 0.1,
                           detail={"p50_ms": ms(pct(times, 50)), "max_ms": ms(max(times))}))
-    finally:
-        node.close()
-        await kubelet.stop()
 
 
 # --- registration --------------------------------------------------------------------------------
 
 
 async def bench_kubelet_restart(tmp: Path, p: Profile) -> None:
-    node = Node(tmp, "restart")
-    kubelet = KubeletEmulator(node.plugin_dir)
-    await kubelet.start()
-    node.serve("--device-count", "2000")
-    try:
-        await registered(kubelet, 2000)
+    async with served(tmp, "restart") as (_, kubelet, _):
         times = []
         for _ in range(p.kubelet_restarts):
             calls = kubelet.register_calls
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # pacing: restarts 50 ms apart
             t0 = time.monotonic()
             await kubelet.restart()
-            await kubelet.wait_for(lambda c=calls: kubelet.register_calls > c
+            await kubelet.wait_for(lambda c=calls: kubelet.register_calls > c  # type: ignore[misc]
                                    and kubelet.allocatable(RESOURCE) == 2000, 30)
             times.append(time.monotonic() - t0)
-        record(Figure("kubelet restart -> re-registered, p50", ms(pct(times, 50)), "ms",
-                      goal="<= 100 ms", met=pct(times, 50) <= 0.1,
-                      detail={"p99_ms": ms(pct(times, 99)), "max_ms": ms(max(times)),
-                              "restarts": len(times),
-                              "until": "Register done and 2,000 Healthy devices listed"}))
-    finally:
-        node.close()
-        await kubelet.stop()
+    record(Figure("kubelet restart -> re-registered, p50", ms(pct(times, 50)), "ms",
+                  goal="<= 100 ms", met=pct(times, 50) <= 0.1,
+                  detail={"p99_ms": ms(pct(times, 99)), "max_ms": ms(max(times)),
+                          "restarts": len(times),
+                          "until": "Register done and 2,000 Healthy devices listed"}))
 
 
 async def bench_start(tmp: Path, p: Profile) -> None:
     times = []
     for i in range(p.starts):
-        node = Node(tmp, f"start-{i}")
+        node = make_node(tmp, f"start-{i}")
         kubelet = KubeletEmulator(node.plugin_dir)
         await kubelet.start()
+        daemon = Daemon(node.serve_args("--hypervisor", "kvm", "--device-count", "2000"))
         try:
             t0 = time.monotonic()
-            node.serve("--device-count", "2000")
-            await registered(kubelet, 2000)
+            await daemon.start()
+            await kubelet.wait_for(lambda k=kubelet: k.allocatable(RESOURCE) == 2000, 30)  # type: ignore[misc]
             times.append(time.monotonic() - t0)
         finally:
-            node.close()
+            await daemon.stop()
             await kubelet.stop()
     imports = []
     for _ in range(p.starts):
@@ -507,61 +423,37 @@ async def bench_start(tmp: Path, p: Profile) -> None:
 # --- memory --------------------------------------------------------------------------------------
 
 
-async def flip(node: Node, kubelet: KubeletEmulator, ok: bool, count: int,
-               resource: str = RESOURCE, directory: Path | None = None) -> None:
-    node.set_identity(ok, directory)
-    await kubelet.wait_for(lambda: kubelet.allocatable(resource) == (count if ok else 0), 30)
-
-
 async def bench_memory(tmp: Path, p: Profile) -> None:
-    node = Node(tmp, "memory")
-    kubelet = KubeletEmulator(node.plugin_dir)
-    await kubelet.start()
-    daemon = node.serve("--device-count", "2000")
-    seen: list[list[tuple[float, bool]]] = []
-    channels: list[grpc.aio.Channel] = []
-    tasks: list[asyncio.Task[None]] = []
-    try:
-        await registered(kubelet, 2000)
-        target = f"unix://{node.plugin_dir}/hyperlight.sock"
-        channels, tasks = await open_streams(target, RAW_STREAMS, seen)  # + the kubelet's
-        await wait_for(lambda: all(seen), what=f"{RAW_STREAMS} streams")
+    async with served(tmp, "memory") as (node, kubelet, daemon), \
+            raw_streams(node, RAW_STREAMS), \
+            grpc.aio.insecure_channel(target(node)) as channel:  # + the kubelet's stream
         at_start = proc_status(daemon.pid)
         rss: list[int] = []
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = pb_grpc.DevicePluginStub(channel)
-            # Both halves do the same: 10 chunks of Allocates, each followed by transitions (in
-            # unhealthy/healthy pairs), so the second half repeats the first in a warm daemon.
-            pairs = max(1, p.mem_transitions // 40)
-            for _half in range(2):
-                for _chunk in range(10):
-                    await hammer(stub, p.mem_allocs // 20, 16)
-                    for _ in range(pairs):
-                        await flip(node, kubelet, False, 2000)
-                        await flip(node, kubelet, True, 2000)
-                rss.append(proc_status(daemon.pid)["VmRSS"])  # after the 5,000th, the 10,000th
+        stub = pb_grpc.DevicePluginStub(channel)
+        # Both halves do the same: 10 chunks of Allocates, each followed by transitions (in
+        # unhealthy/healthy pairs), so the second half repeats the first in a warm daemon.
+        pairs = max(1, p.mem_transitions // 40)
+        for _half in range(2):
+            for _chunk in range(10):
+                await hammer(stub, p.mem_allocs // 20, 16)
+                for _ in range(pairs):
+                    await flip(node, kubelet, False, 2000)
+                    await flip(node, kubelet, True, 2000)
+            rss.append(proc_status(daemon.pid)["VmRSS"])  # after the 5,000th, the 10,000th
         final = proc_status(daemon.pid)
-        growth = rss[1] - rss[0]
-        record(Figure("peak RSS (VmHWM), main daemon", round(final["VmHWM"] / 1024, 1), "MiB",
-                      goal="<= 48 MiB", met=final["VmHWM"] <= 48 * 1024,
-                      baseline=round(FIGURES_MEM.get("baseline_grpc_server_kib", 0) / 1024, 1) or None,
-                      detail={"allocates": p.mem_allocs, "transitions": 2 * 20 * pairs,
-                              "devices": 2000, "streams": RAW_STREAMS + 1,
-                              "rss_after_start_mib": round(at_start["VmRSS"] / 1024, 1),
-                              "baseline_is": "VmHWM of the empty grpc.aio server (Allocate figure)"}))
-        record(Figure(f"RSS growth from Allocate {p.mem_allocs // 2:,} to {p.mem_allocs:,}",
-                      round(growth / 1024, 2), "MiB",
-                      goal="no growth (<= 0.25 MiB of allocator noise)", met=growth <= 256,
-                      detail={"rss_at_half_mib": round(rss[0] / 1024, 2),
-                              "rss_at_end_mib": round(rss[1] / 1024, 2)}))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for channel in channels:
-            await channel.close(None)
-        node.close()
-        await kubelet.stop()
+    growth = rss[1] - rss[0]
+    record(Figure("peak RSS (VmHWM), main daemon", round(final["VmHWM"] / 1024, 1), "MiB",
+                  goal="<= 48 MiB", met=final["VmHWM"] <= 48 * 1024,
+                  baseline=round(FIGURES_MEM.get("baseline_grpc_server_kib", 0) / 1024, 1) or None,
+                  detail={"allocates": p.mem_allocs, "transitions": 2 * 20 * pairs,
+                          "devices": 2000, "streams": RAW_STREAMS + 1,
+                          "rss_after_start_mib": round(at_start["VmRSS"] / 1024, 1),
+                          "baseline_is": "VmHWM of the empty grpc.aio server (Allocate figure)"}))
+    record(Figure(f"RSS growth from Allocate {p.mem_allocs // 2:,} to {p.mem_allocs:,}",
+                  round(growth / 1024, 2), "MiB",
+                  goal="no growth (<= 0.25 MiB of allocator noise)", met=growth <= 256,
+                  detail={"rss_at_half_mib": round(rss[0] / 1024, 2),
+                          "rss_at_end_mib": round(rss[1] / 1024, 2)}))
 
 
 async def bench_ceiling(tmp: Path, p: Profile) -> None:
@@ -571,18 +463,10 @@ async def bench_ceiling(tmp: Path, p: Profile) -> None:
     count = MAX_DEVICE_COUNT
     peaks: list[int] = []
     for run_index in range(p.repeats):
-        node = Node(tmp, f"ceiling-{run_index}")
-        kubelet = KubeletEmulator(node.plugin_dir)
-        await kubelet.start()
-        daemon = node.serve("--device-count", str(count))
-        try:
-            await registered(kubelet, count, timeout=120)
+        async with served(tmp, f"ceiling-{run_index}", count=count, timeout=120) as (node, kubelet, daemon):
             await flip(node, kubelet, False, count)
             await flip(node, kubelet, True, count)
             peaks.append(proc_status(daemon.pid)["VmHWM"])
-        finally:
-            node.close()
-            await kubelet.stop()
     longest = pb.ListAndWatchResponse(devices=[
         pb.Device(ID=f"mshv-{i}", health="Unhealthy") for i in range(count)]).ByteSize()
     record(Figure(f"peak RSS (VmHWM), main daemon at DEVICE_COUNT {count:,}",
@@ -595,26 +479,16 @@ async def bench_ceiling(tmp: Path, p: Profile) -> None:
 
 
 async def bench_bootstrap_memory(tmp: Path, p: Profile) -> None:
-    node = Node(tmp, "bootstrap")
-    kubelet = KubeletEmulator(node.plugin_dir)
-    await kubelet.start()
-    daemon = node.bootstrap()
-    try:
-        await registered(kubelet, 1, BOOT_RESOURCE)
-        request = pb.AllocateRequest(container_requests=[
-            pb.ContainerAllocateRequest(devices_ids=["device-access-kvm"])])
+    async with served(tmp, "bootstrap", bootstrap=True) as (node, kubelet, daemon):
         for _ in range(p.boot_allocs):
-            await kubelet.allocate(BOOT_RESOURCE, [list(request.container_requests[0].devices_ids)])
+            await kubelet.allocate(BOOT_RESOURCE, [["device-access-kvm"]])
         for i in range(20):
-            await flip(node, kubelet, i % 2 == 1, 1, BOOT_RESOURCE, node.dev)
+            await flip(node, kubelet, i % 2 == 1, 1, BOOT_RESOURCE, node.root / "dev")
         status = proc_status(daemon.pid)
-        record(Figure("peak RSS (VmHWM), bootstrap daemon", round(status["VmHWM"] / 1024, 1), "MiB",
-                      goal="<= 40 MiB", met=status["VmHWM"] <= 40 * 1024,
-                      baseline=round(FIGURES_MEM.get("baseline_grpc_server_kib", 0) / 1024, 1) or None,
-                      detail={"allocates": p.boot_allocs, "transitions": 20}))
-    finally:
-        node.close()
-        await kubelet.stop()
+    record(Figure("peak RSS (VmHWM), bootstrap daemon", round(status["VmHWM"] / 1024, 1), "MiB",
+                  goal="<= 40 MiB", met=status["VmHWM"] <= 40 * 1024,
+                  baseline=round(FIGURES_MEM.get("baseline_grpc_server_kib", 0) / 1024, 1) or None,
+                  detail={"allocates": p.boot_allocs, "transitions": 20}))
 
 
 # --- idle CPU ------------------------------------------------------------------------------------
@@ -627,34 +501,27 @@ IDLE_WORK = {
 
 
 async def bench_idle(tmp: Path, p: Profile) -> None:
-    node = Node(tmp, "idle")
-    kubelet = KubeletEmulator(node.plugin_dir)
-    await kubelet.start()
-    main = node.serve()
-    boot = node.bootstrap()
-    base_sock = node.root / "baseline.sock"
-    baseline = Proc([sys.executable, "-c", BASELINE_SERVER, str(base_sock)], node.root / "baseline.log")
-    node.procs.append(baseline)
-    try:
-        await registered(kubelet, 2000)
-        await registered(kubelet, 1, BOOT_RESOURCE)
-        await wait_for(base_sock.exists, what="baseline socket")
-        await asyncio.sleep(1.0)
-        pids = {"main": main.pid, "bootstrap": boot.pid, "baseline": baseline.pid}
-        before = {k: cpu_seconds(v) for k, v in pids.items()}
-        t0 = time.monotonic()
-        await asyncio.sleep(p.idle)
-        wall = time.monotonic() - t0
-        used = {k: (cpu_seconds(v) - before[k]) / wall * 100 for k, v in pids.items()}
-        for who in ("main", "bootstrap"):
-            record(Figure(f"idle CPU, {who} daemon ({p.idle:.0f} s)", round(used[who], 3), "% of a core",
-                          goal="<= 0.2 %", met=used[who] <= 0.2, baseline=round(used["baseline"], 3),
-                          detail={"clock_tick_s": 1 / os.sysconf("SC_CLK_TCK"),
-                                  "intervals": IDLE_WORK[who],
-                                  "baseline_is": "the empty grpc.aio server, idle"}))
-    finally:
-        node.close()
-        await kubelet.stop()
+    async with served(tmp, "idle") as (node, kubelet, main), \
+            baseline_server(node.root) as (_, base_pid):
+        boot = Daemon(bootstrap_args(node))
+        await boot.start()
+        try:
+            await kubelet.wait_for(lambda: kubelet.allocatable(BOOT_RESOURCE) == 1, 30)
+            await asyncio.sleep(1.0)  # settle: start-up work done before the window opens
+            pids = {"main": main.pid, "bootstrap": boot.pid, "baseline": base_pid}
+            before = {k: cpu_seconds(v) for k, v in pids.items()}
+            t0 = time.monotonic()
+            await asyncio.sleep(p.idle)  # the measurement window itself
+            wall = time.monotonic() - t0
+            used = {k: (cpu_seconds(v) - before[k]) / wall * 100 for k, v in pids.items()}
+        finally:
+            await boot.stop()
+    for who in ("main", "bootstrap"):
+        record(Figure(f"idle CPU, {who} daemon ({p.idle:.0f} s)", round(used[who], 3), "% of a core",
+                      goal="<= 0.2 %", met=used[who] <= 0.2, baseline=round(used["baseline"], 3),
+                      detail={"clock_tick_s": 1 / os.sysconf("SC_CLK_TCK"),
+                              "intervals": IDLE_WORK[who],
+                              "baseline_is": "the empty grpc.aio server, idle"}))
 
 
 # --- KVM check durations --------------------------------------------------------------------------
@@ -663,8 +530,8 @@ async def bench_idle(tmp: Path, p: Profile) -> None:
 async def bench_probes(tmp: Path, p: Profile) -> None:
     host = tmp / "probe-host"
     host.mkdir()
-    os.mknod(host / "kvm", stat.S_IFCHR | 0o600, os.stat(KVM).st_rdev)
-    checks: dict[str, Callable[[], None]] = {
+    os.mknod(host / "kvm", stat.S_IFCHR | 0o600, RDEV)
+    checks: dict[str, Callable[[], object]] = {
         "KVM check (open, API version, create VM)": lambda: probe_kvm(KVM, guest=False),
         "KVM check with guest (+ vCPU, run to hlt)": lambda: probe_kvm(KVM, guest=True),
         "host identity check": lambda: check_host_identity(KVM, host / "kvm"),

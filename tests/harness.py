@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import inspect
 import os
 import shutil
 import signal
@@ -82,7 +83,8 @@ async def on_kubelet(node: Node, args: Sequence[str], env: dict[str, str] | None
     kubelet = KubeletEmulator(node.plugin_dir, mode=mode)
     await kubelet.start()
     try:
-        proc = await Daemon(args, env).start()
+        proc = Daemon(args, env)
+        await proc.start()
         try:
             yield kubelet, proc
         finally:
@@ -93,7 +95,8 @@ async def on_kubelet(node: Node, args: Sequence[str], env: dict[str, str] | None
 
 @contextlib.asynccontextmanager
 async def daemon(args: Sequence[str], env: dict[str, str] | None = None) -> AsyncIterator[Daemon]:
-    proc = await Daemon(args, env).start()
+    proc = Daemon(args, env)
+    await proc.start()
     try:
         yield proc
     finally:
@@ -102,14 +105,20 @@ async def daemon(args: Sequence[str], env: dict[str, str] | None = None) -> Asyn
             await proc.proc.wait()
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "",
-                     step: float = 0.005) -> float:
+async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0,
+                     what: str = "", step: float = 0.005) -> float:
     """The one poller: wait until ``predicate()`` holds and return how long that took; past
-    ``timeout`` (a guard, not a measurement) fail naming ``what``. Prefer waiting on an event
-    (KubeletEmulator.wait_for, a tracker's wait_for_change) where the code under test offers one."""
+    ``timeout`` (a guard, not a measurement) fail naming ``what``. ``predicate`` may be async (an
+    HTTP probe). Prefer waiting on an event (KubeletEmulator.wait_for, a tracker's
+    wait_for_change) where the code under test offers one."""
+
+    async def holds() -> bool:
+        result = predicate()
+        return bool(await result) if inspect.isawaitable(result) else bool(result)
+
     loop = asyncio.get_running_loop()
     began = loop.time()
-    while not predicate():
+    while not await holds():
         if loop.time() - began > timeout:
             raise TimeoutError(f"{what or 'condition'} not met within {timeout:g}s")
         await asyncio.sleep(step)
@@ -149,11 +158,25 @@ async def wait_metric(proc: DaemonProcess, predicate: Callable[[Samples], bool],
         latest = await scrape(proc)
         return predicate(latest)
 
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not await matches():
-        if loop.time() > deadline:
-            interesting = {k: v for k, v in latest.items() if k[0].startswith("hyperlight_")}
-            raise TimeoutError(f"metrics never matched: {interesting}")
-        await asyncio.sleep(0.05)
+    try:
+        await wait_until(matches, timeout, step=0.05)
+    except TimeoutError:
+        interesting = {k: v for k, v in latest.items() if k[0].startswith("hyperlight_")}
+        raise TimeoutError(f"metrics never matched: {interesting}") from None
     return latest
+
+
+# --- a process's resources, from /proc -----------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmRSS, VmHWM ... in KiB from /proc/<pid>/status."""
+    return {key: int(value.split()[0]) for key, _, value in
+            (line.partition(":") for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+            if value.strip().endswith("kB")}
