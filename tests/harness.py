@@ -125,7 +125,6 @@ async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: f
     return loop.time() - began
 
 
-eventually = wait_until  # the older name, kept while tests move over
 
 
 # --- metrics: the one reader -------------------------------------------------------------------
