@@ -35,7 +35,7 @@ from hlplugin.cdi import (
     qualified_name,
     render_spec,
 )
-from hlplugin.health import Condition, HealthTracker
+from hlplugin.deviceplugin.conditions import Condition, HealthTracker
 from hlplugin.metrics import Metrics
 
 SCHEMA_DIR = Path(__file__).parent / "data" / "cdi-schema"
@@ -1119,7 +1119,7 @@ def test_full_filesystem_fails_cleans_its_temp_file_and_recovers(tmp_path: Path)
 
 def test_run_never_passes_more_often_than_the_floor(cdi_dir: Path) -> None:
     """An interval of 0 (an in-process caller; the CLI refuses it) is not a busy loop."""
-    from hlplugin.health import MIN_PERIOD
+    from hlplugin.deviceplugin.conditions import MIN_PERIOD
 
     passes: list[float] = []
 

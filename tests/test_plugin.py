@@ -20,16 +20,16 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.bootstrap import DeviceAccessPlugin
 from hlplugin.config import Settings
-from hlplugin.health import HealthState, HealthTracker
-from hlplugin.lifecycle import new_server
-from hlplugin.metrics import Metrics
-from hlplugin.plugin import (
+from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.lifecycle import new_server
+from hlplugin.deviceplugin.servicer import (
     MAX_CONTAINERS,
     MAX_ID_BYTES,
     MAX_STREAMS,
-    HypervisorPlugin,
     TrackedDevicePlugin,
 )
+from hlplugin.metrics import Metrics
+from hlplugin.plugin import HypervisorPlugin
 
 
 @asynccontextmanager
@@ -206,7 +206,7 @@ def test_streams_past_the_bound_are_refused_with_resource_exhausted(
             for call in [*calls, again]:
                 call.cancel()
 
-    with caplog.at_level(logging.WARNING, logger="hlplugin.plugin"):
+    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.servicer"):
         run(body())
     # A client retrying in a loop is logged once while the bound holds, not once per attempt.
     assert [r.getMessage() for r in caplog.records] == [
@@ -358,7 +358,7 @@ def test_refusals_quote_a_short_escaped_prefix(caplog: pytest.LogCaptureFixture)
                                                                 [f"bad-{i}" for i in range(4, 8)]))
             assert "and 3 more" in details
 
-    with caplog.at_level(logging.WARNING, logger="hlplugin.plugin"):
+    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.servicer"):
         run(body())
     refusals = [r.getMessage() for r in caplog.records if "refused Allocate" in r.getMessage()]
     assert len(refusals) == 3

@@ -16,21 +16,15 @@ import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.config import Settings
-from hlplugin.daemon import (
-    RootTasks,
-    plugin_readiness,
-    run_daemon,
-    track_health_metrics,
-    wait_for_hypervisor,
-)
-from hlplugin.health import HealthTracker
-from hlplugin.lifecycle import Context, PluginLifecycle
+from hlplugin.deviceplugin.conditions import HealthTracker
+from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon
+from hlplugin.deviceplugin.lifecycle import Context, PluginLifecycle
+from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.watch import DirWatcher, Wakeup
+from hlplugin.health import wait_for_hypervisor
 from hlplugin.metrics import Metrics
-from hlplugin.plugin import TrackedDevicePlugin
-from hlplugin.watch import DirWatcher, Wakeup
-
-RESOURCE = "hyperlight.dev/device-access"
-SOCKET = "hyperlight-device-access.sock"
+from hlplugin.names import DEVICE_ACCESS_RESOURCE as RESOURCE
+from hlplugin.names import DEVICE_ACCESS_SOCKET as SOCKET
 
 
 def node_problem(path: Path) -> str:
@@ -84,13 +78,9 @@ async def watch_node(tracker: HealthTracker, node: Path, recheck: float = 10.0) 
 async def bootstrap(settings: Settings) -> None:
     metrics = Metrics()
     tracker = HealthTracker(required=("device",))
-    track_health_metrics(tracker, metrics)
-    holder: list[PluginLifecycle] = []
-    hypervisor: list[str] = []
 
-    async def setup() -> RootTasks:
+    async def setup() -> Started:
         hv = await wait_for_hypervisor(settings)
-        hypervisor.append(hv)
         node = settings.dev_dir / hv
         problem = node_problem(node)
         tracker.set_condition("device", not problem, problem)
@@ -98,17 +88,10 @@ async def bootstrap(settings: Settings) -> None:
             settings.plugin_dir, SOCKET, RESOURCE,
             lambda: DeviceAccessPlugin(hv, settings.dev_dir, tracker, metrics),
             register_timeout=settings.register_timeout, metrics=metrics)
-        holder.append(lifecycle)
-        return {"device-health": watch_node(tracker, node), "plugin": lifecycle.run()}
+        return Started(lifecycle, {"device-health": watch_node(tracker, node),
+                                   "plugin": lifecycle.run()})
 
-    def current() -> PluginLifecycle | None:
-        return holder[0] if holder else None
-
-    def readiness() -> dict[str, tuple[bool, str]]:
-        conditions = plugin_readiness(current, tracker)()
-        if not hypervisor:  # what auto looks for and where, as the main daemon says it
-            conditions["hypervisor"] = (False, f"no mshv or kvm device under {settings.dev_dir}")
-        return conditions
-
-    await run_daemon("hlplugin bootstrap", settings.http_address, readiness, current, metrics,
-                     setup)
+    # What auto looks for and where, as the main daemon says it.
+    await run_daemon(DaemonSpec(
+        "hlplugin bootstrap", settings.http_address, tracker, metrics, setup,
+        pending={"hypervisor": f"no mshv or kvm device under {settings.dev_dir}"}))

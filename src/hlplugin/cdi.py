@@ -29,15 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from hlplugin.health import MIN_PERIOD, Condition, HealthTracker
+from hlplugin.deviceplugin.conditions import MIN_PERIOD, Condition, HealthTracker
+from hlplugin.deviceplugin.watch import FILE_EVENTS, DirWatcher
 from hlplugin.metrics import Metrics
-from hlplugin.watch import FILE_EVENTS, DirWatcher
+from hlplugin.names import HYPERVISOR_RESOURCE
 
 log = logging.getLogger(__name__)
 
 SPEC_FILE = "hyperlight.json"
 TEMP_PREFIX = ".hyperlight.json.tmp-"
-KIND = "hyperlight.dev/hypervisor"
+KIND = HYPERVISOR_RESOURCE
 MODE = 0o644
 CONDITION = "cdi"
 # Far larger than any spec we write; bounds what a foreign file can make us read or diff.

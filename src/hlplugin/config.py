@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hlplugin.deviceplugin import files
+from hlplugin.names import LONGEST_SOCKET
+
 UINT32_MAX = 4_294_967_295
 HYPERVISORS = ("kvm", "mshv")
 
@@ -245,19 +248,9 @@ class Settings:
         return None
 
 
-# sun_path holds 108 bytes including the terminating NUL, but a gRPC server binding
-# "unix://PATH" checks everything after "unix:", so "//" counts: PATH may have 105 bytes.
-MAX_SOCKET_PATH = 105
-LONGEST_SOCKET = "hyperlight-device-access.sock"
-
-
 def socket_path_problem(plugin_dir: Path) -> str:
     """Why our sockets cannot live in ``plugin_dir``, or "" when they can."""
-    longest = len(os.fsencode(plugin_dir / LONGEST_SOCKET))
-    if longest > MAX_SOCKET_PATH:
-        return (f"{plugin_dir} is too long for a unix socket path ({longest} > {MAX_SOCKET_PATH} "
-                f"bytes with {LONGEST_SOCKET})")
-    return ""
+    return files.socket_path_problem(plugin_dir, LONGEST_SOCKET)
 
 
 def _flag_type(option: Option) -> Callable[[str], Any]:

@@ -26,7 +26,7 @@ from typing import Any
 
 from hlplugin import cdi, probe
 from hlplugin.config import Settings
-from hlplugin.lifecycle import KUBELET_SOCKET
+from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 

@@ -30,8 +30,8 @@ import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-from hlplugin.metrics import Metrics
-from hlplugin.watch import DirWatcher, Wakeup
+from hlplugin.deviceplugin.metrics import DevicePluginMetrics
+from hlplugin.deviceplugin.watch import DirWatcher, Wakeup
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class PluginLifecycle:
         max_backoff: float = 5.0,
         recheck_interval: float = 1.0,
         stream_grace: float = 3.0,
-        metrics: Metrics | None = None,
+        metrics: DevicePluginMetrics | None = None,
     ) -> None:
         self.plugin_dir = plugin_dir
         self.socket_path = plugin_dir / socket_name
