@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
 from hlplugin.probe import (
-    BoundedRunner,
     ProbeError,
     check_host_identity,
     probe_device,
@@ -278,7 +278,7 @@ def test_helper_errors_reach_the_caller_only(caplog: pytest.LogCaptureFixture) -
         runner = BoundedRunner(budget=GUARD)
         with pytest.raises(ValueError, match="boom"):
             await runner.run(fail)
-        with pytest.raises(ProbeError, match="timed out"):
+        with pytest.raises(CheckFailed, match="timed out"):
             await runner.run(fail_late, budget=0.05)
         release.set()
         await until(lambda r=runner: not r.busy)  # type: ignore[misc]
@@ -298,7 +298,7 @@ def test_stuck_helper_times_out_and_blocks_a_second_helper(gate: Gate) -> None:
     runner = BoundedRunner(budget=0.2, name="stuck-test")
 
     async def scenario() -> None:
-        with pytest.raises(ProbeError, match=r"timed out after 0\.2s") as info:
+        with pytest.raises(CheckFailed, match=r"timed out after 0\.2s") as info:
             await runner.run(gate)
         assert (info.value.step, info.value.reason) == ("timeout", "timeout")
         assert runner.busy
@@ -311,7 +311,7 @@ def test_stuck_helper_times_out_and_blocks_a_second_helper(gate: Gate) -> None:
             return 2
 
         for _ in range(3):
-            with pytest.raises(ProbeError, match="previous check is still stuck") as info:
+            with pytest.raises(CheckFailed, match="previous check is still stuck") as info:
                 await runner.run(other)
             assert info.value.step == "budget"
         assert count == 0
@@ -331,10 +331,10 @@ def test_a_sub_second_budget_is_reported_as_it_is(gate: Gate) -> None:
     runner = BoundedRunner(budget=0.25, name="quarter-test")
 
     async def scenario() -> None:
-        with pytest.raises(ProbeError) as info:
+        with pytest.raises(CheckFailed) as info:
             await runner.run(gate)
         assert str(info.value).endswith("check timed out after 0.25s")
-        with pytest.raises(ProbeError) as again:
+        with pytest.raises(CheckFailed) as again:
             await runner.run(gate, budget=0.04)
         assert "still stuck after 0.04s" in str(again.value)
 
@@ -345,7 +345,7 @@ def test_next_call_waits_for_a_helper_that_finishes_within_its_budget(gate: Gate
     runner = BoundedRunner(budget=0.1)
 
     async def scenario() -> None:
-        with pytest.raises(ProbeError, match="timed out"):
+        with pytest.raises(CheckFailed, match="timed out"):
             await runner.run(gate)
         threading.Timer(0.2, gate.release.set).start()
         # The previous helper is still running when this call starts; it waits and then runs.
@@ -378,7 +378,7 @@ def test_caller_cancelled_while_waiting_for_a_stuck_helper(gate: Gate) -> None:
     runner = BoundedRunner(budget=0.1)
 
     async def scenario() -> None:
-        with pytest.raises(ProbeError, match="timed out"):
+        with pytest.raises(CheckFailed, match="timed out"):
             await runner.run(gate)
         waiting = asyncio.create_task(runner.run(lambda: 0, budget=GUARD))
         await asyncio.sleep(0.05)
@@ -420,7 +420,7 @@ def test_helper_finishing_after_its_loop_closed_is_quiet(
     gate: Gate, caplog: pytest.LogCaptureFixture
 ) -> None:
     runner = BoundedRunner(budget=0.05)
-    with pytest.raises(ProbeError, match="timed out"):
+    with pytest.raises(CheckFailed, match="timed out"):
         asyncio.run(runner.run(gate))
     with caplog.at_level(logging.DEBUG):
         gate.release.set()

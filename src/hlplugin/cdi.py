@@ -11,7 +11,6 @@ is never deleted.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import difflib
@@ -22,14 +21,15 @@ import os
 import platform
 import secrets
 import stat
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from hlplugin.deviceplugin.conditions import MIN_PERIOD, Condition, HealthTracker
+from hlplugin.deviceplugin.bounded import CheckFailed
+from hlplugin.deviceplugin.conditions import Condition, HealthTracker
+from hlplugin.deviceplugin.producer import Producer
 from hlplugin.deviceplugin.watch import FILE_EVENTS, DirWatcher
 from hlplugin.metrics import Metrics
 from hlplugin.names import HYPERVISOR_RESOURCE
@@ -43,7 +43,8 @@ MODE = 0o644
 CONDITION = "cdi"
 # Far larger than any spec we write; bounds what a foreign file can make us read or diff.
 _MAX_READ = 1 << 20
-_FIRST_BACKOFF = 0.1
+# How long one pass (read, compare, write, two fsyncs) may take before the condition fails.
+DEFAULT_BUDGET = 5.0
 
 
 def qualified_name(hypervisor: str) -> str:
@@ -317,6 +318,7 @@ class CdiReconciler:
         metrics: Metrics | None = None,
         interval: float = 10.0,
         max_backoff: float = 10.0,
+        budget: float = DEFAULT_BUDGET,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cdi_dir = cdi_dir
@@ -325,13 +327,13 @@ class CdiReconciler:
         self.interval = interval
         self.max_backoff = max_backoff
         self.condition = Condition(False, "not checked yet")
-        self.last_reconcile: float | None = None  # clock() when the last pass finished
         self._tracker = tracker
         self._metrics = metrics
-        self._clock = clock
-        self._lock = asyncio.Lock()
-        # A cancelled caller leaves its worker thread running; this keeps passes one at a time.
-        self._thread_lock = threading.Lock()
+        # Passes run one at a time in the producer's runner (at most one helper thread, even
+        # after a caller gave up), bounded by ``budget``: hung storage fails the condition.
+        self.producer = Producer(
+            "cdi", self._step, watch=[DirWatcher(cdi_dir, {SPEC_FILE, ""}, events=FILE_EVENTS)],
+            interval=interval, max_backoff=max_backoff, budget=budget, clock=clock)
         self._uid = os.geteuid()
         self._gid = os.getegid()
         self._warned_no_exchange = False
@@ -343,50 +345,85 @@ class CdiReconciler:
         return (stat.S_IMODE(st.st_mode) == MODE and st.st_uid == self._uid
                 and st.st_gid == self._gid)
 
+    @property
+    def last_reconcile(self) -> float | None:
+        """clock() when the last pass finished."""
+        return self.producer.completed_at
+
     async def ensure(self) -> Condition:
-        """Before every Allocate: a read and a byte compare when all is well, a repair if not."""
+        """Before every Allocate: a read and a byte compare when all is well, a repair if not.
+
+        Off the event loop, within the budget. A pass in flight is shared; while a helper stuck in
+        hung storage holds the runner, the failing condition (naming the timeout) answers at once.
+        """
+        if self.producer.in_flight is not None:
+            await self.producer.ensure(0.0)
+            return self.condition
+        if self.producer.runner.busy:
+            return self.condition
         if self.condition.ok:
-            with contextlib.suppress(OSError, NotRegular):
-                found = _read(self.path, len(self.desired) + 1)
-                if found is not None and self._is_right(*found):
+            try:
+                if await self.producer.runner.run(self._is_current):
                     return self.condition
+            except CheckFailed as exc:
+                self._publish(self._timed_out(exc), "allocate")
+                return self.condition
         return await self.reconcile("allocate")
 
     async def reconcile(self, trigger: str) -> Condition:
-        """One full pass, one at a time: inspect, repair if needed, publish the outcome."""
-        async with self._lock:
-            outcome = await asyncio.to_thread(self._pass)
-            self.last_reconcile = self._clock()
-            if outcome.repaired:
-                log.info("repaired CDI spec %s (cause: %s, trigger: %s)", self.path,
-                         outcome.repaired, trigger,
-                         extra={"cause": outcome.repaired, "trigger": trigger})
-                if self._metrics is not None:
-                    self._metrics.cdi_repairs.labels(cause=outcome.repaired).inc()
-            if outcome.refused and self._metrics is not None:
-                self._metrics.cdi_refusals.labels(reason=outcome.refused).inc()
-            new = outcome.condition
-            if self._tracker is not None:
-                self._tracker.set_condition(CONDITION, new.ok, new.reason)
-            elif not new.ok and new != self.condition:
-                log.warning("CDI spec unhealthy: %s", new.reason)
-            self.condition = new
-            return new
+        """One full pass (inspect, repair if needed, publish the outcome), bounded."""
+        await self.producer.check(trigger)
+        return self.condition
+
+    async def _step(self, trigger: str) -> bool:
+        try:
+            outcome = await self.producer.runner.run(self._pass)
+        except CheckFailed as exc:
+            outcome = self._timed_out(exc)
+        self._publish(outcome, trigger)
+        return outcome.condition.ok
+
+    def _timed_out(self, exc: CheckFailed) -> _Outcome:
+        return _Outcome(Condition(False, f"cannot check {self.path}: {exc} (its storage does not "
+                                         f"answer)"))
+
+    def _is_current(self) -> bool:
+        with contextlib.suppress(OSError, NotRegular):
+            found = _read(self.path, len(self.desired) + 1)
+            return found is not None and self._is_right(*found)
+        return False
+
+    def _publish(self, outcome: _Outcome, trigger: str) -> None:
+        """On the event loop: the pass's outcome to the condition, the tracker, metrics and log."""
+        if outcome.repaired:
+            log.info("repaired CDI spec %s (cause: %s, trigger: %s)", self.path,
+                     outcome.repaired, trigger,
+                     extra={"cause": outcome.repaired, "trigger": trigger})
+            if self._metrics is not None:
+                self._metrics.cdi_repairs.labels(cause=outcome.repaired).inc()
+        if outcome.refused and self._metrics is not None:
+            self._metrics.cdi_refusals.labels(reason=outcome.refused).inc()
+        new = outcome.condition
+        if self._tracker is not None:
+            self._tracker.set_condition(CONDITION, new.ok, new.reason)
+        elif not new.ok and new != self.condition:
+            log.warning("CDI spec unhealthy: %s", new.reason)
+        self.condition = new
 
     def _pass(self) -> _Outcome:
-        with self._thread_lock:
-            try:
-                cause = self._diagnose()
-                if cause:
-                    self._replace()
-            except NotRegular as exc:
-                reason = f"{self.path} is {exc}; refusing to replace what we do not own"
-                return _Outcome(Condition(False, reason), refused="not_regular")
-            except OSError as exc:
-                name = errno.errorcode.get(exc.errno or 0, "unknown error")
-                reason = f"cannot write {self.path}: {exc.strerror} ({name})"
-                return _Outcome(Condition(False, reason), refused="write_failed")
-            return _Outcome(Condition(True), repaired=cause)
+        """In the runner's thread (one at a time): inspect, and repair if needed."""
+        try:
+            cause = self._diagnose()
+            if cause:
+                self._replace()
+        except NotRegular as exc:
+            reason = f"{self.path} is {exc}; refusing to replace what we do not own"
+            return _Outcome(Condition(False, reason), refused="not_regular")
+        except OSError as exc:
+            name = errno.errorcode.get(exc.errno or 0, "unknown error")
+            reason = f"cannot write {self.path}: {exc.strerror} ({name})"
+            return _Outcome(Condition(False, reason), refused="write_failed")
+        return _Outcome(Condition(True), repaired=cause)
 
     def _diagnose(self) -> str:
         """The repair cause, or "" when the file is right. Raises NotRegular."""
@@ -518,34 +555,10 @@ class CdiReconciler:
 
     async def run(self) -> None:
         """Reconcile on every change to our file or directory, every ``interval`` seconds, and,
-        while failing, with capped exponential backoff. Runs until cancelled."""
-        await asyncio.to_thread(self.cleanup_leftovers)
-        poke = asyncio.Event()
-
-        async def watch() -> None:
-            try:
-                async for _ in DirWatcher(self.cdi_dir, {SPEC_FILE, ""}, events=FILE_EVENTS).changes():
-                    poke.set()
-            except Exception:
-                log.exception("watching %s failed; only periodic checks remain", self.cdi_dir)
-
-        watcher = asyncio.create_task(watch())
+        while failing, with capped exponential backoff (the first pass unless one already ran).
+        Runs until cancelled."""
         try:
-            trigger, backoff = "start", _FIRST_BACKOFF
-            while True:
-                poke.clear()
-                if (await self.reconcile(trigger)).ok:
-                    delay, backoff = max(self.interval, MIN_PERIOD), _FIRST_BACKOFF
-                else:
-                    delay = min(backoff, self.max_backoff)
-                    backoff = min(backoff * 2, self.max_backoff)
-                try:
-                    # Not asyncio.wait_for: on 3.11 it can swallow a cancel that races the event.
-                    async with asyncio.timeout(delay):
-                        await poke.wait()
-                    trigger = "watch"
-                except TimeoutError:
-                    trigger = "periodic" if self.condition.ok else "retry"
-        finally:
-            watcher.cancel()
-            await asyncio.wait({watcher})  # never swallows a cancellation of our own
+            await self.producer.runner.run(self.cleanup_leftovers)
+        except CheckFailed as exc:
+            log.warning("could not look for leftover temp files in %s: %s", self.cdi_dir, exc)
+        await self.producer.run()

@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hlplugin import cdi, config, probe
 from hlplugin.deviceplugin import files
+from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET
 from hlplugin.emulator import AdmissionError, DaemonProcess, KubeletEmulator
 from hlplugin.names import DEVICE_ACCESS_RESOURCE as ACCESS_RESOURCE
@@ -310,12 +311,12 @@ class Demo:
                       f"{node.get('permissions')}, uid {node.get('uid')}, gid {node.get('gid')})")
         self.item(f"env {' '.join(edits.get('env', []))}")
         host_path = Path(str(nodes[0].get("hostPath") or nodes[0].get("path")))
-        runner = probe.BoundedRunner(5.0, name="hlplugin-demo-workload")
+        runner = BoundedRunner(5.0, name="hlplugin-demo-workload")
         if hypervisor == "kvm":
             label = f"open {host_path}, create a VM, run a guest"
             try:
                 await self.timed(label, runner.run(lambda: probe.probe_kvm(host_path, guest=True)))
-            except probe.ProbeError as exc:
+            except CheckFailed as exc:
                 self.cannot("run a guest", str(exc))
                 return
             self.item(f"opened {host_path} read/write, KVM API {probe.KVM_API_VERSION}, created a "
@@ -323,7 +324,7 @@ class Demo:
         else:
             try:
                 await self.timed(f"open {host_path}", runner.run(lambda: probe.probe_mshv(host_path)))
-            except probe.ProbeError as exc:
+            except CheckFailed as exc:
                 self.cannot(f"open {host_path}", str(exc))
                 return
             self.item(f"opened {host_path} read/write (no guest is run on mshv)")

@@ -26,6 +26,7 @@ from typing import Any
 
 from hlplugin import cdi, probe
 from hlplugin.config import Settings
+from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
@@ -95,11 +96,11 @@ async def diagnose(settings: Settings) -> Report:
         """Run ``fn`` bounded; its return value is the detail of an ok row. A runner per step: a
         helper stuck in the kernel fails its own row, not the unrelated ones after it."""
         started = time.monotonic()
-        runner = probe.BoundedRunner(settings.probe_timeout, name=f"hlplugin-doctor-{name}")
+        runner = BoundedRunner(settings.probe_timeout, name=f"hlplugin-doctor-{name}")
         try:
             detail = await runner.run(fn)
             check = Check(name, OK, detail)
-        except probe.ProbeError as exc:
+        except CheckFailed as exc:
             check = Check(name, FAIL, _with_hint(exc))
         except _Verdict as exc:
             check = Check(name, exc.status, exc.detail)
@@ -331,10 +332,12 @@ def _os_error(exc: OSError) -> str:
     return f"{exc.strerror or exc} ({name})" if name else str(exc.strerror or exc)
 
 
-def _with_hint(exc: probe.ProbeError) -> str:
+def _with_hint(exc: CheckFailed) -> str:
     """The probe's message, plus what an operator can do about the commonest causes."""
     hint = ""
-    if exc.errno == errno.EACCES:
+    if not isinstance(exc, probe.ProbeError):
+        pass  # the runner gave up: its message says why
+    elif exc.errno == errno.EACCES:
         hint = f"; run as root or as a member of {_group_of(exc.path)}"
     elif exc.errno == errno.ENOTTY:
         hint = "; the node exists but is not a KVM device"

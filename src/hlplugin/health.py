@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
@@ -13,9 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hlplugin.config import HYPERVISORS, Settings
-from hlplugin.deviceplugin.conditions import MIN_PERIOD, HealthState, HealthTracker
-from hlplugin.deviceplugin.watch import DirWatcher, wait_event
-from hlplugin.probe import BoundedRunner, ProbeError, check_host_identity, probe_device
+from hlplugin.deviceplugin.bounded import CheckFailed
+from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.producer import Producer
+from hlplugin.deviceplugin.watch import DirWatcher
+from hlplugin.probe import check_host_identity, probe_device
 
 if TYPE_CHECKING:
     from hlplugin.metrics import Metrics
@@ -26,13 +27,13 @@ _IDENTITY = "host_identity"
 
 
 class DeviceMonitor:
-    """Feeds conditions "device" and "host_identity" of a HealthTracker.
+    """Feeds conditions "device" and "host_identity" of a HealthTracker: a pass on a Producer.
 
     Checks run periodically, at once when the device node or its host twin changes, and before an
-    Allocate (``ensure_fresh``). Every check runs in one BoundedRunner, so a hung kernel costs at
-    most one stuck thread and a "timed out" condition, never a hung daemon. Checks run as their own
-    tasks: a caller that gives up (a cancelled Allocate) neither stops a check nor fails the device;
-    the result is recorded either way.
+    Allocate (``ensure_fresh``). Every check runs in the producer's BoundedRunner, so a hung kernel
+    costs at most one stuck thread and a "timed out" condition, never a hung daemon. Checks run as
+    their own tasks: a caller that gives up (a cancelled Allocate) neither stops a check nor fails
+    the device; the result is recorded either way.
     """
 
     def __init__(
@@ -52,45 +53,44 @@ class DeviceMonitor:
     ) -> None:
         self.tracker = tracker
         self.hypervisor = hypervisor
-        self.dev_dir = dev_dir
-        self.host_dev_dir = host_dev_dir
-        self.interval = interval
-        self.budget = budget
         self.metrics = metrics
-        self.runner = BoundedRunner(budget, name=f"hlplugin-probe-{hypervisor}")
-        self._clock = clock
         self._device_probe = device_probe or functools.partial(
             probe_device, hypervisor, dev_dir, guest_check)
         self._identity_probe = identity_probe
         if identity_probe is None and host_dev_dir is not None:
             self._identity_probe = functools.partial(
                 check_host_identity, dev_dir / hypervisor, host_dev_dir / hypervisor)
-        self._latest: asyncio.Task[HealthState] | None = None
-        self._completed_at: float | None = None
-        self._tasks: set[asyncio.Task[HealthState]] = set()
-        self.checks = 0  # completed checks, for tests and debugging
+        watch = [DirWatcher(dev_dir, {hypervisor})]
+        if host_dev_dir is not None:
+            watch.append(DirWatcher(host_dev_dir, {hypervisor}))
+        self.producer = Producer(f"probe-{hypervisor}", self._pass, watch=watch,
+                                 interval=interval, budget=budget, clock=clock)
+        self.runner = self.producer.runner
+
+    @property
+    def checks(self) -> int:
+        """Completed checks, for tests and debugging."""
+        return self.producer.passes
 
     async def check(self) -> HealthState:
         """Run one full check now and record it; the check survives the caller's cancellation."""
-        task = asyncio.create_task(self._check_once(), name="hlplugin-device-check")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        self._latest = task
-        return await asyncio.shield(task)
+        await self.producer.check("demand")
+        return self.tracker.state
 
     async def ensure_fresh(self, max_age: float = 1.0) -> HealthState:
         """Health no older than ``max_age``: reuse a recent or in-flight check, else run one.
 
         A burst of Allocates costs one probe; a cancelled caller leaves the shared check running.
         """
-        latest = self._latest
-        if latest is not None and not latest.done():
-            return await asyncio.shield(latest)
-        if self._completed_at is not None and self._clock() - self._completed_at < max_age:
-            return self.tracker.state
-        return await self.check()
+        await self.producer.ensure(max_age)
+        return self.tracker.state
 
-    async def _check_once(self) -> HealthState:
+    async def run(self) -> None:
+        """Check now (unless a check already ran), then every ``interval`` and whenever the node
+        changes, until cancelled."""
+        await self.producer.run()
+
+    async def _pass(self, trigger: str) -> bool:
         probes: list[tuple[str, Callable[[], None]]] = []
         # Identity first: a stat does not hang, so it is known even when the device probe does.
         if self._identity_probe is not None:
@@ -107,7 +107,7 @@ class DeviceMonitor:
         started = time.monotonic()
         try:
             await self.runner.run(helper)
-        except ProbeError as exc:
+        except CheckFailed as exc:
             # Timed out: the probe it hung in fails, the ones never reached keep their last state.
             # Stuck before starting: nothing ran, the device is not proven usable.
             stuck = running[-1] if running and exc.step == "timeout" else _DEVICE
@@ -117,9 +117,7 @@ class DeviceMonitor:
                 self._record(name, *results[name])
         if self._identity_probe is None:
             self.tracker.set_condition(_IDENTITY, True)
-        self._completed_at = self._clock()
-        self.checks += 1
-        return self.tracker.state
+        return self.tracker.state.healthy
 
     def _record(self, name: str, duration: float, error: BaseException | None) -> None:
         if self.metrics is not None:
@@ -127,36 +125,13 @@ class DeviceMonitor:
         if error is None:
             self.tracker.set_condition(name, True)
             return
-        if isinstance(error, ProbeError):
+        if isinstance(error, CheckFailed):
             reason, text = error.reason, str(error)
         else:  # an injected or unexpected failure: still a failed check, never a crash
             reason, text = "error", f"{type(error).__name__}: {error}"
         if self.metrics is not None:
             self.metrics.probe_failures.labels(reason=reason).inc()
         self.tracker.set_condition(name, False, text)
-
-    async def run(self) -> None:
-        """Check now, then every ``interval`` and whenever the node changes, until cancelled."""
-        wake = asyncio.Event()
-        watchers = [DirWatcher(self.dev_dir, {self.hypervisor})]
-        if self.host_dev_dir is not None:
-            watchers.append(DirWatcher(self.host_dev_dir, {self.hypervisor}))
-
-        async def feed(watcher: DirWatcher) -> None:
-            async for _ in watcher.changes():
-                wake.set()
-
-        feeders = [asyncio.create_task(feed(w), name=f"hlplugin-watch-{w.directory}")
-                   for w in watchers]
-        try:
-            while True:
-                wake.clear()  # events from here on cause another check after this one
-                await self.check()
-                await wait_event(wake, max(self.interval, MIN_PERIOD))
-        finally:
-            for feeder in feeders:
-                feeder.cancel()
-            await asyncio.gather(*feeders, return_exceptions=True)
 
 
 def _timed(probe: Callable[[], None]) -> tuple[float, BaseException | None]:

@@ -6,6 +6,7 @@ module adds only the device IDs, the Allocate that hands out CDI references, and
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -73,8 +74,7 @@ async def serve(settings: Settings) -> None:
     metrics = Metrics()
     tracker = HealthTracker(required=("cdi", "device", "host_identity"))
 
-    async def setup() -> Started:
-        hv = await wait_for_hypervisor(settings)
+    async def setup(hv: str) -> Started:
         reconciler = cdi.CdiReconciler(
             settings.cdi_dir, cdi.render_spec(hv, settings.device_uid, settings.device_gid),
             tracker=tracker, metrics=metrics, interval=settings.cdi_interval)
@@ -102,5 +102,6 @@ async def serve(settings: Settings) -> None:
                                    "plugin": lifecycle.run()})
 
     await run_daemon(DaemonSpec(
-        "hlplugin serve", settings.http_address, tracker, metrics, setup,
+        "hlplugin serve", settings.http_address, tracker, metrics,
+        functools.partial(wait_for_hypervisor, settings), setup,
         pending={"hypervisor": f"no mshv or kvm device under {settings.dev_dir}"}))

@@ -15,7 +15,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -28,6 +28,7 @@ from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 RootTasks = Mapping[str, Coroutine[Any, Any, None]]
 
 
@@ -41,18 +42,20 @@ class Started:
 
 
 @dataclass(frozen=True)
-class DaemonSpec:
+class DaemonSpec(Generic[T]):
     """Everything run_daemon needs from one daemon.
 
-    ``pending`` names the conditions /readyz reports as failing until ``setup`` returns (what
-    the daemon waits for before it can build its plugin, e.g. a device node to appear).
+    ``wait`` returns what the daemon needs before it can build its plugin (e.g. which device node
+    appeared); until it does, /readyz reports the ``pending`` conditions as failing. ``setup``
+    then builds the plugin from it and returns the lifecycle and the root tasks.
     """
 
     name: str
     http_address: tuple[str, int]
     tracker: HealthTracker
     metrics: DevicePluginMetrics
-    setup: Callable[[], Awaitable[Started]]
+    wait: Callable[[], Awaitable[T]]
+    setup: Callable[[T], Awaitable[Started]]
     pending: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -170,7 +173,7 @@ class SelfCheck:
             await channel.close(None)
 
 
-async def run_daemon(spec: DaemonSpec) -> None:
+async def run_daemon(spec: DaemonSpec[T]) -> None:
     """Start HTTP, then run the spec's setup and its named root tasks until a signal.
 
     A root task that fails is logged as one line naming it and its error; the others are
@@ -181,6 +184,7 @@ async def run_daemon(spec: DaemonSpec) -> None:
     assert me is not None
     roots: list[asyncio.Task[None]] = []
     started: Started | None = None
+    waiting = True
     track_health_metrics(spec.tracker, spec.metrics)
 
     def current() -> PluginLifecycle | None:
@@ -188,7 +192,7 @@ async def run_daemon(spec: DaemonSpec) -> None:
 
     def readiness() -> dict[str, tuple[bool, str]]:
         conditions = plugin_readiness(current, spec.tracker)()
-        if started is None:
+        if waiting:
             conditions.update((name, (False, reason)) for name, reason in spec.pending.items())
         return conditions
 
@@ -224,7 +228,9 @@ async def run_daemon(spec: DaemonSpec) -> None:
                       format_address(spec.http_address), _os_reason(exc))
             raise SystemExit(1) from None
         checking = asyncio.create_task(checker.run(), name="self-check")
-        started = await spec.setup()
+        found = await spec.wait()
+        waiting = False
+        started = await spec.setup(found)
         try:
             async with asyncio.TaskGroup() as group:
                 for task_name, coroutine in started.tasks.items():

@@ -145,30 +145,3 @@ async def wait_event(event: asyncio.Event, limit: float) -> bool:
         async with asyncio.timeout(limit):
             await event.wait()
     return event.is_set()
-
-
-class Wakeup:
-    """A watcher turned into a wake-up that is safe to wait on with a timeout.
-
-    Take ``pulse()`` before looking at the filesystem, then ``wait(pulse, timeout)``: an event
-    that lands between the look and the wait still wakes the waiter.
-    """
-
-    def __init__(self, watcher: DirWatcher) -> None:
-        self._watcher = watcher
-        self._event = asyncio.Event()
-
-    def pulse(self) -> asyncio.Event:
-        return self._event
-
-    async def wait(self, pulse: asyncio.Event, limit: float) -> None:
-        await wait_event(pulse, limit)
-
-    def fire(self) -> None:
-        """Wake the waiters now, as a watched change would (for changes seen elsewhere)."""
-        fired, self._event = self._event, asyncio.Event()
-        fired.set()
-
-    async def run(self) -> None:
-        async for _ in self._watcher.changes():
-            self.fire()
