@@ -356,10 +356,10 @@ class CdiReconciler:
         Off the event loop, within the budget. A pass in flight is shared; while a helper stuck in
         hung storage holds the runner, the failing condition (naming the timeout) answers at once.
         """
+        if self.producer.runner.busy and not self.condition.ok:
+            return self.condition  # stuck (passes queued behind it would only wait their budget)
         if self.producer.in_flight is not None:
             await self.producer.ensure(0.0)
-            return self.condition
-        if self.producer.runner.busy:
             return self.condition
         if self.condition.ok:
             try:
