@@ -8,8 +8,6 @@ permission, no mounts, no environment, no CDI.
 from __future__ import annotations
 
 import functools
-import os
-import stat
 from pathlib import Path
 
 import grpc
@@ -19,6 +17,7 @@ from hlplugin.config import Settings
 from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import HealthTracker
 from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon
+from hlplugin.deviceplugin.files import char_device
 from hlplugin.deviceplugin.lifecycle import Context, PluginLifecycle
 from hlplugin.deviceplugin.producer import Producer
 from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
@@ -32,12 +31,10 @@ from hlplugin.names import DEVICE_ACCESS_SOCKET as SOCKET
 def node_problem(path: Path) -> str:
     """Why ``path`` is not a usable character device node, or "" when it is."""
     try:
-        st = os.lstat(path)
+        _, kind = char_device(path)
     except OSError as exc:
         return f"{path}: {exc.strerror} (errno {exc.errno})"
-    if not stat.S_ISCHR(st.st_mode):
-        return f"{path} is not a character device"
-    return ""
+    return f"{path} is not a character device" if kind else ""
 
 
 class DeviceAccessPlugin(TrackedDevicePlugin):

@@ -29,6 +29,7 @@ from typing import Any, cast
 
 from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import Condition, HealthTracker
+from hlplugin.deviceplugin.files import kind_of
 from hlplugin.deviceplugin.producer import Producer
 from hlplugin.deviceplugin.watch import FILE_EVENTS, DirWatcher
 from hlplugin.metrics import Metrics
@@ -95,15 +96,6 @@ def render_spec(hypervisor: str, uid: int, gid: int) -> bytes:
 # --- reading without trusting the path -----------------------------------------------------------
 
 
-def _kind_of(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
 class NotRegular(Exception):
     """Something other than a regular file sits at the path; ``str()`` says what."""
 
@@ -119,7 +111,7 @@ def _read(path: Path, limit: int) -> tuple[bytes, os.stat_result] | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     if not stat.S_ISREG(st.st_mode):
-        raise NotRegular(_kind_of(st.st_mode))
+        raise NotRegular(kind_of(st.st_mode))
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -131,7 +123,7 @@ def _read(path: Path, limit: int) -> tuple[bytes, os.stat_result] | None:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise NotRegular(_kind_of(st.st_mode))
+            raise NotRegular(kind_of(st.st_mode))
         chunks: list[bytes] = []
         size = 0
         while size < limit:
@@ -287,7 +279,7 @@ def _discard_temp(dir_fd: int, temp: str) -> None:
         if stat.S_ISREG(st.st_mode):
             os.unlink(temp, dir_fd=dir_fd)
         else:
-            log.warning("left %s in place: it is %s, not ours", temp, _kind_of(st.st_mode))
+            log.warning("left %s in place: it is %s, not ours", temp, kind_of(st.st_mode))
     except FileNotFoundError:
         pass
     except OSError as exc:
@@ -510,7 +502,7 @@ class CdiReconciler:
             if stat.S_ISREG(displaced.st_mode):
                 return  # the old spec, now at our temp name, which _replace removes
             _put_back(dir_fd, temp)
-            raise NotRegular(_kind_of(displaced.st_mode))
+            raise NotRegular(kind_of(displaced.st_mode))
         raise OSError(errno.EAGAIN, f"{SPEC_FILE} kept appearing and disappearing")
 
     def _install_without_renameat2(self, dir_fd: int, temp: str) -> None:
@@ -527,7 +519,7 @@ class CdiReconciler:
         with contextlib.suppress(FileNotFoundError):
             mode = os.stat(SPEC_FILE, dir_fd=dir_fd, follow_symlinks=False).st_mode
             if not stat.S_ISREG(mode):
-                raise NotRegular(_kind_of(mode))
+                raise NotRegular(kind_of(mode))
         try:
             os.rename(temp, SPEC_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except OSError as exc:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import fcntl
 import json
 import os
 import secrets
@@ -27,6 +26,7 @@ from typing import Any
 from hlplugin import cdi, probe
 from hlplugin.config import Settings
 from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
+from hlplugin.deviceplugin.files import char_device
 from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
@@ -189,31 +189,17 @@ class _Verdict(Exception):
 
 def _describe_node(path: Path) -> str:
     try:
-        st = os.lstat(path)
+        st, kind = char_device(path)
     except OSError as exc:
         raise _Verdict(FAIL, f"{path}: {_os_error(exc)}") from None
-    if not stat.S_ISCHR(st.st_mode):
+    if kind:
         raise _Verdict(FAIL, f"{path} is not a character device (mode {st.st_mode:o})")
     return (f"{path}: character device {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}, "
             f"mode {stat.S_IMODE(st.st_mode):04o}, owner {st.st_uid}:{st.st_gid}")
 
 
 def _api_version(path: Path) -> str:
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as exc:
-        raise probe.ProbeError.from_os_error(exc, step="open", path=path, reason="open") from exc
-    try:
-        try:
-            version = fcntl.ioctl(fd, probe.KVM_GET_API_VERSION, 0)
-        except OSError as exc:
-            raise probe.ProbeError.from_os_error(exc, step="KVM_GET_API_VERSION", path=path,
-                                                 reason="api_version") from exc
-    finally:
-        os.close(fd)
-    if version != probe.KVM_API_VERSION:
-        raise _Verdict(FAIL, f"{version}, expected {probe.KVM_API_VERSION}")
-    return str(version)
+    return str(probe.kvm_api_version(path))
 
 
 def _create_vm(path: Path) -> str:

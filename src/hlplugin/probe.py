@@ -21,6 +21,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from hlplugin.deviceplugin.bounded import CheckFailed
+from hlplugin.deviceplugin.files import char_device, kind_of
 
 # Short, bounded failure reasons (metric labels): never paths, errnos or free text.
 REASONS = ("open", "api_version", "create_vm", "guest", "not_char_device", "identity_missing",
@@ -121,16 +122,27 @@ def _open(path: Path, stack: ExitStack) -> int:
     return fd
 
 
+def _api_version(kvm: int, path: Path) -> int:
+    version = _ioctl(kvm, KVM_GET_API_VERSION, 0, step="KVM_GET_API_VERSION", path=path,
+                     reason="api_version")
+    if version != KVM_API_VERSION:
+        raise ProbeError(
+            f"KVM_GET_API_VERSION on {path} returned {version}, expected {KVM_API_VERSION}",
+            step="KVM_GET_API_VERSION", path=path, reason="api_version")
+    return version
+
+
+def kvm_api_version(path: Path) -> int:
+    """probe_kvm's first step alone: open ``path`` and check its KVM API version."""
+    with ExitStack() as stack:
+        return _api_version(_open(path, stack), path)
+
+
 def probe_kvm(path: Path, guest: bool = True) -> None:
     """Raise ProbeError unless ``path`` is a KVM that creates a VM (with ``guest``: and runs it)."""
     with ExitStack() as stack:
         kvm = _open(path, stack)
-        version = _ioctl(kvm, KVM_GET_API_VERSION, 0, step="KVM_GET_API_VERSION", path=path,
-                         reason="api_version")
-        if version != KVM_API_VERSION:
-            raise ProbeError(
-                f"KVM_GET_API_VERSION on {path} returned {version}, expected {KVM_API_VERSION}",
-                step="KVM_GET_API_VERSION", path=path, reason="api_version")
+        _api_version(kvm, path)
         vm = _ioctl(kvm, KVM_CREATE_VM, 0, step="KVM_CREATE_VM", path=path, reason="create_vm")
         stack.callback(os.close, vm)
         if guest:
@@ -199,26 +211,17 @@ def _run_guest(kvm: int, vm: int, path: Path, stack: ExitStack) -> None:
 def _lstat_char(path: Path, what: str, missing_reason: str) -> os.stat_result:
     """lstat ``path`` and insist on a character device (a symlink or a regular file is refused)."""
     try:
-        st = os.lstat(path)
+        st, kind = char_device(path)
     except OSError as exc:
         reason = missing_reason if exc.errno == errno_mod.ENOENT else "open"
         raise ProbeError(f"{what} {path} is missing: [Errno {exc.errno}] {exc.strerror}"
                          if exc.errno == errno_mod.ENOENT else
                          f"lstat on {path} failed: [Errno {exc.errno}] {exc.strerror}",
                          step="lstat", path=path, errno=exc.errno, reason=reason) from exc
-    if not stat.S_ISCHR(st.st_mode):
-        raise ProbeError(f"{what} {path} is not a character device ({_kind(st.st_mode)})",
+    if kind:
+        raise ProbeError(f"{what} {path} is not a character device ({kind})",
                          step="lstat", path=path, reason="not_char_device")
     return st
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISREG, "a regular file"),
-                       (stat.S_ISDIR, "a directory"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return f"mode {mode:o}"
 
 
 def probe_mshv(path: Path) -> None:
@@ -242,7 +245,7 @@ def check_host_identity(dev_path: Path, host_path: Path) -> None:
                          step="stat", path=dev_path, errno=exc.errno,
                          reason="identity_missing") from exc
     if not stat.S_ISCHR(dev.st_mode):
-        raise ProbeError(f"device {dev_path} is not a character device ({_kind(dev.st_mode)})",
+        raise ProbeError(f"device {dev_path} is not a character device ({kind_of(dev.st_mode)})",
                          step="stat", path=dev_path, reason="not_char_device")
     host = _lstat_char(host_path, "host device node", "identity_missing")
     if host.st_rdev != dev.st_rdev:

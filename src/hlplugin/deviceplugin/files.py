@@ -25,16 +25,12 @@ def kind_of(mode: int) -> str:
     return f"mode {mode:o}"
 
 
-def char_device_problem(path: Path) -> tuple[str, os.stat_result | OSError]:
-    """lstat ``path`` (a symlink is not followed, so it is refused): "" and its stat when it is a
-    character device; else what it is instead ("missing" or kind_of) and the stat or the error."""
-    try:
-        st = os.lstat(path)
-    except OSError as exc:
-        return "missing", exc
-    if not stat.S_ISCHR(st.st_mode):
-        return kind_of(st.st_mode), st
-    return "", st
+def char_device(path: Path) -> tuple[os.stat_result, str]:
+    """The one character-device check: lstat ``path`` (a symlink is not followed, so it is
+    refused); its stat, and "" when it is a character device or else what it is (kind_of).
+    Raises OSError when it cannot be lstat'd."""
+    st = os.lstat(path)
+    return st, "" if stat.S_ISCHR(st.st_mode) else kind_of(st.st_mode)
 
 
 def socket_path_problem(directory: Path, socket_name: str) -> str:
