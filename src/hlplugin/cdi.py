@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import difflib
 import errno
+import itertools
 import json
 import logging
 import os
@@ -251,20 +252,15 @@ def _put_back(dir_fd: int, temp: str) -> None:
     """Return what an exchange displaced (now at ``temp``) to our path; what is there now (our
     file, normally) goes to ``temp``. If our path is empty meanwhile, a no-replace move."""
     error: OSError | None = None
-    for _ in range(_MAX_INSTALL_ATTEMPTS):
+    # Exchange; if our path emptied meanwhile (ENOENT), move; if it filled again (EEXIST), ...
+    attempts = ((RENAME_EXCHANGE, errno.ENOENT), (RENAME_NOREPLACE, errno.EEXIST))
+    for flags, again in itertools.islice(itertools.cycle(attempts), 2 * _MAX_INSTALL_ATTEMPTS):
         try:
-            renameat2(dir_fd, temp, SPEC_FILE, RENAME_EXCHANGE)
+            renameat2(dir_fd, temp, SPEC_FILE, flags)
             return
         except OSError as exc:
             error = exc
-            if exc.errno != errno.ENOENT:
-                break
-        try:
-            renameat2(dir_fd, temp, SPEC_FILE, RENAME_NOREPLACE)
-            return
-        except OSError as exc:
-            error = exc
-            if exc.errno != errno.EEXIST:
+            if exc.errno != again:
                 break
     log.warning("could not return what was at %s to its place; it is at %s: %s",
                 SPEC_FILE, temp, error.strerror if error else "")
