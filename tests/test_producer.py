@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from harness import wait_until
 
-from hlplugin.deviceplugin.bounded import CheckFailed
+from hlplugin.cdi import SPEC_FILE, CdiReconciler, render_spec
+from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.conditions import HealthTracker
 from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
@@ -133,3 +134,51 @@ async def test_a_failing_root_task_is_one_log_line_and_exit_1(
     assert [r.getMessage() for r in errors] == [
         "example daemon: root task broken failed: ValueError: the disk is on fire; exiting"]
     assert errors[0].task == "broken"  # type: ignore[attr-defined]
+
+
+async def test_a_lingering_runner_reuses_its_helper_then_lets_it_go() -> None:
+    """One read per Allocate must not start a thread per Allocate; an idle runner holds none."""
+    runner = BoundedRunner(budget=5.0, name="linger-test", linger=0.2)
+    for n in range(20):
+        assert await runner.run(lambda n=n: n * 2) == n * 2  # type: ignore[misc]
+    assert runner.threads_started == 1
+
+    def helpers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("linger-test")]
+
+    assert helpers()
+    await wait_until(lambda: not helpers(), 5, "the idle helper to end")
+    assert await runner.run(lambda: "again") == "again"
+    assert runner.threads_started == 2
+
+
+async def test_cdi_ensure_skips_the_read_only_while_inotify_saw_nothing(tmp_path: Path) -> None:
+    """With the directory's watch live and quiet, an Allocate's check costs no read at all; a
+    change the kernel queued but the loop has not read yet still makes it read (and repair)."""
+    desired = render_spec("kvm", 65534, 65534)
+    tracker = HealthTracker(required=("cdi",))
+    rec = CdiReconciler(tmp_path, desired, tracker=tracker, interval=3600)
+    path = tmp_path / SPEC_FILE
+    assert (await rec.reconcile("start")).ok
+    running = asyncio.create_task(rec.run())
+    try:
+        watcher = rec.producer.wakeup.watchers[0]
+        await wait_until(lambda: watcher.live_fd is not None, 5, "the watch")
+        # The watch reports every name when it starts: one more pass, then quiet.
+        await wait_until(lambda: rec.producer.passes >= 2 and rec.producer.in_flight is None, 5,
+                         "the pass the watch starts with")
+        assert (await rec.ensure()).ok
+        reads = rec.producer.runner.calls
+        for _ in range(10):
+            assert (await rec.ensure()).ok
+        assert rec.producer.runner.calls == reads  # quiet: no read
+
+        # Rewritten in place, same size; ensure() runs before the loop reads the inotify event.
+        tampered = desired.replace(b'"rw"', b'"rx"')
+        path.write_bytes(tampered)  # truncates and writes the same inode
+        assert (await rec.ensure()).ok
+        assert rec.producer.runner.calls > reads
+        assert path.read_bytes() == desired
+    finally:
+        running.cancel()
+        await asyncio.wait({running})

@@ -11,10 +11,12 @@ is never deleted.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import difflib
 import errno
+import functools
 import itertools
 import json
 import logging
@@ -47,6 +49,12 @@ CONDITION = "cdi"
 _MAX_READ = 1 << 20
 # How long one pass (read, compare, write, two fsyncs) may take before the condition fails.
 DEFAULT_BUDGET = 5.0
+# How long the pass's helper thread waits for the next read: one per Allocate needs no new thread.
+_LINGER = 1.0
+# How long a right read is trusted while the directory's inotify watch is live and saw nothing:
+# local changes always wake the watch; this bounds what it cannot see (a mount over the
+# directory, a change made on another host of a network file system).
+_TRUST_QUIET = 1.0
 
 
 def qualified_name(hypervisor: str) -> str:
@@ -321,7 +329,11 @@ class CdiReconciler:
         # after a caller gave up), bounded by ``budget``: hung storage fails the condition.
         self.producer = Producer(
             "cdi", self._step, watch=[DirWatcher(cdi_dir, {SPEC_FILE, ""}, events=FILE_EVENTS)],
-            interval=interval, max_backoff=max_backoff, budget=budget, clock=clock)
+            interval=interval, max_backoff=max_backoff, budget=budget, linger=_LINGER,
+            clock=clock)
+        self._quick: asyncio.Task[bool] | None = None
+        # When the spec last read right, and the watch pulse taken just before that read.
+        self._verified: tuple[float, asyncio.Event] | None = None
         self._uid = os.geteuid()
         self._gid = os.getegid()
         self._warned_no_exchange = False
@@ -350,11 +362,23 @@ class CdiReconciler:
             await self.producer.ensure(0.0)
             return self.condition
         if self.condition.ok:
+            now = asyncio.get_running_loop().time()
+            verified = self._verified
+            if verified is not None and now - verified[0] < _TRUST_QUIET \
+                    and self.producer.wakeup.quiet_since(verified[1]):
+                return self.condition  # read right since, and inotify saw nothing change
+            quick = self._quick
+            if quick is None or quick.done():  # concurrent Allocates share one read
+                pulse = self.producer.wakeup.pulse()
+                quick = self._quick = asyncio.create_task(
+                    self.producer.runner.run(self._is_current), name="hlplugin-cdi-read")
+                quick.add_done_callback(functools.partial(self._read_done, now, pulse))
             try:
-                if await self.producer.runner.run(self._is_current):
+                if await asyncio.shield(quick):
                     return self.condition
             except CheckFailed as exc:
-                self._publish(self._timed_out(exc), "allocate")
+                if self.condition.ok:
+                    self._publish(self._timed_out(exc), "allocate")
                 return self.condition
         return await self.reconcile("allocate")
 
@@ -374,6 +398,10 @@ class CdiReconciler:
     def _timed_out(self, exc: CheckFailed) -> _Outcome:
         return _Outcome(Condition(False, f"cannot check {self.path}: {exc} (its storage does not "
                                          f"answer)"))
+
+    def _read_done(self, began: float, pulse: asyncio.Event, task: asyncio.Task[bool]) -> None:
+        if not task.cancelled() and task.exception() is None and task.result():
+            self._verified = (began, pulse)
 
     def _is_current(self) -> bool:
         with contextlib.suppress(OSError, NotRegular):

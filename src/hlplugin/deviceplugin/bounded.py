@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import queue
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
+_Job = tuple[Callable[[], T], "concurrent.futures.Future[T]"]
 
 
 class CheckFailed(Exception):
@@ -36,14 +38,22 @@ class BoundedRunner:
     outstanding: a call first waits, within its own budget, for the previous helper; if that one
     is still stuck the call fails without starting another. The budget bounds the whole call,
     waiting included. Daemon threads, so a stuck helper never blocks process exit.
+
+    With ``linger`` (seconds), a helper that finished waits that long for the next call instead
+    of ending, so frequent short checks (one per Allocate) do not each start a thread; an idle
+    runner still costs nothing once it has lingered.
     """
 
-    def __init__(self, budget: float = 2.0, name: str = "hlplugin-probe") -> None:
+    def __init__(self, budget: float = 2.0, name: str = "hlplugin-probe",
+                 linger: float = 0.0) -> None:
         self.budget = budget
         self.name = name
+        self.linger = linger
         self.threads_started = 0
+        self.calls = 0
         self._lock = threading.Lock()
         self._current: concurrent.futures.Future[object] | None = None
+        self._idle: queue.SimpleQueue[_Job[Any]] | None = None  # a lingering helper's inbox
 
     @property
     def busy(self) -> bool:
@@ -53,6 +63,7 @@ class BoundedRunner:
 
     async def run(self, fn: Callable[[], T], budget: float | None = None) -> T:
         budget = self.budget if budget is None else budget
+        self.calls += 1
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         while True:
@@ -63,9 +74,19 @@ class BoundedRunner:
                     # Running from the start: a cancelled waiter can never cancel it.
                     helper.set_running_or_notify_cancel()
                     self._current = helper  # type: ignore[assignment]
+                    if self._idle is not None:
+                        self._idle.put((fn, helper))
+                        self._idle = None
+                        break
                     self.threads_started += 1
-                    threading.Thread(target=_work, args=(fn, helper), daemon=True,
-                                     name=f"{self.name}-{self.threads_started}").start()
+                    name = f"{self.name}-{self.threads_started}"
+                    if self.linger > 0:
+                        inbox: queue.SimpleQueue[_Job[Any]] = queue.SimpleQueue()
+                        threading.Thread(target=self._serve, args=(inbox, (fn, helper)),
+                                         daemon=True, name=name).start()
+                    else:
+                        threading.Thread(target=_work, args=(fn, helper), daemon=True,
+                                         name=name).start()
                     break
             if not await _wait(previous, deadline - loop.time()):
                 raise CheckFailed(
@@ -75,6 +96,32 @@ class BoundedRunner:
             raise CheckFailed(f"check timed out after {seconds_text(budget)}s", step="timeout",
                              reason="timeout")
         return helper.result()
+
+
+    def _serve(self, inbox: queue.SimpleQueue[_Job[Any]], job: _Job[Any]) -> None:
+        """A lingering helper: run ``job``, then the next one handed over within ``linger``."""
+        while True:
+            fn, helper = job
+            try:
+                result, error = fn(), None
+            except BaseException as exc:
+                result, error = None, exc
+            with self._lock:  # offered before the result is out, so the next call finds it
+                self._idle = inbox
+            if error is not None:
+                helper.set_exception(error)
+            else:
+                helper.set_result(result)
+            try:
+                job = inbox.get(timeout=self.linger)
+                continue
+            except queue.Empty:
+                pass
+            with self._lock:
+                if self._idle is inbox:
+                    self._idle = None
+                    return
+            job = inbox.get()  # handed over just as it gave up waiting
 
 
 def seconds_text(seconds: float) -> str:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import select
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import NoReturn
@@ -69,6 +70,18 @@ class Wakeup:
         """True when woken, False when ``limit`` passed first."""
         return await wait_event(pulse, limit)
 
+    def quiet_since(self, pulse: asyncio.Event) -> bool:
+        """No watched change since ``pulse`` was taken, as far as the kernel knows right now:
+        not woken since, every watcher live on inotify, and no event waiting unread. Polls the
+        inotify fds; never touches the watched file systems."""
+        if pulse.is_set() or not self.watchers:
+            return False
+        fds = [w.live_fd for w in self.watchers if w.live_fd is not None]
+        if len(fds) < len(self.watchers):
+            return False
+        readable, _, _ = select.select(fds, [], [], 0)
+        return not readable
+
     def fire(self) -> None:
         """Wake the waiters now, as a watched change would (for changes seen elsewhere)."""
         fired, self._event = self._event, asyncio.Event()
@@ -106,11 +119,11 @@ class Producer:
 
     def __init__(self, name: str, step: Pass, *, watch: Sequence[DirWatcher] = (),
                  interval: float = 10.0, max_backoff: float | None = None, budget: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 linger: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
         self.interval = interval
         self.max_backoff = max_backoff
-        self.runner = BoundedRunner(budget, name=f"hlplugin-{name}")
+        self.runner = BoundedRunner(budget, name=f"hlplugin-{name}", linger=linger)
         self.wakeup = Wakeup(*watch)
         self.ok = False
         self.completed_at: float | None = None  # clock() when the latest pass finished
