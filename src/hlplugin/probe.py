@@ -1,6 +1,7 @@
-"""Proof that a hypervisor device is usable, and a bounded way to ask for that proof.
+"""Proof that a hypervisor device is usable (the bounded way to ask for it is deviceplugin.bounded).
 
-Standard library only: the same module runs inside a workload container to check what it was given.
+Standard library only (with the generic package's standard-library helpers, bounded and files):
+the same checks run inside a workload container to check what it was given.
 
 A KVM check opens the node, asks for the API version, creates a VM and (with ``guest``) runs a
 three-instruction real-mode guest to its ``hlt``: a node that merely exists, or a VM that cannot
