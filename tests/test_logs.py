@@ -132,7 +132,11 @@ def test_lasting_faults_log_once_when_they_begin_and_once_when_they_end(tmp_path
         assert count("condition device is unhealthy") == 1
         assert count("condition host_identity is unhealthy") == 1
         warnings = [line for line in proc.lines if line["level"] in ("warning", "error")]
-        assert len(warnings) <= 3, warnings  # cdi, device, host_identity: not one per retry
+        # No kubelet runs here: once the daemon lives past a recheck interval (start-up checks
+        # each run once now), the lifecycle's own lasting fault is logged too, also once.
+        registration = [w for w in warnings if "kubelet.sock" in str(w["message"])]
+        assert len(registration) <= 1, registration
+        assert len(warnings) - len(registration) <= 3, warnings  # cdi, device, host_identity
         assert refusals >= 5
 
     run(body())
