@@ -37,8 +37,8 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.cdi import SPEC_FILE, render_spec
 from hlplugin.config import KUBELET_MAX_MESSAGE, MAX_DEVICE_COUNT
+from hlplugin.deviceplugin.servicer import MAX_STREAMS
 from hlplugin.emulator import KubeletEmulator
-from hlplugin.plugin import MAX_STREAMS
 from hlplugin.probe import check_host_identity, probe_kvm
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -36,7 +36,7 @@ from hlplugin.cdi import (
     qualified_name,
     render_spec,
 )
-from hlplugin.health import Condition, HealthTracker
+from hlplugin.deviceplugin.conditions import Condition, HealthTracker
 from hlplugin.metrics import Metrics
 
 SCHEMA_DIR = Path(__file__).parent / "data" / "cdi-schema"
@@ -996,7 +996,7 @@ async def test_unwritable_storage_fails_keeps_the_old_spec_retries_and_recovers(
 
 async def test_run_never_passes_more_often_than_the_floor(cdi_dir: Path) -> None:
     """An interval of 0 (an in-process caller; the CLI refuses it) is not a busy loop."""
-    from hlplugin.health import MIN_PERIOD
+    from hlplugin.deviceplugin.conditions import MIN_PERIOD
 
     passes: list[float] = []
 

@@ -126,7 +126,7 @@ def test_device_count_ceiling_is_inclusive() -> None:
 
 def test_device_list_at_the_ceiling_fits_the_kubelet_message_limit_twice_over() -> None:
     """The longest list the ceiling allows (mshv names, all Unhealthy) as the plugin builds it."""
-    from hlplugin.health import HealthTracker
+    from hlplugin.deviceplugin.conditions import HealthTracker
     from hlplugin.plugin import HypervisorPlugin
 
     async def gate() -> Any:

@@ -402,7 +402,7 @@ def quotes(text: str) -> Iterator[str]:
             continue
         line = _LOG_LINE.match(span)
         if line:
-            assert (SOURCE / f"{line.group(1).removeprefix('hlplugin.')}.py").exists(), span
+            assert (SOURCE / f"{line.group(1).removeprefix('hlplugin.').replace('.', '/')}.py").exists(), span
             span = line.group(2)
         yield span
     for _, reason in named_reasons(text):

@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import errno
 import json
 import os
 import random
 import re
 import signal
 import stat
-import struct
 import subprocess
 import sys
 import threading
@@ -45,6 +42,7 @@ import faultreport
 import grpc
 import pytest
 from faultreport import Row, scenario
+from fusefs import HangingDevFs
 from harness import (
     HAVE_KVM,
     IS_ROOT,
@@ -185,118 +183,6 @@ def spec_is_exact(path: Path) -> bool:
 
 def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
-
-
-# --- a FUSE filesystem that stops answering ---------------------------------------------------
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_IN = struct.Struct("<IIQQIIIHH")   # fuse_in_header
-_OUT = struct.Struct("<IiQ")        # fuse_out_header
-_ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # fuse_attr
-_ENTRY = struct.Struct("<QQQQII")   # fuse_entry_out without its attr
-_ATTR_OUT = struct.Struct("<QII")   # fuse_attr_out without its attr
-_LOOKUP, _FORGET, _GETATTR, _INIT, _INTERRUPT, _BATCH_FORGET = 1, 2, 3, 26, 36, 42
-_MNT_DETACH = 2
-
-
-class HangingDevFs:
-    """A one-entry filesystem, served by this process over /dev/fuse (no library needed).
-
-    Its ``kvm`` is a character device with the real KVM numbers, so opening it opens the real
-    driver. ``hang()`` makes every lookup and stat of ``kvm`` wait unanswered until ``release()``:
-    the device view sits on a filesystem that stopped answering (a hung network or FUSE mount),
-    and whatever stats or opens the node blocks in the kernel. Nothing is cached (valid 0), so every
-    access asks us. Closing unmounts and aborts anything still waiting.
-    """
-
-    def __init__(self, mountpoint: Path, rdev: int) -> None:
-        self.mountpoint = mountpoint
-        minor, major = os.minor(rdev), os.major(rdev)
-        self._rdev = (minor & 0xFF) | (major << 8) | ((minor & ~0xFF) << 12)  # new_encode_dev
-        self._hang = False
-        self._pending: list[tuple[int, int]] = []
-        self._lock = threading.Lock()
-        self._fd = -1
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="fuse")
-        self.requests = 0
-
-    def __enter__(self) -> HangingDevFs:
-        if not os.path.exists("/dev/fuse"):
-            pytest.skip("no /dev/fuse")
-        self.mountpoint.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-        options = f"fd={self._fd},rootmode=40755,user_id=0,group_id=0,allow_other".encode()
-        if _libc.mount(b"hlplugin-fault", bytes(self.mountpoint), b"fuse", 0, options) != 0:
-            code = ctypes.get_errno()
-            os.close(self._fd)
-            pytest.skip(f"cannot mount a FUSE filesystem: {os.strerror(code)}")
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _libc.umount2(bytes(self.mountpoint), _MNT_DETACH)
-        os.close(self._fd)  # aborts the connection: waiting requests fail, the thread ends
-        self._thread.join(5)
-
-    @property
-    def pending(self) -> int:
-        with self._lock:
-            return len(self._pending)
-
-    def hang(self) -> None:
-        with self._lock:
-            self._hang = True
-
-    def release(self) -> None:
-        with self._lock:
-            self._hang = False
-            pending, self._pending = self._pending, []
-        for opcode, unique in pending:
-            self._answer_kvm(opcode, unique)
-
-    def _attr(self, ino: int) -> bytes:
-        if ino == 1:
-            return _ATTR.pack(1, 0, 0, 0, 0, 0, 0, 0, 0, stat.S_IFDIR | 0o755, 2, 0, 0, 0, 4096, 0)
-        return _ATTR.pack(2, 0, 0, 0, 0, 0, 0, 0, 0, stat.S_IFCHR | 0o600, 1, 0, 0, self._rdev,
-                          4096, 0)
-
-    def _reply(self, unique: int, error: int = 0, body: bytes = b"") -> None:
-        with contextlib.suppress(OSError):  # an interrupted or aborted request
-            os.write(self._fd, _OUT.pack(_OUT.size + len(body), -error, unique) + body)
-
-    def _answer_kvm(self, opcode: int, unique: int) -> None:
-        if opcode == _LOOKUP:
-            self._reply(unique, 0, _ENTRY.pack(2, 0, 0, 0, 0, 0) + self._attr(2))
-        else:
-            self._reply(unique, 0, _ATTR_OUT.pack(0, 0, 0) + self._attr(2))
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                data = os.read(self._fd, 1 << 17)
-            except OSError:
-                return  # unmounted and closed
-            length, opcode, unique, node, *_ = _IN.unpack_from(data)
-            body = data[_IN.size:length]
-            self.requests += 1
-            if opcode == _INIT:
-                self._reply(unique, 0, struct.pack("<IIIIHHIIHHI", 7, 31, 0, 0, 16, 12, 4096, 1,
-                                                   1, 0, 0) + bytes(28))
-            elif opcode in (_FORGET, _BATCH_FORGET, _INTERRUPT):
-                continue  # no reply expected
-            elif (opcode == _LOOKUP and node == 1 and body.rstrip(b"\0") == b"kvm") or (
-                    opcode == _GETATTR and node == 2):
-                with self._lock:
-                    if self._hang:
-                        self._pending.append((opcode, unique))
-                        continue
-                self._answer_kvm(opcode, unique)
-            elif opcode == _GETATTR and node == 1:
-                self._reply(unique, 0, _ATTR_OUT.pack(0, 0, 0) + self._attr(1))
-            elif opcode == _LOOKUP:
-                self._reply(unique, errno.ENOENT)
-            else:
-                self._reply(unique, errno.ENOSYS)
 
 
 # --- readers and tamperers in their own processes ------------------------------------------------

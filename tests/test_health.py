@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from harness import wait_until
 
-from hlplugin.health import DeviceMonitor, HealthState, HealthTracker
+from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
+from hlplugin.health import DeviceMonitor
 from hlplugin.metrics import Metrics
 from hlplugin.probe import ProbeError
 
@@ -328,7 +329,7 @@ async def test_regression_host_node_disappearance_publishes_unhealthy(tmp_path: 
 
 async def test_run_never_checks_more_often_than_the_floor(tmp_path: Path) -> None:
     """An interval of 0 (an in-process caller; the CLI refuses it) is not a busy loop."""
-    from hlplugin.health import MIN_PERIOD
+    from hlplugin.deviceplugin.conditions import MIN_PERIOD
 
     checks: list[float] = []
 

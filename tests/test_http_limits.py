@@ -20,9 +20,9 @@ from harness import Daemon, Node, run
 from prometheus_client import CollectorRegistry
 
 from hlplugin import config
-from hlplugin.daemon import SelfCheck
+from hlplugin.deviceplugin.daemon import SelfCheck
+from hlplugin.deviceplugin.http import HttpServer, Limits, connection_cap
 from hlplugin.emulator import free_port
-from hlplugin.http import HttpServer, Limits, connection_cap
 
 HAVE_IPV6 = socket.has_ipv6
 try:

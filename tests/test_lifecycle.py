@@ -17,13 +17,14 @@ import grpc
 import pytest
 from harness import run, wait_until
 
-from hlplugin import cli, config
+from hlplugin import cli, config, names
 from hlplugin.bootstrap import SOCKET as ACCESS_SOCKET
 from hlplugin.bootstrap import DeviceAccessPlugin
-from hlplugin.daemon import plugin_readiness
+from hlplugin.deviceplugin import files
+from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.daemon import plugin_readiness
+from hlplugin.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.emulator import KubeletEmulator
-from hlplugin.health import HealthState, HealthTracker
-from hlplugin.lifecycle import PluginLifecycle
 from hlplugin.metrics import Metrics
 from hlplugin.plugin import HypervisorPlugin
 
@@ -95,7 +96,7 @@ def test_stream_ended_by_the_kubelet_registers_anew_after_the_grace(
         finally:
             await kubelet.stop()
 
-    with caplog.at_level(logging.INFO, logger="hlplugin.lifecycle"):
+    with caplog.at_level(logging.INFO, logger="hlplugin.deviceplugin.lifecycle"):
         run(body())
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warned == ["the kubelet ended its ListAndWatch stream of hyperlight.dev/hypervisor and "
@@ -173,7 +174,7 @@ def test_registration_failure_names_its_cause_and_counts_every_attempt(
             if broken is not None:
                 await broken.stop()
 
-    with caplog.at_level(logging.DEBUG, logger="hlplugin.lifecycle"):
+    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.lifecycle"):
         run(body())
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     # A lasting state is logged when it starts (and when it changes), not on every attempt...
@@ -193,16 +194,16 @@ def test_registration_failure_names_its_cause_and_counts_every_attempt(
 def plugin_dir_of_length(total: int) -> Path:
     """A directory whose device-access socket path has exactly ``total`` bytes."""
     base = short_dir()
-    pad = total - len(f"{base}/") - len(f"/{config.LONGEST_SOCKET}")
+    pad = total - len(f"{base}/") - len(f"/{names.LONGEST_SOCKET}")
     path = base / ("d" * pad)
     path.mkdir()
-    assert len(os.fsencode(path / config.LONGEST_SOCKET)) == total
+    assert len(os.fsencode(path / names.LONGEST_SOCKET)) == total
     return path
 
 
 def test_longest_accepted_plugin_dir_binds_and_registers() -> None:
-    plugin_dir = plugin_dir_of_length(config.MAX_SOCKET_PATH)
-    assert config.LONGEST_SOCKET == ACCESS_SOCKET
+    plugin_dir = plugin_dir_of_length(files.MAX_SOCKET_PATH)
+    assert names.LONGEST_SOCKET == ACCESS_SOCKET
     assert config.socket_path_problem(plugin_dir) == ""
 
     async def body() -> None:
@@ -224,14 +225,14 @@ def test_longest_accepted_plugin_dir_binds_and_registers() -> None:
 
 def test_one_byte_longer_plugin_dir_exits_2_naming_the_flag(
         capsys: pytest.CaptureFixture[str]) -> None:
-    plugin_dir = plugin_dir_of_length(config.MAX_SOCKET_PATH + 1)
+    plugin_dir = plugin_dir_of_length(files.MAX_SOCKET_PATH + 1)
     assert config.socket_path_problem(plugin_dir)
 
     async def bind() -> None:
         """The limit is not stricter than gRPC: one byte more does not bind."""
         server = grpc.aio.server()
         with pytest.raises(RuntimeError, match="Failed to bind"):
-            server.add_insecure_port(f"unix://{plugin_dir / config.LONGEST_SOCKET}")
+            server.add_insecure_port(f"unix://{plugin_dir / names.LONGEST_SOCKET}")
         await server.stop(None)
 
     run(bind())

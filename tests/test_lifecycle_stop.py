@@ -9,9 +9,9 @@ from pathlib import Path
 
 from harness import run, wait_until
 
-from hlplugin.health import HealthTracker
-from hlplugin.lifecycle import PluginLifecycle
-from hlplugin.plugin import TrackedDevicePlugin
+from hlplugin.deviceplugin.conditions import HealthTracker
+from hlplugin.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
 
 
 def test_cancelled_again_while_stopping_still_stops_the_server_and_removes_its_socket() -> None:

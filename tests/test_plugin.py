@@ -20,16 +20,16 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.bootstrap import DeviceAccessPlugin
 from hlplugin.config import Settings
-from hlplugin.health import HealthState, HealthTracker
-from hlplugin.lifecycle import new_server
-from hlplugin.metrics import Metrics
-from hlplugin.plugin import (
+from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.lifecycle import new_server
+from hlplugin.deviceplugin.servicer import (
     MAX_CONTAINERS,
     MAX_ID_BYTES,
     MAX_STREAMS,
-    HypervisorPlugin,
     TrackedDevicePlugin,
 )
+from hlplugin.metrics import Metrics
+from hlplugin.plugin import HypervisorPlugin
 
 
 @asynccontextmanager
@@ -165,7 +165,7 @@ async def test_streams_the_kubelet_cancels_leave_no_task_behind() -> None:
 
 async def test_streams_past_the_bound_are_refused_with_resource_exhausted(
         caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="hlplugin.plugin"):
+    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.servicer"):
         plugin = make_plugin(healthy_tracker())
         async with served(plugin) as stub:
             calls = [stub.ListAndWatch(pb.Empty()) for _ in range(MAX_STREAMS)]
@@ -309,7 +309,7 @@ async def test_allocate_id_length_at_and_past_the_bound() -> None:
 
 
 async def test_refusals_quote_a_short_escaped_prefix(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="hlplugin.plugin"):
+    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.servicer"):
         async with served(make_plugin(healthy_tracker())) as stub:
             huge = "\x1b[2J" + "A" * 60_000
             details = await refused_with(stub, allocate_request([huge]))

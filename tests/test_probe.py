@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from harness import run, wait_until
 
+from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
 from hlplugin.probe import (
-    BoundedRunner,
     ProbeError,
     check_host_identity,
     probe_device,
@@ -260,7 +260,7 @@ def test_helper_errors_reach_the_caller_only(caplog: pytest.LogCaptureFixture) -
         runner = BoundedRunner(budget=GUARD)
         with pytest.raises(ValueError, match="boom"):
             await runner.run(fail)
-        with pytest.raises(ProbeError, match="timed out"):
+        with pytest.raises(CheckFailed, match="timed out"):
             await runner.run(fail_late, budget=0.05)
         release.set()
         await wait_until(lambda r=runner: not r.busy)  # type: ignore[misc]
@@ -280,7 +280,7 @@ def test_helper_errors_reach_the_caller_only(caplog: pytest.LogCaptureFixture) -
 
 async def test_stuck_helper_times_out_and_blocks_a_second_helper(gate: Gate) -> None:
     runner = BoundedRunner(budget=0.2, name="stuck-test")
-    with pytest.raises(ProbeError, match=r"timed out after 0\.2s") as info:
+    with pytest.raises(CheckFailed, match=r"timed out after 0\.2s") as info:
         await runner.run(gate)
     assert (info.value.step, info.value.reason) == ("timeout", "timeout")
     assert runner.busy
@@ -293,7 +293,7 @@ async def test_stuck_helper_times_out_and_blocks_a_second_helper(gate: Gate) -> 
         return 2
 
     for _ in range(3):
-        with pytest.raises(ProbeError, match="previous check is still stuck") as info:
+        with pytest.raises(CheckFailed, match="previous check is still stuck") as info:
             await runner.run(other)
         assert info.value.step == "budget"
     assert count == 0
@@ -310,10 +310,10 @@ async def test_a_sub_second_budget_is_reported_as_it_is(gate: Gate) -> None:
     """A 0.25 s budget is "0.25s" in the reason, never rounded to "0.2s" or "0.0s"."""
     runner = BoundedRunner(budget=0.25, name="quarter-test")
 
-    with pytest.raises(ProbeError) as info:
+    with pytest.raises(CheckFailed) as info:
         await runner.run(gate)
     assert str(info.value).endswith("check timed out after 0.25s")
-    with pytest.raises(ProbeError) as again:
+    with pytest.raises(CheckFailed) as again:
         await runner.run(gate, budget=0.04)
     assert "still stuck after 0.04s" in str(again.value)
 
@@ -321,7 +321,7 @@ async def test_a_sub_second_budget_is_reported_as_it_is(gate: Gate) -> None:
 async def test_next_call_waits_for_a_helper_that_finishes_within_its_budget(gate: Gate) -> None:
     runner = BoundedRunner(budget=0.1)
 
-    with pytest.raises(ProbeError, match="timed out"):
+    with pytest.raises(CheckFailed, match="timed out"):
         await runner.run(gate)
     threading.Timer(0.2, gate.release.set).start()
     # The previous helper is still running when this call starts; it waits and then runs.
@@ -348,7 +348,7 @@ async def test_cancelled_caller_leaves_the_helper_running_and_the_next_call_clea
 async def test_caller_cancelled_while_waiting_for_a_stuck_helper(gate: Gate) -> None:
     runner = BoundedRunner(budget=0.1)
 
-    with pytest.raises(ProbeError, match="timed out"):
+    with pytest.raises(CheckFailed, match="timed out"):
         await runner.run(gate)
     waiting = asyncio.create_task(runner.run(lambda: 0, budget=GUARD))
     await asyncio.sleep(0)  # one loop turn: it reaches its wait for the stuck helper
@@ -385,7 +385,7 @@ def test_helper_finishing_after_its_loop_closed_is_quiet(
     gate: Gate, caplog: pytest.LogCaptureFixture
 ) -> None:
     runner = BoundedRunner(budget=0.05)
-    with pytest.raises(ProbeError, match="timed out"):
+    with pytest.raises(CheckFailed, match="timed out"):
         asyncio.run(runner.run(gate))
     with caplog.at_level(logging.DEBUG):
         gate.release.set()

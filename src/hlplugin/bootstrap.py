@@ -7,41 +7,34 @@ permission, no mounts, no environment, no CDI.
 
 from __future__ import annotations
 
-import asyncio
-import os
-import stat
+import functools
 from pathlib import Path
 
 import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.config import Settings
-from hlplugin.daemon import (
-    RootTasks,
-    plugin_readiness,
-    run_daemon,
-    track_health_metrics,
-    wait_for_hypervisor,
-)
-from hlplugin.health import HealthTracker
-from hlplugin.lifecycle import Context, PluginLifecycle
+from hlplugin.deviceplugin.bounded import CheckFailed
+from hlplugin.deviceplugin.conditions import HealthTracker
+from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon
+from hlplugin.deviceplugin.files import char_device
+from hlplugin.deviceplugin.lifecycle import Context, PluginLifecycle
+from hlplugin.deviceplugin.producer import Producer
+from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.watch import DirWatcher
+from hlplugin.health import wait_for_hypervisor
 from hlplugin.metrics import Metrics
-from hlplugin.plugin import TrackedDevicePlugin
-from hlplugin.watch import DirWatcher, Wakeup
-
-RESOURCE = "hyperlight.dev/device-access"
-SOCKET = "hyperlight-device-access.sock"
+from hlplugin.names import DEVICE_ACCESS_RESOURCE as RESOURCE
+from hlplugin.names import DEVICE_ACCESS_SOCKET as SOCKET
 
 
 def node_problem(path: Path) -> str:
     """Why ``path`` is not a usable character device node, or "" when it is."""
     try:
-        st = os.lstat(path)
+        _, kind = char_device(path)
     except OSError as exc:
         return f"{path}: {exc.strerror} (errno {exc.errno})"
-    if not stat.S_ISCHR(st.st_mode):
-        return f"{path} is not a character device"
-    return ""
+    return f"{path} is not a character device" if kind else ""
 
 
 class DeviceAccessPlugin(TrackedDevicePlugin):
@@ -67,48 +60,40 @@ class DeviceAccessPlugin(TrackedDevicePlugin):
         return response
 
 
-async def watch_node(tracker: HealthTracker, node: Path, recheck: float = 10.0) -> None:
-    """Keep condition "device" equal to "the node exists as a character device"."""
-    wakeup = Wakeup(DirWatcher(node.parent, {node.name}))
-    pump = asyncio.create_task(wakeup.run(), name=f"watch {node}")
-    try:
-        while True:
-            pulse = wakeup.pulse()
-            problem = node_problem(node)
-            tracker.set_condition("device", not problem, problem)
-            await wakeup.wait(pulse, recheck)
-    finally:
-        pump.cancel()
+def node_watch(tracker: HealthTracker, node: Path, recheck: float = 10.0,
+               budget: float = 2.0) -> Producer:
+    """Keeps condition "device" equal to "the node exists as a character device": a pass on
+    changes to the node's name, every ``recheck`` seconds, in a runner (a hung /dev times out)."""
+
+    async def check(trigger: str) -> bool:
+        try:
+            problem = await producer.runner.run(functools.partial(node_problem, node))
+        except CheckFailed as exc:
+            problem = f"{node}: {exc}"
+        tracker.set_condition("device", not problem, problem)
+        return not problem
+
+    producer = Producer(f"node-{node.name}", check, watch=[DirWatcher(node.parent, {node.name})],
+                        interval=recheck, budget=budget)
+    return producer
 
 
 async def bootstrap(settings: Settings) -> None:
     metrics = Metrics()
     tracker = HealthTracker(required=("device",))
-    track_health_metrics(tracker, metrics)
-    holder: list[PluginLifecycle] = []
-    hypervisor: list[str] = []
 
-    async def setup() -> RootTasks:
-        hv = await wait_for_hypervisor(settings)
-        hypervisor.append(hv)
-        node = settings.dev_dir / hv
-        problem = node_problem(node)
-        tracker.set_condition("device", not problem, problem)
+    async def setup(hv: str) -> Started:
+        watch = node_watch(tracker, settings.dev_dir / hv, budget=settings.probe_timeout)
+        await watch.check("start")  # before registering; run() goes on from here
         lifecycle = PluginLifecycle(
             settings.plugin_dir, SOCKET, RESOURCE,
             lambda: DeviceAccessPlugin(hv, settings.dev_dir, tracker, metrics),
             register_timeout=settings.register_timeout, metrics=metrics)
-        holder.append(lifecycle)
-        return {"device-health": watch_node(tracker, node), "plugin": lifecycle.run()}
+        return Started(lifecycle, {"device-health": watch.run(),
+                                   "plugin": lifecycle.run()})
 
-    def current() -> PluginLifecycle | None:
-        return holder[0] if holder else None
-
-    def readiness() -> dict[str, tuple[bool, str]]:
-        conditions = plugin_readiness(current, tracker)()
-        if not hypervisor:  # what auto looks for and where, as the main daemon says it
-            conditions["hypervisor"] = (False, f"no mshv or kvm device under {settings.dev_dir}")
-        return conditions
-
-    await run_daemon("hlplugin bootstrap", settings.http_address, readiness, current, metrics,
-                     setup)
+    # What auto looks for and where, as the main daemon says it.
+    await run_daemon(DaemonSpec(
+        "hlplugin bootstrap", settings.http_address, tracker, metrics,
+        functools.partial(wait_for_hypervisor, settings), setup,
+        pending={"hypervisor": f"no mshv or kvm device under {settings.dev_dir}"}))

@@ -16,33 +16,45 @@ import contextlib
 import ctypes
 import difflib
 import errno
+import functools
+import itertools
 import json
 import logging
 import os
 import platform
 import secrets
 import stat
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from hlplugin.health import MIN_PERIOD, Condition, HealthTracker
+from hlplugin.deviceplugin.bounded import CheckFailed
+from hlplugin.deviceplugin.conditions import Condition, HealthTracker
+from hlplugin.deviceplugin.files import kind_of
+from hlplugin.deviceplugin.producer import Producer
+from hlplugin.deviceplugin.watch import FILE_EVENTS, DirWatcher
 from hlplugin.metrics import Metrics
-from hlplugin.watch import FILE_EVENTS, DirWatcher
+from hlplugin.names import HYPERVISOR_RESOURCE
 
 log = logging.getLogger(__name__)
 
 SPEC_FILE = "hyperlight.json"
 TEMP_PREFIX = ".hyperlight.json.tmp-"
-KIND = "hyperlight.dev/hypervisor"
+KIND = HYPERVISOR_RESOURCE
 MODE = 0o644
 CONDITION = "cdi"
 # Far larger than any spec we write; bounds what a foreign file can make us read or diff.
 _MAX_READ = 1 << 20
-_FIRST_BACKOFF = 0.1
+# How long one pass (read, compare, write, two fsyncs) may take before the condition fails.
+DEFAULT_BUDGET = 5.0
+# How long the pass's helper thread waits for the next read: one per Allocate needs no new thread.
+_LINGER = 1.0
+# How long a right read is trusted while the directory's inotify watch is live and saw nothing:
+# local changes always wake the watch; this bounds what it cannot see (a mount over the
+# directory, a change made on another host of a network file system).
+_TRUST_QUIET = 1.0
 
 
 def qualified_name(hypervisor: str) -> str:
@@ -93,15 +105,6 @@ def render_spec(hypervisor: str, uid: int, gid: int) -> bytes:
 # --- reading without trusting the path -----------------------------------------------------------
 
 
-def _kind_of(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
 class NotRegular(Exception):
     """Something other than a regular file sits at the path; ``str()`` says what."""
 
@@ -117,7 +120,7 @@ def _read(path: Path, limit: int) -> tuple[bytes, os.stat_result] | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     if not stat.S_ISREG(st.st_mode):
-        raise NotRegular(_kind_of(st.st_mode))
+        raise NotRegular(kind_of(st.st_mode))
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -129,7 +132,7 @@ def _read(path: Path, limit: int) -> tuple[bytes, os.stat_result] | None:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise NotRegular(_kind_of(st.st_mode))
+            raise NotRegular(kind_of(st.st_mode))
         chunks: list[bytes] = []
         size = 0
         while size < limit:
@@ -257,20 +260,15 @@ def _put_back(dir_fd: int, temp: str) -> None:
     """Return what an exchange displaced (now at ``temp``) to our path; what is there now (our
     file, normally) goes to ``temp``. If our path is empty meanwhile, a no-replace move."""
     error: OSError | None = None
-    for _ in range(_MAX_INSTALL_ATTEMPTS):
+    # Exchange; if our path emptied meanwhile (ENOENT), move; if it filled again (EEXIST), ...
+    attempts = ((RENAME_EXCHANGE, errno.ENOENT), (RENAME_NOREPLACE, errno.EEXIST))
+    for flags, again in itertools.islice(itertools.cycle(attempts), 2 * _MAX_INSTALL_ATTEMPTS):
         try:
-            renameat2(dir_fd, temp, SPEC_FILE, RENAME_EXCHANGE)
+            renameat2(dir_fd, temp, SPEC_FILE, flags)
             return
         except OSError as exc:
             error = exc
-            if exc.errno != errno.ENOENT:
-                break
-        try:
-            renameat2(dir_fd, temp, SPEC_FILE, RENAME_NOREPLACE)
-            return
-        except OSError as exc:
-            error = exc
-            if exc.errno != errno.EEXIST:
+            if exc.errno != again:
                 break
     log.warning("could not return what was at %s to its place; it is at %s: %s",
                 SPEC_FILE, temp, error.strerror if error else "")
@@ -285,7 +283,7 @@ def _discard_temp(dir_fd: int, temp: str) -> None:
         if stat.S_ISREG(st.st_mode):
             os.unlink(temp, dir_fd=dir_fd)
         else:
-            log.warning("left %s in place: it is %s, not ours", temp, _kind_of(st.st_mode))
+            log.warning("left %s in place: it is %s, not ours", temp, kind_of(st.st_mode))
     except FileNotFoundError:
         pass
     except OSError as exc:
@@ -316,6 +314,7 @@ class CdiReconciler:
         metrics: Metrics | None = None,
         interval: float = 10.0,
         max_backoff: float = 10.0,
+        budget: float = DEFAULT_BUDGET,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cdi_dir = cdi_dir
@@ -324,13 +323,17 @@ class CdiReconciler:
         self.interval = interval
         self.max_backoff = max_backoff
         self.condition = Condition(False, "not checked yet")
-        self.last_reconcile: float | None = None  # clock() when the last pass finished
         self._tracker = tracker
         self._metrics = metrics
-        self._clock = clock
-        self._lock = asyncio.Lock()
-        # A cancelled caller leaves its worker thread running; this keeps passes one at a time.
-        self._thread_lock = threading.Lock()
+        # Passes run one at a time in the producer's runner (at most one helper thread, even
+        # after a caller gave up), bounded by ``budget``: hung storage fails the condition.
+        self.producer = Producer(
+            "cdi", self._step, watch=[DirWatcher(cdi_dir, {SPEC_FILE, ""}, events=FILE_EVENTS)],
+            interval=interval, max_backoff=max_backoff, budget=budget, linger=_LINGER,
+            clock=clock)
+        self._quick: asyncio.Task[bool] | None = None
+        # When the spec last read right, and the watch pulse taken just before that read.
+        self._verified: tuple[float, asyncio.Event] | None = None
         self._uid = os.geteuid()
         self._gid = os.getegid()
         self._warned_no_exchange = False
@@ -342,50 +345,101 @@ class CdiReconciler:
         return (stat.S_IMODE(st.st_mode) == MODE and st.st_uid == self._uid
                 and st.st_gid == self._gid)
 
+    @property
+    def last_reconcile(self) -> float | None:
+        """clock() when the last pass finished."""
+        return self.producer.completed_at
+
     async def ensure(self) -> Condition:
-        """Before every Allocate: a read and a byte compare when all is well, a repair if not."""
+        """Before every Allocate: a read and a byte compare when all is well, a repair if not.
+
+        Off the event loop, within the budget. A pass in flight is shared; while a helper stuck in
+        hung storage holds the runner, the failing condition (naming the timeout) answers at once.
+        """
+        if self.producer.runner.busy and not self.condition.ok:
+            return self.condition  # stuck (passes queued behind it would only wait their budget)
+        if self.producer.in_flight is not None:
+            await self.producer.ensure(0.0)
+            return self.condition
         if self.condition.ok:
-            with contextlib.suppress(OSError, NotRegular):
-                found = _read(self.path, len(self.desired) + 1)
-                if found is not None and self._is_right(*found):
+            now = asyncio.get_running_loop().time()
+            verified = self._verified
+            if verified is not None and now - verified[0] < _TRUST_QUIET \
+                    and self.producer.wakeup.quiet_since(verified[1]):
+                return self.condition  # read right since, and inotify saw nothing change
+            quick = self._quick
+            if quick is None or quick.done():  # concurrent Allocates share one read
+                pulse = self.producer.wakeup.pulse()
+                quick = self._quick = asyncio.create_task(
+                    self.producer.runner.run(self._is_current), name="hlplugin-cdi-read")
+                quick.add_done_callback(functools.partial(self._read_done, now, pulse))
+            try:
+                if await asyncio.shield(quick):
                     return self.condition
+            except CheckFailed as exc:
+                if self.condition.ok:
+                    self._publish(self._timed_out(exc), "allocate")
+                return self.condition
         return await self.reconcile("allocate")
 
     async def reconcile(self, trigger: str) -> Condition:
-        """One full pass, one at a time: inspect, repair if needed, publish the outcome."""
-        async with self._lock:
-            outcome = await asyncio.to_thread(self._pass)
-            self.last_reconcile = self._clock()
-            if outcome.repaired:
-                log.info("repaired CDI spec %s (cause: %s, trigger: %s)", self.path,
-                         outcome.repaired, trigger,
-                         extra={"cause": outcome.repaired, "trigger": trigger})
-                if self._metrics is not None:
-                    self._metrics.cdi_repairs.labels(cause=outcome.repaired).inc()
-            if outcome.refused and self._metrics is not None:
-                self._metrics.cdi_refusals.labels(reason=outcome.refused).inc()
-            new = outcome.condition
-            if self._tracker is not None:
-                self._tracker.set_condition(CONDITION, new.ok, new.reason)
-            elif not new.ok and new != self.condition:
-                log.warning("CDI spec unhealthy: %s", new.reason)
-            self.condition = new
-            return new
+        """One full pass (inspect, repair if needed, publish the outcome), bounded."""
+        await self.producer.check(trigger)
+        return self.condition
+
+    async def _step(self, trigger: str) -> bool:
+        try:
+            outcome = await self.producer.runner.run(self._pass)
+        except CheckFailed as exc:
+            outcome = self._timed_out(exc)
+        self._publish(outcome, trigger)
+        return outcome.condition.ok
+
+    def _timed_out(self, exc: CheckFailed) -> _Outcome:
+        return _Outcome(Condition(False, f"cannot check {self.path}: {exc} (its storage does not "
+                                         f"answer)"))
+
+    def _read_done(self, began: float, pulse: asyncio.Event, task: asyncio.Task[bool]) -> None:
+        if not task.cancelled() and task.exception() is None and task.result():
+            self._verified = (began, pulse)
+
+    def _is_current(self) -> bool:
+        with contextlib.suppress(OSError, NotRegular):
+            found = _read(self.path, len(self.desired) + 1)
+            return found is not None and self._is_right(*found)
+        return False
+
+    def _publish(self, outcome: _Outcome, trigger: str) -> None:
+        """On the event loop: the pass's outcome to the condition, the tracker, metrics and log."""
+        if outcome.repaired:
+            log.info("repaired CDI spec %s (cause: %s, trigger: %s)", self.path,
+                     outcome.repaired, trigger,
+                     extra={"cause": outcome.repaired, "trigger": trigger})
+            if self._metrics is not None:
+                self._metrics.cdi_repairs.labels(cause=outcome.repaired).inc()
+        if outcome.refused and self._metrics is not None:
+            self._metrics.cdi_refusals.labels(reason=outcome.refused).inc()
+        new = outcome.condition
+        if self._tracker is not None:
+            self._tracker.set_condition(CONDITION, new.ok, new.reason)
+        elif not new.ok and new != self.condition:
+            log.warning("CDI spec unhealthy: %s", new.reason)
+        self.condition = new
 
     def _pass(self) -> _Outcome:
-        with self._thread_lock:
-            try:
-                cause = self._diagnose()
-                if cause:
-                    self._replace()
-            except NotRegular as exc:
-                reason = f"{self.path} is {exc}; refusing to replace what we do not own"
-                return _Outcome(Condition(False, reason), refused="not_regular")
-            except OSError as exc:
-                name = errno.errorcode.get(exc.errno or 0, "unknown error")
-                reason = f"cannot write {self.path}: {exc.strerror} ({name})"
-                return _Outcome(Condition(False, reason), refused="write_failed")
-            return _Outcome(Condition(True), repaired=cause)
+        """In the runner's thread (one at a time): inspect, and repair if needed."""
+        try:
+            cause = self._diagnose()
+            if cause:
+                self._replace()
+        except NotRegular as exc:
+            reason = f"{self.path} is {exc}; refusing to replace what we do not own"
+            return _Outcome(Condition(False, reason), refused="not_regular")
+        except OSError as exc:
+            name = errno.errorcode.get(exc.errno or 0, "unknown error")
+            reason = f"cannot write {self.path}: {exc.strerror} ({name})"
+            return _Outcome(Condition(False, reason), refused="write_failed")
+        return _Outcome(Condition(True), repaired=cause)
 
     def _diagnose(self) -> str:
         """The repair cause, or "" when the file is right. Raises NotRegular."""
@@ -472,7 +526,7 @@ class CdiReconciler:
             if stat.S_ISREG(displaced.st_mode):
                 return  # the old spec, now at our temp name, which _replace removes
             _put_back(dir_fd, temp)
-            raise NotRegular(_kind_of(displaced.st_mode))
+            raise NotRegular(kind_of(displaced.st_mode))
         raise OSError(errno.EAGAIN, f"{SPEC_FILE} kept appearing and disappearing")
 
     def _install_without_renameat2(self, dir_fd: int, temp: str) -> None:
@@ -489,7 +543,7 @@ class CdiReconciler:
         with contextlib.suppress(FileNotFoundError):
             mode = os.stat(SPEC_FILE, dir_fd=dir_fd, follow_symlinks=False).st_mode
             if not stat.S_ISREG(mode):
-                raise NotRegular(_kind_of(mode))
+                raise NotRegular(kind_of(mode))
         try:
             os.rename(temp, SPEC_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except OSError as exc:
@@ -517,34 +571,10 @@ class CdiReconciler:
 
     async def run(self) -> None:
         """Reconcile on every change to our file or directory, every ``interval`` seconds, and,
-        while failing, with capped exponential backoff. Runs until cancelled."""
-        await asyncio.to_thread(self.cleanup_leftovers)
-        poke = asyncio.Event()
-
-        async def watch() -> None:
-            try:
-                async for _ in DirWatcher(self.cdi_dir, {SPEC_FILE, ""}, events=FILE_EVENTS).changes():
-                    poke.set()
-            except Exception:
-                log.exception("watching %s failed; only periodic checks remain", self.cdi_dir)
-
-        watcher = asyncio.create_task(watch())
+        while failing, with capped exponential backoff (the first pass unless one already ran).
+        Runs until cancelled."""
         try:
-            trigger, backoff = "start", _FIRST_BACKOFF
-            while True:
-                poke.clear()
-                if (await self.reconcile(trigger)).ok:
-                    delay, backoff = max(self.interval, MIN_PERIOD), _FIRST_BACKOFF
-                else:
-                    delay = min(backoff, self.max_backoff)
-                    backoff = min(backoff * 2, self.max_backoff)
-                try:
-                    # Not asyncio.wait_for: on 3.11 it can swallow a cancel that races the event.
-                    async with asyncio.timeout(delay):
-                        await poke.wait()
-                    trigger = "watch"
-                except TimeoutError:
-                    trigger = "periodic" if self.condition.ok else "retry"
-        finally:
-            watcher.cancel()
-            await asyncio.wait({watcher})  # never swallows a cancellation of our own
+            await self.producer.runner.run(self.cleanup_leftovers)
+        except CheckFailed as exc:
+            log.warning("could not look for leftover temp files in %s: %s", self.cdi_dir, exc)
+        await self.producer.run()

@@ -14,9 +14,12 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from hlplugin.deviceplugin import files
+from hlplugin.names import LONGEST_SOCKET
 
 UINT32_MAX = 4_294_967_295
 HYPERVISORS = ("kvm", "mshv")
@@ -148,72 +151,6 @@ _UNSET: Any = object()
 
 
 @dataclass(frozen=True)
-class Option:
-    dest: str
-    flag: str
-    env: str | None
-    default: Any
-    parse: Callable[[str], Any]
-    help: str
-    metavar: str | None = None
-    is_switch: bool = False
-
-
-OPTIONS: dict[str, Option] = {o.dest: o for o in (
-    Option("plugin_dir", "--plugin-dir", "HYPERLIGHT_PLUGIN_DIR",
-           Path("/var/lib/kubelet/device-plugins"), _path, "kubelet device-plugin directory", "DIR"),
-    Option("cdi_dir", "--cdi-dir", "HYPERLIGHT_CDI_DIR", Path("/var/run/cdi"), _path,
-           "directory of the CDI spec hyperlight.json", "DIR"),
-    Option("dev_dir", "--dev-dir", "HYPERLIGHT_DEV_DIR", Path("/dev"), _path,
-           "where the hypervisor device node is seen and probed", "DIR"),
-    Option("host_dev_dir", "--host-dev-dir", "HYPERLIGHT_HOST_DEV_DIR", Path("/host-dev"),
-           _optional_path, "host /dev view for the device identity check; empty turns it off", "DIR"),
-    Option("hypervisor", "--hypervisor", "HYPERLIGHT_HYPERVISOR", "auto",
-           _choice("auto", *HYPERVISORS), "auto prefers mshv over kvm", "auto|kvm|mshv"),
-    Option("device_count", "--device-count", "DEVICE_COUNT", 2000, _device_count,
-           f"number of shareable slots advertised, 1-{MAX_DEVICE_COUNT}", "N"),
-    Option("device_uid", "--device-uid", "DEVICE_UID", 65534, _uint32,
-           "owner of the device node inside workload containers", "N"),
-    Option("device_gid", "--device-gid", "DEVICE_GID", 65534, _uint32,
-           "group of the device node inside workload containers", "N"),
-    Option("http_address", "--http-address", "HYPERLIGHT_HTTP_ADDRESS", ("0.0.0.0", 8080),
-           _address, "address of /healthz, /readyz and /metrics", "HOST:PORT"),
-    Option("log_format", "--log-format", "HYPERLIGHT_LOG_FORMAT", "text", _choice("text", "json"),
-           "log line format", "text|json"),
-    Option("log_level", "--log-level", "HYPERLIGHT_LOG_LEVEL", "info", _choice(*_LOG_LEVELS),
-           "minimum level logged", "LEVEL"),
-    Option("cdi_annotations", "--cdi-annotations", "HYPERLIGHT_CDI_ANNOTATIONS", False, _bool,
-           "also name the CDI device in Allocate annotations (kubelets older than 1.29)",
-           is_switch=True),
-    Option("cdi_interval", "--cdi-interval", "HYPERLIGHT_CDI_INTERVAL", 10.0, _interval,
-           f"seconds between periodic CDI spec checks, {_INTERVALS}", "SECONDS"),
-    Option("health_interval", "--health-interval", "HYPERLIGHT_HEALTH_INTERVAL", 10.0, _interval,
-           f"seconds between periodic device checks, {_INTERVALS}", "SECONDS"),
-    Option("probe_timeout", "--probe-timeout", "HYPERLIGHT_PROBE_TIMEOUT", 2.0, _timeout,
-           f"budget of one device check, {_TIMEOUTS}", "SECONDS"),
-    Option("guest_check", "--guest-check", "HYPERLIGHT_GUEST_CHECK", True, _bool,
-           "run a tiny guest on KVM as part of each device check", "true|false"),
-    Option("register_timeout", "--register-timeout", "HYPERLIGHT_REGISTER_TIMEOUT", 5.0, _timeout,
-           f"bound of one Register call to the kubelet, {_TIMEOUTS}", "SECONDS"),
-)}
-
-SERVE_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor", "device_count",
-                 "device_uid", "device_gid", "http_address", "log_format", "log_level",
-                 "cdi_annotations", "cdi_interval", "health_interval", "probe_timeout",
-                 "guest_check", "register_timeout")
-BOOTSTRAP_OPTIONS = ("plugin_dir", "dev_dir", "hypervisor", "http_address", "log_format",
-                     "log_level", "register_timeout")
-# `hlplugin cdi` takes the serve command line as it is, so an operator can paste it; only the
-# hypervisor, uid and gid shape the spec.
-CDI_OPTIONS = SERVE_OPTIONS
-DOCTOR_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor", "device_uid",
-                  "device_gid", "probe_timeout", "log_format", "log_level")
-
-# Per-subcommand defaults that differ from the table.
-DEFAULT_OVERRIDES: dict[str, dict[str, Any]] = {"bootstrap": {"http_address": ("0.0.0.0", 8081)}}
-
-
-@dataclass(frozen=True)
 class Settings:
     """Everything a daemon needs; subcommands ignore what they do not use."""
 
@@ -245,19 +182,82 @@ class Settings:
         return None
 
 
-# sun_path holds 108 bytes including the terminating NUL, but a gRPC server binding
-# "unix://PATH" checks everything after "unix:", so "//" counts: PATH may have 105 bytes.
-MAX_SOCKET_PATH = 105
-LONGEST_SOCKET = "hyperlight-device-access.sock"
+# Every option's default is its Settings field's: declared once, there.
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Settings)}
+
+
+@dataclass(frozen=True)
+class Option:
+    dest: str
+    flag: str
+    env: str | None
+    parse: Callable[[str], Any]
+    help: str
+    metavar: str | None = None
+    is_switch: bool = False
+
+    @property
+    def default(self) -> Any:
+        return _DEFAULTS[self.dest]
+
+
+OPTIONS: dict[str, Option] = {o.dest: o for o in (
+    Option("plugin_dir", "--plugin-dir", "HYPERLIGHT_PLUGIN_DIR", _path,
+           "kubelet device-plugin directory", "DIR"),
+    Option("cdi_dir", "--cdi-dir", "HYPERLIGHT_CDI_DIR", _path,
+           "directory of the CDI spec hyperlight.json", "DIR"),
+    Option("dev_dir", "--dev-dir", "HYPERLIGHT_DEV_DIR", _path,
+           "where the hypervisor device node is seen and probed", "DIR"),
+    Option("host_dev_dir", "--host-dev-dir", "HYPERLIGHT_HOST_DEV_DIR", _optional_path,
+           "host /dev view for the device identity check; empty turns it off", "DIR"),
+    Option("hypervisor", "--hypervisor", "HYPERLIGHT_HYPERVISOR", _choice("auto", *HYPERVISORS),
+           "auto prefers mshv over kvm", "auto|kvm|mshv"),
+    Option("device_count", "--device-count", "DEVICE_COUNT", _device_count,
+           f"number of shareable slots advertised, 1-{MAX_DEVICE_COUNT}", "N"),
+    Option("device_uid", "--device-uid", "DEVICE_UID", _uint32,
+           "owner of the device node inside workload containers", "N"),
+    Option("device_gid", "--device-gid", "DEVICE_GID", _uint32,
+           "group of the device node inside workload containers", "N"),
+    Option("http_address", "--http-address", "HYPERLIGHT_HTTP_ADDRESS", _address,
+           "address of /healthz, /readyz and /metrics", "HOST:PORT"),
+    Option("log_format", "--log-format", "HYPERLIGHT_LOG_FORMAT", _choice("text", "json"),
+           "log line format", "text|json"),
+    Option("log_level", "--log-level", "HYPERLIGHT_LOG_LEVEL", _choice(*_LOG_LEVELS),
+           "minimum level logged", "LEVEL"),
+    Option("cdi_annotations", "--cdi-annotations", "HYPERLIGHT_CDI_ANNOTATIONS", _bool,
+           "also name the CDI device in Allocate annotations (kubelets older than 1.29)",
+           is_switch=True),
+    Option("cdi_interval", "--cdi-interval", "HYPERLIGHT_CDI_INTERVAL", _interval,
+           f"seconds between periodic CDI spec checks, {_INTERVALS}", "SECONDS"),
+    Option("health_interval", "--health-interval", "HYPERLIGHT_HEALTH_INTERVAL", _interval,
+           f"seconds between periodic device checks, {_INTERVALS}", "SECONDS"),
+    Option("probe_timeout", "--probe-timeout", "HYPERLIGHT_PROBE_TIMEOUT", _timeout,
+           f"budget of one device check, {_TIMEOUTS}", "SECONDS"),
+    Option("guest_check", "--guest-check", "HYPERLIGHT_GUEST_CHECK", _bool,
+           "run a tiny guest on KVM as part of each device check", "true|false"),
+    Option("register_timeout", "--register-timeout", "HYPERLIGHT_REGISTER_TIMEOUT", _timeout,
+           f"bound of one Register call to the kubelet, {_TIMEOUTS}", "SECONDS"),
+)}
+
+SERVE_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor", "device_count",
+                 "device_uid", "device_gid", "http_address", "log_format", "log_level",
+                 "cdi_annotations", "cdi_interval", "health_interval", "probe_timeout",
+                 "guest_check", "register_timeout")
+BOOTSTRAP_OPTIONS = ("plugin_dir", "dev_dir", "hypervisor", "http_address", "log_format",
+                     "log_level", "register_timeout")
+# `hlplugin cdi` takes the serve command line as it is, so an operator can paste it; only the
+# hypervisor, uid and gid shape the spec.
+CDI_OPTIONS = SERVE_OPTIONS
+DOCTOR_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor", "device_uid",
+                  "device_gid", "probe_timeout", "log_format", "log_level")
+
+# Per-subcommand defaults that differ from the table.
+DEFAULT_OVERRIDES: dict[str, dict[str, Any]] = {"bootstrap": {"http_address": ("0.0.0.0", 8081)}}
 
 
 def socket_path_problem(plugin_dir: Path) -> str:
     """Why our sockets cannot live in ``plugin_dir``, or "" when they can."""
-    longest = len(os.fsencode(plugin_dir / LONGEST_SOCKET))
-    if longest > MAX_SOCKET_PATH:
-        return (f"{plugin_dir} is too long for a unix socket path ({longest} > {MAX_SOCKET_PATH} "
-                f"bytes with {LONGEST_SOCKET})")
-    return ""
+    return files.socket_path_problem(plugin_dir, LONGEST_SOCKET)
 
 
 def _flag_type(option: Option) -> Callable[[str], Any]:

@@ -33,14 +33,16 @@ from typing import Any, TextIO, TypeVar
 from prometheus_client.parser import text_string_to_metric_families
 
 from hlplugin import cdi, config, probe
+from hlplugin.deviceplugin import files
+from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
+from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET
 from hlplugin.emulator import AdmissionError, DaemonProcess, KubeletEmulator
+from hlplugin.names import DEVICE_ACCESS_RESOURCE as ACCESS_RESOURCE
+from hlplugin.names import HYPERVISOR_RESOURCE, LONGEST_SOCKET
 
 T = TypeVar("T")
 
-HYPERVISOR_RESOURCE = "hyperlight.dev/hypervisor"
-ACCESS_RESOURCE = "hyperlight.dev/device-access"
 _GARBAGE = b"{ this is not a CDI spec\n"
-_MAX_SOCKET_PATH = config.MAX_SOCKET_PATH  # what a gRPC server can bind
 _WAIT = 20.0  # guard for every wait; a healthy run needs a fraction of it
 _WIDTH = 100
 LOG_DIR = "logs"  # under the node root: each daemon's stderr, kept with --keep
@@ -260,7 +262,7 @@ class Demo:
         self.timings.append(("stop both daemons", time.monotonic() - stopped))
         for daemon, code in zip(self.daemons, codes, strict=True):
             self.item(f"{daemon.name:<19} exited {code}")
-        left = sorted(p.name for p in plugin_dir.iterdir() if p.name != "kubelet.sock")
+        left = sorted(p.name for p in plugin_dir.iterdir() if p.name != KUBELET_SOCKET)
         spec_kept = (cdi_dir / cdi.SPEC_FILE).exists()
         self.item(f"plugin sockets left: {', '.join(left) or 'none'}; CDI spec "
                   f"{'kept for containers already running' if spec_kept else 'missing'}")
@@ -309,12 +311,12 @@ class Demo:
                       f"{node.get('permissions')}, uid {node.get('uid')}, gid {node.get('gid')})")
         self.item(f"env {' '.join(edits.get('env', []))}")
         host_path = Path(str(nodes[0].get("hostPath") or nodes[0].get("path")))
-        runner = probe.BoundedRunner(5.0, name="hlplugin-demo-workload")
+        runner = BoundedRunner(5.0, name="hlplugin-demo-workload")
         if hypervisor == "kvm":
             label = f"open {host_path}, create a VM, run a guest"
             try:
                 await self.timed(label, runner.run(lambda: probe.probe_kvm(host_path, guest=True)))
-            except probe.ProbeError as exc:
+            except CheckFailed as exc:
                 self.cannot("run a guest", str(exc))
                 return
             self.item(f"opened {host_path} read/write, KVM API {probe.KVM_API_VERSION}, created a "
@@ -322,7 +324,7 @@ class Demo:
         else:
             try:
                 await self.timed(f"open {host_path}", runner.run(lambda: probe.probe_mshv(host_path)))
-            except probe.ProbeError as exc:
+            except CheckFailed as exc:
                 self.cannot(f"open {host_path}", str(exc))
                 return
             self.item(f"opened {host_path} read/write (no guest is run on mshv)")
@@ -428,7 +430,7 @@ def _resolve(cdi_dir: Path, qualified: str) -> tuple[Path, dict[str, Any]]:
 
 def _make_root() -> Path:
     root = Path(tempfile.mkdtemp(prefix="hlplugin-demo-"))
-    if len(str(root / "device-plugins" / "hyperlight-device-access.sock")) > _MAX_SOCKET_PATH:
+    if files.socket_path_problem(root / "device-plugins", LONGEST_SOCKET):
         root.rmdir()  # a long TMPDIR: unix socket paths are capped, /tmp is short
         root = Path(tempfile.mkdtemp(prefix="hlplugin-demo-", dir="/tmp"))
     return root

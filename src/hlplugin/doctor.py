@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import fcntl
 import json
 import os
 import secrets
@@ -26,7 +25,9 @@ from typing import Any
 
 from hlplugin import cdi, probe
 from hlplugin.config import Settings
-from hlplugin.lifecycle import KUBELET_SOCKET
+from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
+from hlplugin.deviceplugin.files import char_device
+from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 
@@ -95,11 +96,11 @@ async def diagnose(settings: Settings) -> Report:
         """Run ``fn`` bounded; its return value is the detail of an ok row. A runner per step: a
         helper stuck in the kernel fails its own row, not the unrelated ones after it."""
         started = time.monotonic()
-        runner = probe.BoundedRunner(settings.probe_timeout, name=f"hlplugin-doctor-{name}")
+        runner = BoundedRunner(settings.probe_timeout, name=f"hlplugin-doctor-{name}")
         try:
             detail = await runner.run(fn)
             check = Check(name, OK, detail)
-        except probe.ProbeError as exc:
+        except CheckFailed as exc:
             check = Check(name, FAIL, _with_hint(exc))
         except _Verdict as exc:
             check = Check(name, exc.status, exc.detail)
@@ -188,31 +189,17 @@ class _Verdict(Exception):
 
 def _describe_node(path: Path) -> str:
     try:
-        st = os.lstat(path)
+        st, kind = char_device(path)
     except OSError as exc:
         raise _Verdict(FAIL, f"{path}: {_os_error(exc)}") from None
-    if not stat.S_ISCHR(st.st_mode):
+    if kind:
         raise _Verdict(FAIL, f"{path} is not a character device (mode {st.st_mode:o})")
     return (f"{path}: character device {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}, "
             f"mode {stat.S_IMODE(st.st_mode):04o}, owner {st.st_uid}:{st.st_gid}")
 
 
 def _api_version(path: Path) -> str:
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as exc:
-        raise probe.ProbeError.from_os_error(exc, step="open", path=path, reason="open") from exc
-    try:
-        try:
-            version = fcntl.ioctl(fd, probe.KVM_GET_API_VERSION, 0)
-        except OSError as exc:
-            raise probe.ProbeError.from_os_error(exc, step="KVM_GET_API_VERSION", path=path,
-                                                 reason="api_version") from exc
-    finally:
-        os.close(fd)
-    if version != probe.KVM_API_VERSION:
-        raise _Verdict(FAIL, f"{version}, expected {probe.KVM_API_VERSION}")
-    return str(version)
+    return str(probe.kvm_api_version(path))
 
 
 def _create_vm(path: Path) -> str:
@@ -331,10 +318,12 @@ def _os_error(exc: OSError) -> str:
     return f"{exc.strerror or exc} ({name})" if name else str(exc.strerror or exc)
 
 
-def _with_hint(exc: probe.ProbeError) -> str:
+def _with_hint(exc: CheckFailed) -> str:
     """The probe's message, plus what an operator can do about the commonest causes."""
     hint = ""
-    if exc.errno == errno.EACCES:
+    if not isinstance(exc, probe.ProbeError):
+        pass  # the runner gave up: its message says why
+    elif exc.errno == errno.EACCES:
         hint = f"; run as root or as a member of {_group_of(exc.path)}"
     elif exc.errno == errno.ENOTTY:
         hint = "; the node exists but is not a KVM device"

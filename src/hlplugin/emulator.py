@@ -38,12 +38,11 @@ import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-from hlplugin.lifecycle import Context
-from hlplugin.watch import wait_event
+from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET, Context
+from hlplugin.deviceplugin.watch import wait_event
 
 log = logging.getLogger(__name__)
 
-KUBELET_SOCKET = "kubelet.sock"
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _RESOURCE = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 

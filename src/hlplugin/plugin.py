@@ -1,206 +1,32 @@
-"""DevicePlugin servers: a base that streams a HealthTracker as a device list, and the main plugin.
+"""The main daemon: the hyperlight.dev/hypervisor plugin, its CDI reconciler and device monitor.
 
-The base holds everything both daemons share (ListAndWatch, stream bookkeeping, the empty options
-and answers); a concrete plugin adds only its device IDs and its Allocate.
+Built on the generic device plugin (hlplugin.deviceplugin) like its sibling bootstrap.py; this
+module adds only the device IDs, the Allocate that hands out CDI references, and serve().
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import NoReturn
+from collections.abc import Awaitable, Callable
 
 import grpc
 
 from hlplugin import cdi
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.config import Settings
-from hlplugin.daemon import (
-    RootTasks,
-    plugin_readiness,
-    run_daemon,
-    track_health_metrics,
-    wait_for_hypervisor,
-)
-from hlplugin.health import DeviceMonitor, HealthState, HealthTracker
-from hlplugin.lifecycle import Context, PluginLifecycle, PluginServicer
+from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon
+from hlplugin.deviceplugin.lifecycle import Context, PluginLifecycle
+from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
+from hlplugin.health import DeviceMonitor, wait_for_hypervisor
 from hlplugin.metrics import Metrics
+from hlplugin.names import HYPERVISOR_RESOURCE as RESOURCE
+from hlplugin.names import HYPERVISOR_SOCKET as SOCKET
 
 log = logging.getLogger(__name__)
 
-HEALTHY = "Healthy"
-UNHEALTHY = "Unhealthy"
-RESOURCE = "hyperlight.dev/hypervisor"
-SOCKET = "hyperlight.sock"
-
 Gate = Callable[[], Awaitable[HealthState]]
-
-
-# Bounds on what a DevicePlugin client may ask (docs/security.md, "Bounds on the device-plugin
-# socket"). The kubelet opens one ListAndWatch stream per registration and sends one container
-# per Allocate call, with IDs we advertised; past these bounds a call is refused at once.
-MAX_STREAMS = 8
-MAX_CONTAINERS = 128
-MAX_ID_BYTES = 128
-QUOTE_CHARS = 64
-# The server's receive limit: room for every advertised ID in one request, plus this much.
-REQUEST_SLACK_BYTES = 64 * 1024
-
-
-def quote(text: str, limit: int = QUOTE_CHARS) -> str:
-    """``text`` for a message or log line: cut to ``limit`` characters, then escaped (repr), so
-    neither a huge input nor a control character reaches a client or the log as it came."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}... ({len(text.encode(errors='replace'))} bytes)"
-
-
-class TrackedDevicePlugin(PluginServicer):
-    """Advertises ``device_ids``, all Healthy or all Unhealthy as the tracker says.
-
-    Every ListAndWatch stream sends the latest list after its previous write completed, never a
-    backlog: a reader that stops reading holds one message, whatever the number of transitions.
-    The streams share one waiter on the tracker, which exists only while a stream is open.
-    """
-
-    def __init__(self, device_ids: Sequence[str], tracker: HealthTracker,
-                 metrics: Metrics | None = None) -> None:
-        self.device_ids = frozenset(device_ids)
-        self.tracker = tracker
-        self.metrics = metrics
-        self.open_streams = 0
-        self.lists_sent = 0
-        self.max_streams = MAX_STREAMS
-        self.max_request_bytes = REQUEST_SLACK_BYTES + sum(len(i) + 8 for i in self.device_ids)
-        self.on_streams_changed: Callable[[], None] | None = None
-        self._closed = False
-        self._refusing = False
-        self._wake = asyncio.Event()
-        self._follower: asyncio.Task[None] | None = None
-        # Built once: a 2,000-device list is the same message on every transition.
-        self._lists = {
-            ok: pb.ListAndWatchResponse(
-                devices=[pb.Device(ID=i, health=HEALTHY if ok else UNHEALTHY) for i in device_ids])
-            for ok in (True, False)
-        }
-
-    def close_streams(self) -> None:
-        self._closed = True
-        self._stop_following()
-        self._notify()
-
-    async def GetDevicePluginOptions(self, request: pb.Empty,
-                                     context: Context) -> pb.DevicePluginOptions:
-        return pb.DevicePluginOptions(pre_start_required=False,
-                                      get_preferred_allocation_available=False)
-
-    async def GetPreferredAllocation(
-        self, request: pb.PreferredAllocationRequest, context: Context
-    ) -> pb.PreferredAllocationResponse:
-        return pb.PreferredAllocationResponse()
-
-    async def PreStartContainer(self, request: pb.PreStartContainerRequest,
-                                context: Context) -> pb.PreStartContainerResponse:
-        return pb.PreStartContainerResponse()
-
-    async def ListAndWatch(self, request: pb.Empty,
-                           context: Context) -> AsyncIterator[pb.ListAndWatchResponse]:
-        if self.open_streams >= self.max_streams:
-            # Logged once while at the bound, so a client retrying in a loop cannot flood the log.
-            log.log(logging.DEBUG if self._refusing else logging.WARNING,
-                    "refused a ListAndWatch stream: %d are open already (at most %d)",
-                    self.open_streams, self.max_streams)
-            self._refusing = True
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.open_streams} ListAndWatch streams are open already, the most this plugin "
-                f"serves at once (the kubelet opens one per registration)")
-        self._stream_opened(+1)
-        try:
-            sent: bool | None = None
-            while not self._closed:
-                wake = self._wake  # taken before looking at the state, so no change is missed
-                state = self.tracker.state
-                if state.healthy == sent:
-                    await wake.wait()
-                    continue
-                sent = state.healthy
-                self._publish(state)
-                self.lists_sent += 1
-                # Resumes once gRPC took the message; the loop then sends the state as it is now.
-                yield self._lists[state.healthy]
-        finally:
-            self._stream_opened(-1)
-
-    async def check_request(self, request: pb.AllocateRequest, context: Context,
-                            advertised: str = "") -> None:
-        """Refuse (INVALID_ARGUMENT) a request past the bounds or naming an ID we do not advertise;
-        the message quotes at most a short escaped prefix of what it got."""
-        containers = request.container_requests
-        if len(containers) > MAX_CONTAINERS:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{len(containers)} container requests in one Allocate; at most "
-                               f"{MAX_CONTAINERS} are served (the kubelet sends one)", "invalid")
-        most = len(self.device_ids)
-        for n, container in enumerate(containers):
-            if len(container.devices_ids) > most:
-                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"container request {n} names {len(container.devices_ids)} "
-                                   f"device IDs; this plugin advertises {most}", "invalid")
-            for i in container.devices_ids:
-                if len(i.encode(errors="replace")) > MAX_ID_BYTES:
-                    await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                       f"device ID {quote(i)} is longer than {MAX_ID_BYTES} "
-                                       f"bytes", "invalid")
-        unknown = sorted({i for c in containers for i in c.devices_ids
-                          if i not in self.device_ids})
-        if unknown:
-            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
-                               f"unknown device IDs {', '.join(quote(i) for i in unknown[:5])}"
-                               f"{more}{advertised}", "invalid")
-
-    def _stream_opened(self, delta: int) -> None:
-        self.open_streams += delta
-        if self.open_streams < self.max_streams:
-            self._refusing = False
-        if self.metrics is not None:
-            self.metrics.streams.inc(delta)
-        if self.open_streams and self._follower is None and not self._closed:
-            self._follower = asyncio.create_task(self._follow(), name="follow health")
-        elif not self.open_streams:
-            self._stop_following()
-        if self.on_streams_changed is not None:
-            self.on_streams_changed()
-
-    async def _follow(self) -> None:
-        """The one waiter on the tracker while streams are open: wakes them on every change."""
-        state = self.tracker.state
-        while True:
-            state = await self.tracker.wait_for_change(state.generation)
-            self._notify()
-
-    def _stop_following(self) -> None:
-        if self._follower is not None:
-            self._follower.cancel()
-            self._follower = None
-
-    def _notify(self) -> None:
-        wake, self._wake = self._wake, asyncio.Event()
-        wake.set()
-
-    def _publish(self, state: HealthState) -> None:
-        if self.metrics is not None:
-            self.metrics.devices_advertised.set(len(self.device_ids))
-            self.metrics.devices_healthy.set(len(self.device_ids) if state.healthy else 0)
-
-    async def _refuse(self, context: Context, code: grpc.StatusCode, message: str,
-                      result: str) -> NoReturn:
-        if self.metrics is not None:
-            self.metrics.allocations.labels(result=result).inc()
-        log.warning("refused Allocate: %s", message, extra={"result": result})
-        await context.abort(code, message)
 
 
 def device_ids(hypervisor: str, count: int) -> list[str]:
@@ -247,22 +73,8 @@ async def serve(settings: Settings) -> None:
     """The main daemon: CDI reconciler, device monitor and the hyperlight.dev/hypervisor plugin."""
     metrics = Metrics()
     tracker = HealthTracker(required=("cdi", "device", "host_identity"))
-    track_health_metrics(tracker, metrics)
-    holder: list[PluginLifecycle] = []
-    hypervisor: list[str] = []
 
-    def current() -> PluginLifecycle | None:
-        return holder[0] if holder else None
-
-    def readiness() -> dict[str, tuple[bool, str]]:
-        conditions = plugin_readiness(current, tracker)()
-        if not hypervisor:
-            conditions["hypervisor"] = (False, f"no mshv or kvm device under {settings.dev_dir}")
-        return conditions
-
-    async def setup() -> RootTasks:
-        hv = await wait_for_hypervisor(settings)
-        hypervisor.append(hv)
+    async def setup(hv: str) -> Started:
         reconciler = cdi.CdiReconciler(
             settings.cdi_dir, cdi.render_spec(hv, settings.device_uid, settings.device_gid),
             tracker=tracker, metrics=metrics, interval=settings.cdi_interval)
@@ -270,6 +82,8 @@ async def serve(settings: Settings) -> None:
             tracker, hv, settings.dev_dir, settings.host_dev_dir,
             interval=settings.health_interval, budget=settings.probe_timeout,
             guest_check=settings.guest_check, metrics=metrics)
+        # The first pass of each, before registering, so the kubelet's first list is true;
+        # their run() loops start from these.
         await reconciler.reconcile("start")
         await monitor.check()
 
@@ -283,8 +97,11 @@ async def serve(settings: Settings) -> None:
             lambda: HypervisorPlugin(hv, settings.device_count, tracker, gate,
                                      cdi_annotations=settings.cdi_annotations, metrics=metrics),
             register_timeout=settings.register_timeout, metrics=metrics)
-        holder.append(lifecycle)
         log.info("advertising %d %s slots for %s", settings.device_count, RESOURCE, hv)
-        return {"cdi": reconciler.run(), "device-health": monitor.run(), "plugin": lifecycle.run()}
+        return Started(lifecycle, {"cdi": reconciler.run(), "device-health": monitor.run(),
+                                   "plugin": lifecycle.run()})
 
-    await run_daemon("hlplugin serve", settings.http_address, readiness, current, metrics, setup)
+    await run_daemon(DaemonSpec(
+        "hlplugin serve", settings.http_address, tracker, metrics,
+        functools.partial(wait_for_hypervisor, settings), setup,
+        pending={"hypervisor": f"no mshv or kvm device under {settings.dev_dir}"}))

@@ -1,6 +1,7 @@
-"""Proof that a hypervisor device is usable, and a bounded way to ask for that proof.
+"""Proof that a hypervisor device is usable (the bounded way to ask for it is deviceplugin.bounded).
 
-Standard library only: the same module runs inside a workload container to check what it was given.
+Standard library only (with the generic package's standard-library helpers, bounded and files):
+the same checks run inside a workload container to check what it was given.
 
 A KVM check opens the node, asks for the API version, creates a VM and (with ``guest``) runs a
 three-instruction real-mode guest to its ``hlt``: a node that merely exists, or a VM that cannot
@@ -10,8 +11,6 @@ read/write (no VM is created: the upstream check, nothing here can verify more).
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import ctypes
 import errno as errno_mod
 import fcntl
@@ -19,20 +18,18 @@ import mmap
 import os
 import stat
 import struct
-import threading
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TypeVar
 
-T = TypeVar("T")
+from hlplugin.deviceplugin.bounded import CheckFailed
+from hlplugin.deviceplugin.files import char_device, kind_of
 
 # Short, bounded failure reasons (metric labels): never paths, errnos or free text.
 REASONS = ("open", "api_version", "create_vm", "guest", "not_char_device", "identity_missing",
            "identity_mismatch", "timeout", "budget", "error")
 
 
-class ProbeError(Exception):
+class ProbeError(CheckFailed):
     """A device check failed: which ``step``, on which ``path``, with the kernel's ``errno`` if any.
 
     ``reason`` is one of REASONS, for metrics; the message is what a person reads.
@@ -40,15 +37,9 @@ class ProbeError(Exception):
 
     def __init__(self, message: str, *, step: str, path: Path | None = None,
                  errno: int | None = None, reason: str = "error") -> None:
-        super().__init__(message)
-        self.message = message
-        self.step = step
+        super().__init__(message, step=step, reason=reason)
         self.path = path
         self.errno = errno
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return self.message
 
     @classmethod
     def from_os_error(cls, exc: OSError, *, step: str, path: Path, reason: str) -> ProbeError:
@@ -132,16 +123,27 @@ def _open(path: Path, stack: ExitStack) -> int:
     return fd
 
 
+def _api_version(kvm: int, path: Path) -> int:
+    version = _ioctl(kvm, KVM_GET_API_VERSION, 0, step="KVM_GET_API_VERSION", path=path,
+                     reason="api_version")
+    if version != KVM_API_VERSION:
+        raise ProbeError(
+            f"KVM_GET_API_VERSION on {path} returned {version}, expected {KVM_API_VERSION}",
+            step="KVM_GET_API_VERSION", path=path, reason="api_version")
+    return version
+
+
+def kvm_api_version(path: Path) -> int:
+    """probe_kvm's first step alone: open ``path`` and check its KVM API version."""
+    with ExitStack() as stack:
+        return _api_version(_open(path, stack), path)
+
+
 def probe_kvm(path: Path, guest: bool = True) -> None:
     """Raise ProbeError unless ``path`` is a KVM that creates a VM (with ``guest``: and runs it)."""
     with ExitStack() as stack:
         kvm = _open(path, stack)
-        version = _ioctl(kvm, KVM_GET_API_VERSION, 0, step="KVM_GET_API_VERSION", path=path,
-                         reason="api_version")
-        if version != KVM_API_VERSION:
-            raise ProbeError(
-                f"KVM_GET_API_VERSION on {path} returned {version}, expected {KVM_API_VERSION}",
-                step="KVM_GET_API_VERSION", path=path, reason="api_version")
+        _api_version(kvm, path)
         vm = _ioctl(kvm, KVM_CREATE_VM, 0, step="KVM_CREATE_VM", path=path, reason="create_vm")
         stack.callback(os.close, vm)
         if guest:
@@ -210,26 +212,17 @@ def _run_guest(kvm: int, vm: int, path: Path, stack: ExitStack) -> None:
 def _lstat_char(path: Path, what: str, missing_reason: str) -> os.stat_result:
     """lstat ``path`` and insist on a character device (a symlink or a regular file is refused)."""
     try:
-        st = os.lstat(path)
+        st, kind = char_device(path)
     except OSError as exc:
         reason = missing_reason if exc.errno == errno_mod.ENOENT else "open"
         raise ProbeError(f"{what} {path} is missing: [Errno {exc.errno}] {exc.strerror}"
                          if exc.errno == errno_mod.ENOENT else
                          f"lstat on {path} failed: [Errno {exc.errno}] {exc.strerror}",
                          step="lstat", path=path, errno=exc.errno, reason=reason) from exc
-    if not stat.S_ISCHR(st.st_mode):
-        raise ProbeError(f"{what} {path} is not a character device ({_kind(st.st_mode)})",
+    if kind:
+        raise ProbeError(f"{what} {path} is not a character device ({kind})",
                          step="lstat", path=path, reason="not_char_device")
     return st
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISREG, "a regular file"),
-                       (stat.S_ISDIR, "a directory"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return f"mode {mode:o}"
 
 
 def probe_mshv(path: Path) -> None:
@@ -253,7 +246,7 @@ def check_host_identity(dev_path: Path, host_path: Path) -> None:
                          step="stat", path=dev_path, errno=exc.errno,
                          reason="identity_missing") from exc
     if not stat.S_ISCHR(dev.st_mode):
-        raise ProbeError(f"device {dev_path} is not a character device ({_kind(dev.st_mode)})",
+        raise ProbeError(f"device {dev_path} is not a character device ({kind_of(dev.st_mode)})",
                          step="stat", path=dev_path, reason="not_char_device")
     host = _lstat_char(host_path, "host device node", "identity_missing")
     if host.st_rdev != dev.st_rdev:
@@ -275,86 +268,3 @@ def probe_device(hypervisor: str, dev_dir: Path, guest: bool = True) -> None:
         probe_mshv(path)
     else:
         raise ValueError(f"unknown hypervisor {hypervisor!r}")
-
-
-class BoundedRunner:
-    """Runs a blocking check in a helper thread and gives up on it after a budget.
-
-    A thread, not a process: forking after grpc has started is unsafe, and a process stuck in an
-    uninterruptible ioctl cannot be killed any more than a thread can; an idle runner costs nothing.
-    A helper that overruns is abandoned, not killed (nothing can kill it), so at most one is ever
-    outstanding: a call first waits, within its own budget, for the previous helper; if that one
-    is still stuck the call fails without starting another. The budget bounds the whole call,
-    waiting included. Daemon threads, so a stuck helper never blocks process exit.
-    """
-
-    def __init__(self, budget: float = 2.0, name: str = "hlplugin-probe") -> None:
-        self.budget = budget
-        self.name = name
-        self.threads_started = 0
-        self._lock = threading.Lock()
-        self._current: concurrent.futures.Future[object] | None = None
-
-    @property
-    def busy(self) -> bool:
-        """A helper is still running (possibly abandoned by a caller that gave up)."""
-        current = self._current
-        return current is not None and not current.done()
-
-    async def run(self, fn: Callable[[], T], budget: float | None = None) -> T:
-        budget = self.budget if budget is None else budget
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget
-        while True:
-            with self._lock:
-                previous = self._current
-                if previous is None or previous.done():
-                    helper: concurrent.futures.Future[T] = concurrent.futures.Future()
-                    # Running from the start: a cancelled waiter can never cancel it.
-                    helper.set_running_or_notify_cancel()
-                    self._current = helper  # type: ignore[assignment]
-                    self.threads_started += 1
-                    threading.Thread(target=_work, args=(fn, helper), daemon=True,
-                                     name=f"{self.name}-{self.threads_started}").start()
-                    break
-            if not await _wait(previous, deadline - loop.time()):
-                raise ProbeError(
-                    f"the previous check is still stuck after {seconds_text(budget)}s; not starting another",
-                    step="budget", reason="budget")
-        if not await _wait(helper, deadline - loop.time()):
-            raise ProbeError(f"check timed out after {seconds_text(budget)}s", step="timeout",
-                             reason="timeout")
-        return helper.result()
-
-
-def seconds_text(seconds: float) -> str:
-    """``seconds`` to one decimal unless that would round it ("0.25", never "0.2" or "0.0")."""
-    text = f"{seconds:.1f}"
-    return text if float(text) == seconds else f"{seconds:g}"
-
-
-def _work(fn: Callable[[], T], helper: concurrent.futures.Future[T]) -> None:
-    try:
-        result = fn()
-    except BaseException as exc:
-        helper.set_exception(exc)
-    else:
-        helper.set_result(result)
-
-
-async def _wait(helper: concurrent.futures.Future[T], seconds: float) -> bool:
-    """Wait up to ``seconds`` for ``helper``; True when it finished. Never disturbs the helper."""
-    if helper.done():
-        return True
-    if seconds <= 0:
-        return False
-    waiter = asyncio.wrap_future(helper)
-    try:
-        done, _ = await asyncio.wait((waiter,), timeout=seconds)
-        return bool(done)
-    finally:
-        # Detach: a cancelled waiter makes the helper's callback a no-op even after loop close.
-        if not waiter.done():
-            waiter.cancel()
-        elif not waiter.cancelled():
-            waiter.exception()  # the caller reads it from ``helper``; keep asyncio from warning

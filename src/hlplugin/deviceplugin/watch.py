@@ -63,6 +63,10 @@ class DirWatcher:
         self.names = frozenset(names) if names is not None else None
         self.poll_interval = poll_interval
         self.use_inotify = use_inotify
+        # The inotify fd while a watch on the directory is in place (else None): readable when
+        # the kernel holds events not yet read, which lets a caller tell "nothing changed since"
+        # without touching the file system.
+        self.live_fd: int | None = None
 
     def _all(self) -> set[str]:
         if self.names is not None:
@@ -99,6 +103,7 @@ class DirWatcher:
                     # Missing directory: poll its parent cheaply until it exists.
                     await asyncio.sleep(self.poll_interval)
                     continue
+                self.live_fd = fd
                 yield self._all()
                 alive = True
                 while alive:
@@ -113,12 +118,14 @@ class DirWatcher:
                         elif self.names is None or event.name in self.names:
                             changed.add(event.name)
                     if not alive:
+                        self.live_fd = None
                         with contextlib.suppress(OSError):
                             inotify.rm_watch(wd)
                         changed |= self._all()
                     if changed:
                         yield changed
         finally:
+            self.live_fd = None
             loop.remove_reader(fd)
 
     async def _poll(self) -> AsyncIterator[set[str]]:
@@ -145,30 +152,3 @@ async def wait_event(event: asyncio.Event, limit: float) -> bool:
         async with asyncio.timeout(limit):
             await event.wait()
     return event.is_set()
-
-
-class Wakeup:
-    """A watcher turned into a wake-up that is safe to wait on with a timeout.
-
-    Take ``pulse()`` before looking at the filesystem, then ``wait(pulse, timeout)``: an event
-    that lands between the look and the wait still wakes the waiter.
-    """
-
-    def __init__(self, watcher: DirWatcher) -> None:
-        self._watcher = watcher
-        self._event = asyncio.Event()
-
-    def pulse(self) -> asyncio.Event:
-        return self._event
-
-    async def wait(self, pulse: asyncio.Event, limit: float) -> None:
-        await wait_event(pulse, limit)
-
-    def fire(self) -> None:
-        """Wake the waiters now, as a watched change would (for changes seen elsewhere)."""
-        fired, self._event = self._event, asyncio.Event()
-        fired.set()
-
-    async def run(self) -> None:
-        async for _ in self._watcher.changes():
-            self.fire()

@@ -30,8 +30,9 @@ import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-from hlplugin.metrics import Metrics
-from hlplugin.watch import DirWatcher, Wakeup
+from hlplugin.deviceplugin.metrics import DevicePluginMetrics
+from hlplugin.deviceplugin.producer import Wakeup
+from hlplugin.deviceplugin.watch import DirWatcher
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class PluginLifecycle:
         max_backoff: float = 5.0,
         recheck_interval: float = 1.0,
         stream_grace: float = 3.0,
-        metrics: Metrics | None = None,
+        metrics: DevicePluginMetrics | None = None,
     ) -> None:
         self.plugin_dir = plugin_dir
         self.socket_path = plugin_dir / socket_name
@@ -161,9 +162,8 @@ class PluginLifecycle:
 
     async def run(self) -> None:
         """Serve and stay registered until cancelled; then stop serving and remove our socket."""
-        watcher = asyncio.create_task(self._wakeup.run(), name=f"watch {self.plugin_dir}")
         backoff = self._min_backoff
-        try:
+        async with self._wakeup.running():
             while True:
                 try:
                     instance = await self._start()
@@ -186,9 +186,6 @@ class PluginLifecycle:
                         backoff = min(backoff * 2, self._max_backoff)
                 finally:
                     await self._stop(instance)
-        finally:
-            watcher.cancel()
-            await asyncio.wait({watcher})  # never swallows a cancellation of our own
 
     async def alive(self, timeout: float = 1.0) -> bool:
         """Liveness: the current server instance answers a call over its own socket."""

@@ -13,23 +13,50 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Coroutine, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-from hlplugin.config import HYPERVISORS, Settings
-from hlplugin.health import HealthState, HealthTracker
-from hlplugin.http import HttpServer, Readiness, format_address
-from hlplugin.lifecycle import PluginLifecycle
-from hlplugin.metrics import Metrics
-from hlplugin.watch import DirWatcher
+from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.http import HttpServer, format_address
+from hlplugin.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 RootTasks = Mapping[str, Coroutine[Any, Any, None]]
+
+
+@dataclass(frozen=True)
+class Started:
+    """What a daemon's setup hands back: its plugin lifecycle and its named root tasks (the
+    lifecycle's own run() among them)."""
+
+    lifecycle: PluginLifecycle
+    tasks: RootTasks
+
+
+@dataclass(frozen=True)
+class DaemonSpec(Generic[T]):
+    """Everything run_daemon needs from one daemon.
+
+    ``wait`` returns what the daemon needs before it can build its plugin (e.g. which device node
+    appeared); until it does, /readyz reports the ``pending`` conditions as failing. ``setup``
+    then builds the plugin from it and returns the lifecycle and the root tasks.
+    """
+
+    name: str
+    http_address: tuple[str, int]
+    tracker: HealthTracker
+    metrics: DevicePluginMetrics
+    wait: Callable[[], Awaitable[T]]
+    setup: Callable[[T], Awaitable[Started]]
+    pending: Mapping[str, str] = field(default_factory=dict)
 
 
 def await_chain(task: asyncio.Task[Any]) -> list[str]:
@@ -73,7 +100,7 @@ def plugin_readiness(lifecycle: Callable[[], PluginLifecycle | None],
     return readiness
 
 
-def track_health_metrics(tracker: HealthTracker, metrics: Metrics) -> None:
+def track_health_metrics(tracker: HealthTracker, metrics: DevicePluginMetrics) -> None:
     def update(old: HealthState, new: HealthState) -> None:
         for name, condition in new.conditions.items():
             metrics.health_condition.labels(condition=name).set(1 if condition.ok else 0)
@@ -146,25 +173,34 @@ class SelfCheck:
             await channel.close(None)
 
 
-async def run_daemon(
-    name: str,
-    http_address: tuple[str, int],
-    readiness: Readiness,
-    lifecycle: Callable[[], PluginLifecycle | None],
-    metrics: Metrics,
-    main: Callable[[], Coroutine[Any, Any, RootTasks]],
-) -> None:
-    """Start HTTP, then run ``main``'s setup and its named root tasks until a signal."""
+async def run_daemon(spec: DaemonSpec[T]) -> None:
+    """Start HTTP, then run the spec's setup and its named root tasks until a signal.
+
+    A root task that fails is logged as one line naming it and its error; the others are
+    cancelled and the process exits 1 for the orchestrator to restart it.
+    """
     loop = asyncio.get_running_loop()
     me = asyncio.current_task()
     assert me is not None
     roots: list[asyncio.Task[None]] = []
+    started: Started | None = None
+    waiting = True
+    track_health_metrics(spec.tracker, spec.metrics)
+
+    def current() -> PluginLifecycle | None:
+        return started.lifecycle if started is not None else None
+
+    def readiness() -> dict[str, tuple[bool, str]]:
+        conditions = plugin_readiness(current, spec.tracker)()
+        if waiting:
+            conditions.update((name, (False, reason)) for name, reason in spec.pending.items())
+        return conditions
 
     def stop(again: bool = False) -> None:
         """Cancel everything, and again every 0.25 s while anything still runs: on Python 3.11
         asyncio.wait_for, which gRPC uses inside server shutdown, can swallow a cancellation."""
         if not again:
-            log.info("%s stopping", name)
+            log.info("%s stopping", spec.name)
         pending = [task for task in roots if not task.done()]
         if again and not pending and me.done():
             return
@@ -180,24 +216,30 @@ async def run_daemon(
 
     # Read at every scrape, from the same conditions as /readyz: a readiness alert needs no
     # kube-state-metrics, and cannot disagree with the probe.
-    metrics.ready.set_function(lambda: float(all(ok for ok, _ in readiness().values())))
-    checker = SelfCheck(lifecycle)
-    http = HttpServer(readiness, checker.liveness, metrics.registry)
+    spec.metrics.ready.set_function(lambda: float(all(ok for ok, _ in readiness().values())))
+    checker = SelfCheck(current)
+    http = HttpServer(readiness, checker.liveness, spec.metrics.registry)
     checking: asyncio.Task[None] | None = None
     try:
         try:
-            await http.start(http_address)
+            await http.start(spec.http_address)
         except OSError as exc:  # in use, not an address of ours, unresolvable: the operator's
-            log.error("%s: cannot serve HTTP on %s: %s", name, format_address(http_address),
-                      _os_reason(exc))
+            log.error("%s: cannot serve HTTP on %s: %s", spec.name,
+                      format_address(spec.http_address), _os_reason(exc))
             raise SystemExit(1) from None
         checking = asyncio.create_task(checker.run(), name="self-check")
-        tasks = await main()
-        async with asyncio.TaskGroup() as group:
-            for task_name, coroutine in tasks.items():
-                roots.append(group.create_task(coroutine, name=task_name))
+        found = await spec.wait()
+        waiting = False
+        started = await spec.setup(found)
+        try:
+            async with asyncio.TaskGroup() as group:
+                for task_name, coroutine in started.tasks.items():
+                    roots.append(group.create_task(coroutine, name=task_name))
+        except* Exception as failed:
+            _log_failures(spec.name, roots, failed)
+            raise SystemExit(1) from None
     except asyncio.CancelledError:
-        log.debug("%s stopped", name)
+        log.debug("%s stopped", spec.name)
     finally:
         # stop() cancels this task again every 0.25 s until it ends: each step must finish.
         if checking is not None:
@@ -208,26 +250,24 @@ async def run_daemon(
             await checker.close()
 
 
+def _log_failures(name: str, roots: list[asyncio.Task[None]], group: BaseExceptionGroup[Exception]
+                  ) -> None:
+    """One error line per failed root task: which task, and what it raised (with its traceback
+    as the record's exception, which the JSON format keeps in one line)."""
+    for task in roots:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            error = task.exception()
+            log.error("%s: root task %s failed: %s: %s; exiting", name, task.get_name(),
+                      type(error).__name__, error, exc_info=error,
+                      extra={"task": task.get_name(), "error": type(error).__name__})
+            return
+    error = group.exceptions[0]
+    log.error("%s: a root task failed: %s: %s; exiting", name, type(error).__name__, error,
+              exc_info=error, extra={"error": type(error).__name__})
+
+
 def _os_reason(exc: OSError) -> str:
     """The reason alone: socket.create_server adds the address we already name to strerror."""
     if exc.errno and exc.errno > 0:
         return os.strerror(exc.errno)
     return exc.strerror or str(exc) or type(exc).__name__
-
-
-async def wait_for_hypervisor(settings: Settings) -> str:
-    """``auto`` with no device yet: stay up (not ready) until /dev/mshv or /dev/kvm appears."""
-    found = settings.detect_hypervisor()
-    if found is not None:
-        return found
-    log.warning("no hypervisor device under %s (looked for mshv and kvm); waiting for one",
-                settings.dev_dir)
-    # aclosing: leaving the loop early must close the watcher now, not whenever the garbage
-    # collector finalizes the generator (by then its inotify fd number may belong to another).
-    async with contextlib.aclosing(DirWatcher(settings.dev_dir, HYPERVISORS).changes()) as changes:
-        async for _ in changes:
-            found = settings.detect_hypervisor()
-            if found is not None:
-                log.info("hypervisor device %s appeared", settings.dev_dir / found)
-                return found
-    raise AssertionError("unreachable: the watcher never ends")

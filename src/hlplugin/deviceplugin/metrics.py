@@ -1,0 +1,84 @@
+"""The Prometheus families every device plugin exports: health, readiness, streams, Allocate and
+registration. Bounded cardinality: labels name conditions and results, never devices or pods.
+Each daemon builds its own registry so tests can run several in one process.
+
+Every label value a counter can take is created at 0 when the registry is built: a series that
+appears only at its first increment hides that increment from ``increase()`` and ``rate()``, so
+the first refused allocation after a restart would never alert. The process's own resource use
+(``process_resident_memory_bytes``, ``process_cpu_seconds_total``, ``process_open_fds``, ...) is
+exported beside ours; the ``*_created`` series are not (one more series per counter child, and no
+alert or dashboard reads them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
+
+# Process-wide switch in prometheus_client, read at every collection.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+# The values each labelled family can take; the code that increments them uses only these
+# (tests/test_metrics.py checks that no new series ever appears). Adding a value here is how a
+# new result or reason is declared.
+HEALTH_DIRECTIONS = ("healthy", "unhealthy")
+ALLOCATION_RESULTS = ("success", "invalid", "refused")
+REGISTRATION_RESULTS = ("success", "failure")
+REREGISTRATION_REASONS = ("stream_ended",)
+
+
+class DevicePluginMetrics:
+    """The generic families, named ``<prefix>_...``; a daemon subclasses it to add its own."""
+
+    def __init__(self, prefix: str, registry: CollectorRegistry | None = None) -> None:
+        self.prefix = prefix
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        # Not pre-created: 0 means "failing", so each daemon sets the conditions it has (all of
+        # them start as "not checked yet", see daemon.track_health_metrics).
+        self.health_condition = Gauge(
+            f"{prefix}_health_condition", "1 when the health condition holds, 0 when it fails.",
+            ["condition"], registry=r)
+        self.ready = Gauge(
+            f"{prefix}_ready", "1 when /readyz answers 200, 0 when it answers 503.", registry=r)
+        self.health_transitions = Counter(
+            f"{prefix}_health_transitions", "Changes of overall health (healthy <-> unhealthy).",
+            ["to"], registry=r)
+        self.allocations = Counter(
+            f"{prefix}_allocations", "Allocate calls by result.", ["result"], registry=r)
+        self.registrations = Counter(
+            f"{prefix}_registrations", "Registrations with the kubelet by result.", ["result"],
+            registry=r)
+        self.reregistrations = Counter(
+            f"{prefix}_reregistrations",
+            "Registrations started anew by the plugin itself, by reason.", ["reason"], registry=r)
+        self.streams = Gauge(
+            f"{prefix}_listandwatch_streams", "Open ListAndWatch streams.", registry=r)
+        self.devices_advertised = Gauge(
+            f"{prefix}_devices_advertised", "Devices in the latest ListAndWatch list.", registry=r)
+        self.devices_healthy = Gauge(
+            f"{prefix}_devices_healthy", "Devices advertised as Healthy.", registry=r)
+        precreate({
+            self.health_transitions: HEALTH_DIRECTIONS,
+            self.allocations: ALLOCATION_RESULTS,
+            self.registrations: REGISTRATION_RESULTS,
+            self.reregistrations: REREGISTRATION_REASONS,
+        })
+
+
+def precreate(families: Mapping[Counter | Histogram, tuple[str, ...]]) -> None:
+    """Create every child of each one-label family, so its series exists (at 0) from the start."""
+    for family, values in families.items():
+        for value in values:
+            family.labels(value)

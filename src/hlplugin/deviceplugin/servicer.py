@@ -1,0 +1,190 @@
+"""The servicer base: streams a HealthTracker as a device list, and bounds what a client may ask.
+
+It holds everything a device plugin's server shares (ListAndWatch, stream bookkeeping, the empty
+options and answers, request checks); a concrete plugin adds only its device IDs and Allocate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import NoReturn
+
+import grpc
+
+from hlplugin.api import deviceplugin_pb2 as pb
+from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.lifecycle import Context, PluginServicer
+from hlplugin.deviceplugin.metrics import DevicePluginMetrics
+
+log = logging.getLogger(__name__)
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+
+
+# Bounds on what a DevicePlugin client may ask (docs/security.md, "Bounds on the device-plugin
+# socket"). The kubelet opens one ListAndWatch stream per registration and sends one container
+# per Allocate call, with IDs we advertised; past these bounds a call is refused at once.
+MAX_STREAMS = 8
+MAX_CONTAINERS = 128
+MAX_ID_BYTES = 128
+QUOTE_CHARS = 64
+# The server's receive limit: room for every advertised ID in one request, plus this much.
+REQUEST_SLACK_BYTES = 64 * 1024
+
+
+def quote(text: str, limit: int = QUOTE_CHARS) -> str:
+    """``text`` for a message or log line: cut to ``limit`` characters, then escaped (repr), so
+    neither a huge input nor a control character reaches a client or the log as it came."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text.encode(errors='replace'))} bytes)"
+
+
+class TrackedDevicePlugin(PluginServicer):
+    """Advertises ``device_ids``, all Healthy or all Unhealthy as the tracker says.
+
+    Every ListAndWatch stream sends the latest list after its previous write completed, never a
+    backlog: a reader that stops reading holds one message, whatever the number of transitions.
+    The streams share one waiter on the tracker, which exists only while a stream is open.
+    """
+
+    def __init__(self, device_ids: Sequence[str], tracker: HealthTracker,
+                 metrics: DevicePluginMetrics | None = None) -> None:
+        self.device_ids = frozenset(device_ids)
+        self.tracker = tracker
+        self.metrics = metrics
+        self.open_streams = 0
+        self.lists_sent = 0
+        self.max_streams = MAX_STREAMS
+        self.max_request_bytes = REQUEST_SLACK_BYTES + sum(len(i) + 8 for i in self.device_ids)
+        self.on_streams_changed: Callable[[], None] | None = None
+        self._closed = False
+        self._refusing = False
+        self._wake = asyncio.Event()
+        self._follower: asyncio.Task[None] | None = None
+        # Built once: a 2,000-device list is the same message on every transition.
+        self._lists = {
+            ok: pb.ListAndWatchResponse(
+                devices=[pb.Device(ID=i, health=HEALTHY if ok else UNHEALTHY) for i in device_ids])
+            for ok in (True, False)
+        }
+
+    def close_streams(self) -> None:
+        self._closed = True
+        self._stop_following()
+        self._notify()
+
+    async def GetDevicePluginOptions(self, request: pb.Empty,
+                                     context: Context) -> pb.DevicePluginOptions:
+        return pb.DevicePluginOptions(pre_start_required=False,
+                                      get_preferred_allocation_available=False)
+
+    async def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: Context
+    ) -> pb.PreferredAllocationResponse:
+        return pb.PreferredAllocationResponse()
+
+    async def PreStartContainer(self, request: pb.PreStartContainerRequest,
+                                context: Context) -> pb.PreStartContainerResponse:
+        return pb.PreStartContainerResponse()
+
+    async def ListAndWatch(self, request: pb.Empty,
+                           context: Context) -> AsyncIterator[pb.ListAndWatchResponse]:
+        if self.open_streams >= self.max_streams:
+            # Logged once while at the bound, so a client retrying in a loop cannot flood the log.
+            log.log(logging.DEBUG if self._refusing else logging.WARNING,
+                    "refused a ListAndWatch stream: %d are open already (at most %d)",
+                    self.open_streams, self.max_streams)
+            self._refusing = True
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.open_streams} ListAndWatch streams are open already, the most this plugin "
+                f"serves at once (the kubelet opens one per registration)")
+        self._stream_opened(+1)
+        try:
+            sent: bool | None = None
+            while not self._closed:
+                wake = self._wake  # taken before looking at the state, so no change is missed
+                state = self.tracker.state
+                if state.healthy == sent:
+                    await wake.wait()
+                    continue
+                sent = state.healthy
+                self._publish(state)
+                self.lists_sent += 1
+                # Resumes once gRPC took the message; the loop then sends the state as it is now.
+                yield self._lists[state.healthy]
+        finally:
+            self._stream_opened(-1)
+
+    async def check_request(self, request: pb.AllocateRequest, context: Context,
+                            advertised: str = "") -> None:
+        """Refuse (INVALID_ARGUMENT) a request past the bounds or naming an ID we do not advertise;
+        the message quotes at most a short escaped prefix of what it got."""
+        containers = request.container_requests
+        if len(containers) > MAX_CONTAINERS:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{len(containers)} container requests in one Allocate; at most "
+                               f"{MAX_CONTAINERS} are served (the kubelet sends one)", "invalid")
+        most = len(self.device_ids)
+        for n, container in enumerate(containers):
+            if len(container.devices_ids) > most:
+                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"container request {n} names {len(container.devices_ids)} "
+                                   f"device IDs; this plugin advertises {most}", "invalid")
+            for i in container.devices_ids:
+                if len(i.encode(errors="replace")) > MAX_ID_BYTES:
+                    await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"device ID {quote(i)} is longer than {MAX_ID_BYTES} "
+                                       f"bytes", "invalid")
+        unknown = sorted({i for c in containers for i in c.devices_ids
+                          if i not in self.device_ids})
+        if unknown:
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"unknown device IDs {', '.join(quote(i) for i in unknown[:5])}"
+                               f"{more}{advertised}", "invalid")
+
+    def _stream_opened(self, delta: int) -> None:
+        self.open_streams += delta
+        if self.open_streams < self.max_streams:
+            self._refusing = False
+        if self.metrics is not None:
+            self.metrics.streams.inc(delta)
+        if self.open_streams and self._follower is None and not self._closed:
+            self._follower = asyncio.create_task(self._follow(), name="follow health")
+        elif not self.open_streams:
+            self._stop_following()
+        if self.on_streams_changed is not None:
+            self.on_streams_changed()
+
+    async def _follow(self) -> None:
+        """The one waiter on the tracker while streams are open: wakes them on every change."""
+        state = self.tracker.state
+        while True:
+            state = await self.tracker.wait_for_change(state.generation)
+            self._notify()
+
+    def _stop_following(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            self._follower = None
+
+    def _notify(self) -> None:
+        wake, self._wake = self._wake, asyncio.Event()
+        wake.set()
+
+    def _publish(self, state: HealthState) -> None:
+        if self.metrics is not None:
+            self.metrics.devices_advertised.set(len(self.device_ids))
+            self.metrics.devices_healthy.set(len(self.device_ids) if state.healthy else 0)
+
+    async def _refuse(self, context: Context, code: grpc.StatusCode, message: str,
+                      result: str) -> NoReturn:
+        if self.metrics is not None:
+            self.metrics.allocations.labels(result=result).inc()
+        log.warning("refused Allocate: %s", message, extra={"result": result})
+        await context.abort(code, message)

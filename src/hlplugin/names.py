@@ -1,0 +1,15 @@
+"""The names Hyperlight's two daemons are known by: their resources and their sockets.
+
+Declared once here; the daemons, the CDI spec's kind, the CLI's path check and the demo read them.
+"""
+
+from __future__ import annotations
+
+# The main plugin's resource, which is also the CDI kind of the spec it writes.
+HYPERVISOR_RESOURCE = "hyperlight.dev/hypervisor"
+HYPERVISOR_SOCKET = "hyperlight.sock"
+# The bootstrap daemon's: one slot that grants the hypervisor node to the main daemon's pod.
+DEVICE_ACCESS_RESOURCE = "hyperlight.dev/device-access"
+DEVICE_ACCESS_SOCKET = "hyperlight-device-access.sock"
+# The longer socket name: what bounds how long the plugin directory's path may be.
+LONGEST_SOCKET = max(HYPERVISOR_SOCKET, DEVICE_ACCESS_SOCKET, key=len)

@@ -1,0 +1,44 @@
+"""The generic device-plugin package imports nothing Hyperlight-specific: only itself, the
+generated device-plugin API and third-party or standard modules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import hlplugin.deviceplugin
+
+ALLOWED = ("hlplugin.deviceplugin", "hlplugin.api")
+
+
+def imported_modules(path: Path) -> list[str]:
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            module = node.module or ""
+            names.append(module)
+            if module == "hlplugin":  # "from hlplugin import cdi" names the module in the alias
+                names.extend(f"hlplugin.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_generic_package_imports_nothing_hyperlight_specific() -> None:
+    files = sorted(Path(hlplugin.deviceplugin.__file__).parent.glob("*.py"))
+    assert len(files) >= 8, files
+    offenders = {
+        f"{path.name}: {name}"
+        for path in files for name in imported_modules(path)
+        if (name == "hlplugin" or name.startswith("hlplugin."))
+        and not any(name == a or name.startswith(a + ".") for a in ALLOWED)
+    }
+    assert not offenders, sorted(offenders)
+
+
+def test_the_check_sees_a_hyperlight_import(tmp_path: Path) -> None:
+    """The walk catches both spellings, so the test above cannot pass by missing them."""
+    sample = tmp_path / "sample.py"
+    sample.write_text("from hlplugin import cdi\nimport hlplugin.probe\n")
+    assert set(imported_modules(sample)) >= {"hlplugin.cdi", "hlplugin.probe"}

@@ -1,0 +1,184 @@
+"""The condition-producer primitive and the daemon runner, in process: supervised watchers,
+bounded passes, the first pass run once, and a failing root task."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+from harness import wait_until
+
+from hlplugin.cdi import SPEC_FILE, CdiReconciler, render_spec
+from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
+from hlplugin.deviceplugin.conditions import HealthTracker
+from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon
+from hlplugin.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.metrics import DevicePluginMetrics
+from hlplugin.deviceplugin.producer import Producer, supervise
+from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
+
+
+async def test_a_dead_child_is_logged_once_and_restarted(caplog: pytest.LogCaptureFixture) -> None:
+    starts = 0
+    settled = asyncio.Event()
+
+    async def watcher() -> None:
+        nonlocal starts
+        starts += 1
+        if starts <= 3:
+            raise OSError(24, "Too many open files")
+        settled.set()
+        await asyncio.Event().wait()
+
+    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.producer"):
+        task = asyncio.create_task(supervise("watching /x", watcher, restart_after=0.01))
+        await settled.wait()
+        task.cancel()
+        await asyncio.wait({task})
+    assert starts == 4
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["watching /x failed (OSError: [Errno 24] Too many open files); "
+                        "restarting it, periodic checks cover the gap"]
+    assert sum(r.levelno == logging.DEBUG for r in caplog.records) == 2
+
+
+async def test_a_pass_past_its_budget_fails_without_blocking_the_loop() -> None:
+    release = threading.Event()
+    outcomes: list[str] = []
+
+    async def step(trigger: str) -> bool:
+        try:
+            await producer.runner.run(release.wait)
+        except CheckFailed as exc:
+            outcomes.append(str(exc))
+            return False
+        outcomes.append("ok")
+        return True
+
+    producer = Producer("stuck", step, budget=0.2)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    ticking = asyncio.create_task(ticker())
+    try:
+        assert not await producer.check("start")
+        assert outcomes == ["check timed out after 0.2s"]
+        assert ticks >= 5  # the loop ran other tasks while the pass waited on its helper
+        # The stuck helper holds the runner: the next pass fails within its budget, no new thread.
+        assert not await producer.ensure(0.0)
+        assert "still stuck" in outcomes[-1] and producer.runner.threads_started == 1
+    finally:
+        release.set()
+        ticking.cancel()
+    producer.runner.budget = 10.0
+    assert await producer.check("retry")
+
+
+async def test_run_goes_on_from_a_pass_that_already_ran() -> None:
+    """Start-up's pass (in setup, before registering) is the first: run() does not repeat it.
+    Without one, run() starts with its own."""
+    triggers: list[str] = []
+
+    async def step(trigger: str) -> bool:
+        triggers.append(trigger)
+        return True
+
+    for first in ("setup", None):
+        triggers.clear()
+        producer = Producer("once", step, interval=0)  # the floor: a pass every 0.1 s
+        if first is not None:
+            await producer.check(first)
+        running = asyncio.create_task(producer.run())
+        try:
+            await wait_until(lambda: len(triggers) >= 3, what="three passes")
+        finally:
+            running.cancel()
+            await asyncio.wait({running})
+        assert triggers[:3] == ([first, "periodic", "periodic"] if first
+                                else ["start", "periodic", "periodic"])
+
+
+async def test_a_failing_root_task_is_one_log_line_and_exit_1(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tracker = HealthTracker()
+    lifecycle = PluginLifecycle(tmp_path, "x.sock", "example.com/x",
+                                lambda: TrackedDevicePlugin(["x-0"], tracker))
+
+    async def broken() -> None:
+        await asyncio.sleep(0)
+        raise ValueError("the disk is on fire")
+
+    async def patient() -> None:
+        await asyncio.Event().wait()
+
+    async def nothing() -> None:
+        return None
+
+    async def setup(_: None) -> Started:
+        return Started(lifecycle, {"patient": patient(), "broken": broken()})
+
+    spec = DaemonSpec("example daemon", ("127.0.0.1", 0), tracker, DevicePluginMetrics("example"),
+                      nothing, setup)
+    with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exited:
+        await run_daemon(spec)
+    assert exited.value.code == 1
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in errors] == [
+        "example daemon: root task broken failed: ValueError: the disk is on fire; exiting"]
+    assert errors[0].task == "broken"  # type: ignore[attr-defined]
+
+
+async def test_a_lingering_runner_reuses_its_helper_then_lets_it_go() -> None:
+    """One read per Allocate must not start a thread per Allocate; an idle runner holds none."""
+    runner = BoundedRunner(budget=5.0, name="linger-test", linger=0.2)
+    for n in range(20):
+        assert await runner.run(lambda n=n: n * 2) == n * 2  # type: ignore[misc]
+    assert runner.threads_started == 1
+
+    def helpers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("linger-test")]
+
+    assert helpers()
+    await wait_until(lambda: not helpers(), 5, "the idle helper to end")
+    assert await runner.run(lambda: "again") == "again"
+    assert runner.threads_started == 2
+
+
+async def test_cdi_ensure_skips_the_read_only_while_inotify_saw_nothing(tmp_path: Path) -> None:
+    """With the directory's watch live and quiet, an Allocate's check costs no read at all; a
+    change the kernel queued but the loop has not read yet still makes it read (and repair)."""
+    desired = render_spec("kvm", 65534, 65534)
+    tracker = HealthTracker(required=("cdi",))
+    rec = CdiReconciler(tmp_path, desired, tracker=tracker, interval=3600)
+    path = tmp_path / SPEC_FILE
+    assert (await rec.reconcile("start")).ok
+    running = asyncio.create_task(rec.run())
+    try:
+        watcher = rec.producer.wakeup.watchers[0]
+        await wait_until(lambda: watcher.live_fd is not None, 5, "the watch")
+        # The watch reports every name when it starts: one more pass, then quiet.
+        await wait_until(lambda: rec.producer.passes >= 2 and rec.producer.in_flight is None, 5,
+                         "the pass the watch starts with")
+        assert (await rec.ensure()).ok
+        reads = rec.producer.runner.calls
+        for _ in range(10):
+            assert (await rec.ensure()).ok
+        assert rec.producer.runner.calls == reads  # quiet: no read
+
+        # Rewritten in place, same size; ensure() runs before the loop reads the inotify event.
+        tampered = desired.replace(b'"rw"', b'"rx"')
+        path.write_bytes(tampered)  # truncates and writes the same inode
+        assert (await rec.ensure()).ok
+        assert rec.producer.runner.calls > reads
+        assert path.read_bytes() == desired
+    finally:
+        running.cancel()
+        await asyncio.wait({running})
