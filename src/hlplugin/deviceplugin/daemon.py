@@ -121,7 +121,7 @@ class SelfCheck:
     task is stuck, and /healthz fails with that reason; an HTTP answer at all proves the loop runs.
     """
 
-    def __init__(self, lifecycle: Callable[[], PluginLifecycle | None], interval: float = 2.0,
+    def __init__(self, lifecycle: Callable[[], PluginLifecycle | None], interval: float = 5.0,
                  timeout: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.lifecycle = lifecycle
         self.interval = interval
