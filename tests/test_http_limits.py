@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from harness import Daemon, Node, run
+from harness import Daemon, Node
 from prometheus_client import CollectorRegistry
 
 from hlplugin import config
@@ -87,105 +87,93 @@ def request(path: str = "/healthz", extra: bytes = b"") -> bytes:
     return f"GET {path} HTTP/1.1\r\nHost: x\r\n".encode() + extra + b"\r\n"
 
 
-def test_head_over_the_limit_gets_431_and_is_closed() -> None:
-    async def body() -> None:
-        limits = Limits(max_head=8 * 1024)
-        async with server(limits) as http:
-            # Just under the limit: served.
-            answer = await exchange(http.port, request(extra=b"X: " + b"a" * 7000 + b"\r\n"))
-            assert status(answer) == 200
-            # Over it: 431, and the server closed (exchange read to EOF), whether the head
-            # arrives in one read or trickles in.
-            big = request(extra=b"X: " + b"a" * 9000 + b"\r\n")
-            answer = await exchange(http.port, big)
-            assert status(answer) == 431 and b"connection: close" in answer.lower()
-            reader, writer = await asyncio.open_connection("127.0.0.1", http.port)
-            for i in range(0, len(big), 500):
-                writer.write(big[i:i + 500])
-                await writer.drain()
-                if reader.at_eof():
-                    break
-            assert status(await asyncio.wait_for(reader.read(), 5)) == 431
-            writer.close()
-            # A request line alone over the limit: 414.
-            answer = await exchange(http.port, b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n")
-            assert status(answer) == 414
-            # A body over its limit: 413, never read to its end.
-            answer = await exchange(http.port, request(extra=b"Content-Length: 100000\r\n")
-                                    + b"b" * 5000)
-            assert status(answer) == 413
-
-    run(body())
+async def test_head_over_the_limit_gets_431_and_is_closed() -> None:
+    limits = Limits(max_head=8 * 1024)
+    async with server(limits) as http:
+        # Just under the limit: served.
+        answer = await exchange(http.port, request(extra=b"X: " + b"a" * 7000 + b"\r\n"))
+        assert status(answer) == 200
+        # Over it: 431, and the server closed (exchange read to EOF), whether the head
+        # arrives in one read or trickles in.
+        big = request(extra=b"X: " + b"a" * 9000 + b"\r\n")
+        answer = await exchange(http.port, big)
+        assert status(answer) == 431 and b"connection: close" in answer.lower()
+        reader, writer = await asyncio.open_connection("127.0.0.1", http.port)
+        for i in range(0, len(big), 500):
+            writer.write(big[i:i + 500])
+            await writer.drain()
+            if reader.at_eof():
+                break
+        assert status(await asyncio.wait_for(reader.read(), 5)) == 431
+        writer.close()
+        # A request line alone over the limit: 414.
+        answer = await exchange(http.port, b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n")
+        assert status(answer) == 414
+        # A body over its limit: 413, never read to its end.
+        answer = await exchange(http.port, request(extra=b"Content-Length: 100000\r\n")
+                                + b"b" * 5000)
+        assert status(answer) == 413
 
 
-def test_request_cut_off_by_eof_is_not_served() -> None:
-    async def body() -> None:
-        served = Served()
-        async with server(served=served) as http:
-            for half in [b"GET /healthz HTTP/1.1\r\nHost: x\r\n",  # no blank line: head unfinished
-                         b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc",
-                         b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r"]:
-                assert await exchange(http.port, half, eof=True) == b"", half
-            assert (served.liveness, served.readiness) == (0, 0)
-            # A whole request, then EOF (a client that half-closes): answered.
-            answer = await exchange(http.port, request(), eof=True)
-            assert status(answer) == 200 and served.liveness == 1
-
-    run(body())
+async def test_request_cut_off_by_eof_is_not_served() -> None:
+    served = Served()
+    async with server(served=served) as http:
+        for half in [b"GET /healthz HTTP/1.1\r\nHost: x\r\n",  # no blank line: head unfinished
+                     b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc",
+                     b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r"]:
+            assert await exchange(http.port, half, eof=True) == b"", half
+        assert (served.liveness, served.readiness) == (0, 0)
+        # A whole request, then EOF (a client that half-closes): answered.
+        answer = await exchange(http.port, request(), eof=True)
+        assert status(answer) == 200 and served.liveness == 1
 
 
-def test_slow_request_is_closed_at_the_whole_request_deadline() -> None:
+async def test_slow_request_is_closed_at_the_whole_request_deadline() -> None:
     """A client sending one byte every 50 ms never trips a per-read timeout; the whole-request
     deadline closes it anyway, unanswered, and not before the deadline."""
 
-    async def body() -> None:
-        served = Served()
-        async with server(Limits(deadline=0.5), served=served) as http:
-            reader, writer = await asyncio.open_connection("127.0.0.1", http.port)
-            started = time.monotonic()
-            data = request(extra=b"X-Slow: " + b"s" * 500 + b"\r\n")
-            closed_after = None
-            for byte in data:
-                try:
-                    writer.write(bytes([byte]))
-                    await writer.drain()
-                except ConnectionError:
-                    closed_after = time.monotonic() - started
-                    break
-                if reader.at_eof() or reader.exception() is not None:
-                    closed_after = time.monotonic() - started
-                    break
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(0.05):
-                        if await reader.read(1) == b"":
-                            closed_after = time.monotonic() - started
-                            break
-            writer.close()
-            assert closed_after is not None, "still open after the whole request was sent"
-            assert closed_after >= 0.5
-            assert served.liveness == 0
-            assert http.open_connections == 0
-
-    run(body())
-
-
-def test_connections_over_the_cap_close_the_oldest_so_a_probe_gets_in() -> None:
-    async def body() -> None:
-        async with server(Limits(max_connections=8)) as http:
-            silent = [await asyncio.open_connection("127.0.0.1", http.port) for _ in range(40)]
+    served = Served()
+    async with server(Limits(deadline=0.5), served=served) as http:
+        reader, writer = await asyncio.open_connection("127.0.0.1", http.port)
+        started = time.monotonic()
+        data = request(extra=b"X-Slow: " + b"s" * 500 + b"\r\n")
+        closed_after = None
+        for byte in data:
             try:
-                probe = await exchange(http.port, request())
-                assert status(probe) == 200
-                assert http.open_connections <= 8
-                # The oldest were closed: they read EOF (or a reset), with no answer.
-                reader, _ = silent[0]
-                with contextlib.suppress(ConnectionResetError):
-                    assert await asyncio.wait_for(reader.read(), 5) == b""
-            finally:
-                for _, writer in silent:
-                    writer.close()
+                writer.write(bytes([byte]))
+                await writer.drain()
+            except ConnectionError:
+                closed_after = time.monotonic() - started
+                break
+            if reader.at_eof() or reader.exception() is not None:
+                closed_after = time.monotonic() - started
+                break
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.05):
+                    if await reader.read(1) == b"":
+                        closed_after = time.monotonic() - started
+                        break
+        writer.close()
+        assert closed_after is not None, "still open after the whole request was sent"
+        assert closed_after >= 0.5
+        assert served.liveness == 0
+        assert http.open_connections == 0
 
-    run(body())
+
+async def test_connections_over_the_cap_close_the_oldest_so_a_probe_gets_in() -> None:
+    async with server(Limits(max_connections=8)) as http:
+        silent = [await asyncio.open_connection("127.0.0.1", http.port) for _ in range(40)]
+        try:
+            probe = await exchange(http.port, request())
+            assert status(probe) == 200
+            assert http.open_connections <= 8
+            # The oldest were closed: they read EOF (or a reset), with no answer.
+            reader, _ = silent[0]
+            with contextlib.suppress(ConnectionResetError):
+                assert await asyncio.wait_for(reader.read(), 5) == b""
+        finally:
+            for _, writer in silent:
+                writer.close()
 
 
 def test_the_connection_cap_leaves_most_fds_to_the_daemon() -> None:
@@ -195,53 +183,44 @@ def test_the_connection_cap_leaves_most_fds_to_the_daemon() -> None:
     assert connection_cap(16) == 4  # a probe still gets in on an absurdly low limit
 
 
-def test_endpoints_and_metrics_content_negotiation() -> None:
-    async def body() -> None:
-        async with server() as http:
-            answer = await exchange(http.port, request("/readyz"))
-            _, _, payload = answer.partition(b"\r\n\r\n")
-            assert status(answer) == 200 and json.loads(payload)["status"] == "ready"
-            answer = await exchange(http.port, request(
-                "/metrics", b"Accept: application/openmetrics-text; version=1.0.0\r\n"))
-            assert b"application/openmetrics-text" in answer and answer.endswith(b"# EOF\n")
-            answer = await exchange(http.port, b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert status(answer) == 200 and answer.endswith(b"\r\n\r\n")
-            # One request per connection: a second, pipelined, is not answered.
-            answer = await exchange(http.port, request() + request("/readyz"))
-            assert answer.count(b"HTTP/1.1 ") == 1
-
-    run(body())
+async def test_endpoints_and_metrics_content_negotiation() -> None:
+    async with server() as http:
+        answer = await exchange(http.port, request("/readyz"))
+        _, _, payload = answer.partition(b"\r\n\r\n")
+        assert status(answer) == 200 and json.loads(payload)["status"] == "ready"
+        answer = await exchange(http.port, request(
+            "/metrics", b"Accept: application/openmetrics-text; version=1.0.0\r\n"))
+        assert b"application/openmetrics-text" in answer and answer.endswith(b"# EOF\n")
+        answer = await exchange(http.port, b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status(answer) == 200 and answer.endswith(b"\r\n\r\n")
+        # One request per connection: a second, pipelined, is not answered.
+        answer = await exchange(http.port, request() + request("/readyz"))
+        assert answer.count(b"HTTP/1.1 ") == 1
 
 
 @needs_ipv6
-def test_ipv6_loopback_and_dual_stack_any() -> None:
-    async def body() -> None:
-        async with server(host="::1") as http:
-            assert status(await exchange(http.port, request(), host="::1")) == 200
-        async with server(host="::") as http:
-            assert status(await exchange(http.port, request(), host="::1")) == 200
-            assert status(await exchange(http.port, request(), host="127.0.0.1")) == 200
-
-    run(body())
+async def test_ipv6_loopback_and_dual_stack_any() -> None:
+    async with server(host="::1") as http:
+        assert status(await exchange(http.port, request(), host="::1")) == 200
+    async with server(host="::") as http:
+        assert status(await exchange(http.port, request(), host="::1")) == 200
+        assert status(await exchange(http.port, request(), host="127.0.0.1")) == 200
 
 
-def test_self_check_result_goes_stale_when_the_loop_stops_checking() -> None:
+async def test_self_check_result_goes_stale_when_the_loop_stops_checking() -> None:
     """/healthz answers from the last self-check; one that has not run for too long (the event
     loop or the task stuck) fails liveness with that reason."""
     now = [1000.0]
     check = SelfCheck(lambda: None, interval=2.0, timeout=1.0, clock=lambda: now[0])
 
-    async def body() -> None:
-        assert await check.check()
-        now[0] += check.stale_after - 0.1
-        assert check.liveness() == (True, "")
-        now[0] += 0.2
-        ok, reason = check.liveness()
-        assert not ok and "self-check has not run" in reason
-        await check.check()
-        assert check.liveness() == (True, "")
-
-    run(body())
+    assert await check.check()
+    now[0] += check.stale_after - 0.1
+    assert check.liveness() == (True, "")
+    now[0] += 0.2
+    ok, reason = check.liveness()
+    assert not ok and "self-check has not run" in reason
+    await check.check()
+    assert check.liveness() == (True, "")
 
 
 @pytest.mark.parametrize(("text", "address"), [
@@ -283,62 +262,50 @@ async def exit_of(tmp_path: Path, address: str) -> tuple[int, list[str]]:
     return code, proc.raw
 
 
-def test_port_in_use_exits_1_with_one_line_naming_the_address(tmp_path: Path) -> None:
-    async def body() -> None:
-        with socket.socket() as taken:
-            taken.bind(("127.0.0.1", 0))
-            taken.listen()
-            port = taken.getsockname()[1]
-            code, lines = await exit_of(tmp_path, f"127.0.0.1:{port}")
-        assert code == 1
-        errors = [line for line in lines if '"level": "error"' in line or "Traceback" in line]
-        assert len(errors) == 1, lines
-        assert f"cannot serve HTTP on 127.0.0.1:{port}" in errors[0]
-        assert "in use" in errors[0]
-
-    run(body())
+async def test_port_in_use_exits_1_with_one_line_naming_the_address(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, lines = await exit_of(tmp_path, f"127.0.0.1:{port}")
+    assert code == 1
+    errors = [line for line in lines if '"level": "error"' in line or "Traceback" in line]
+    assert len(errors) == 1, lines
+    assert f"cannot serve HTTP on 127.0.0.1:{port}" in errors[0]
+    assert "in use" in errors[0]
 
 
-def test_unresolvable_host_exits_1_with_one_line_naming_it(tmp_path: Path) -> None:
-    async def body() -> None:
-        code, lines = await exit_of(tmp_path, "no-such-host.invalid:8080")
-        assert code == 1
-        errors = [line for line in lines if '"level": "error"' in line or "Traceback" in line]
-        assert len(errors) == 1, lines
-        assert "cannot serve HTTP on no-such-host.invalid:8080" in errors[0]
-
-    run(body())
+async def test_unresolvable_host_exits_1_with_one_line_naming_it(tmp_path: Path) -> None:
+    code, lines = await exit_of(tmp_path, "no-such-host.invalid:8080")
+    assert code == 1
+    errors = [line for line in lines if '"level": "error"' in line or "Traceback" in line]
+    assert len(errors) == 1, lines
+    assert "cannot serve HTTP on no-such-host.invalid:8080" in errors[0]
 
 
-def test_invalid_host_exits_2_naming_the_flag(tmp_path: Path) -> None:
-    async def body() -> None:
-        code, lines = await exit_of(tmp_path, "not a host:8080")
-        assert code == 2
-        assert any("--http-address" in line and "not a host" in line for line in lines), lines
-        assert not any("Traceback" in line for line in lines)
-
-    run(body())
+async def test_invalid_host_exits_2_naming_the_flag(tmp_path: Path) -> None:
+    code, lines = await exit_of(tmp_path, "not a host:8080")
+    assert code == 2
+    assert any("--http-address" in line and "not a host" in line for line in lines), lines
+    assert not any("Traceback" in line for line in lines)
 
 
 @needs_ipv6
-def test_daemon_serves_on_ipv6_loopback(tmp_path: Path) -> None:
-    async def body() -> None:
-        port = free_port()
-        node = Node.make(tmp_path)
-        proc = Daemon(node.serve_args("--hypervisor", "kvm"))
-        proc.args[proc.args.index("--http-address") + 1] = f"[::1]:{port}"
-        await proc.start()
-        try:
-            deadline = time.monotonic() + 15
-            while True:
-                with contextlib.suppress(OSError):
-                    answer = await exchange(port, request(), host="::1")
-                    if status(answer) == 200:
-                        break
-                assert time.monotonic() < deadline, proc.raw[-5:]
-                await asyncio.sleep(0.05)
-            assert any(f"on [::1]:{port}" in m for m in proc.messages())
-        finally:
-            assert await proc.stop() == 0
-
-    run(body())
+async def test_daemon_serves_on_ipv6_loopback(tmp_path: Path) -> None:
+    port = free_port()
+    node = Node.make(tmp_path)
+    proc = Daemon(node.serve_args("--hypervisor", "kvm"))
+    proc.args[proc.args.index("--http-address") + 1] = f"[::1]:{port}"
+    await proc.start()
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            with contextlib.suppress(OSError):
+                answer = await exchange(port, request(), host="::1")
+                if status(answer) == 200:
+                    break
+            assert time.monotonic() < deadline, proc.raw[-5:]
+            await asyncio.sleep(0.05)
+        assert any(f"on [::1]:{port}" in m for m in proc.messages())
+    finally:
+        assert await proc.stop() == 0
