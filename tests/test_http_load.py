@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from harness import Daemon, Node, needs_kvm, run, wait_until
+from harness import Daemon, Node, needs_kvm, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from hlplugin.emulator import KubeletEmulator
@@ -254,52 +254,48 @@ async def settled(proc: Daemon, kubelet: KubeletEmulator, watch: Watch, nofile: 
 
 
 @pytest.mark.parametrize("nofile", [None, 1024], ids=["default-fds", "1024-fds"])
-def test_two_thousand_slow_clients(tmp_path: Path, nofile: int | None) -> None:
+@pytest.mark.guard(180)
+async def test_two_thousand_slow_clients(tmp_path: Path, nofile: int | None) -> None:
     ensure_client_fds(SLOW_CLIENTS + 256)
 
-    async def body() -> None:
-        async with attacked_daemon(tmp_path, nofile) as (kubelet, proc):
-            with Watch(proc, kubelet) as watch:
-                await wait_until(lambda: watch.device_checks > 0, timeout=30)
-                conns = await asyncio.to_thread(connect_all, proc.port, SLOW_CLIENTS, HALF_REQUEST)
-                stop = threading.Event()
-                dribbling = asyncio.create_task(asyncio.to_thread(dribble, conns, stop))
-                try:
-                    assert len(conns) > SLOW_CLIENTS // 2, "the attack never got going"
-                    # Held while the daemon runs two device checks (each opens fds) and the
-                    # CDI checks run meanwhile (every second).
-                    checks = watch.device_checks
-                    await wait_until(lambda: watch.device_checks >= checks + 2, timeout=30)
-                finally:
-                    stop.set()
-                    await dribbling
-                    for conn in conns:  # EOF on every unfinished request at once
-                        conn.close()
-                # Answers to the probes after the EOFs, too.
-                probes = len(watch.probes)
-                await wait_until(lambda: len(watch.probes) >= probes + 6, timeout=30)
-            await settled(proc, kubelet, watch, nofile)
-
-    run(body(), timeout=180)
+    async with attacked_daemon(tmp_path, nofile) as (kubelet, proc):
+        with Watch(proc, kubelet) as watch:
+            await wait_until(lambda: watch.device_checks > 0, timeout=30)
+            conns = await asyncio.to_thread(connect_all, proc.port, SLOW_CLIENTS, HALF_REQUEST)
+            stop = threading.Event()
+            dribbling = asyncio.create_task(asyncio.to_thread(dribble, conns, stop))
+            try:
+                assert len(conns) > SLOW_CLIENTS // 2, "the attack never got going"
+                # Held while the daemon runs two device checks (each opens fds) and the
+                # CDI checks run meanwhile (every second).
+                checks = watch.device_checks
+                await wait_until(lambda: watch.device_checks >= checks + 2, timeout=30)
+            finally:
+                stop.set()
+                await dribbling
+                for conn in conns:  # EOF on every unfinished request at once
+                    conn.close()
+            # Answers to the probes after the EOFs, too.
+            probes = len(watch.probes)
+            await wait_until(lambda: len(watch.probes) >= probes + 6, timeout=30)
+        await settled(proc, kubelet, watch, nofile)
 
 
 @pytest.mark.parametrize("nofile", [None, 1024], ids=["default-fds", "1024-fds"])
-def test_healthz_burst(tmp_path: Path, nofile: int | None) -> None:
+@pytest.mark.guard(180)
+async def test_healthz_burst(tmp_path: Path, nofile: int | None) -> None:
     ensure_client_fds(BURST + 256)
 
-    async def body() -> None:
-        async with attacked_daemon(tmp_path, nofile) as (kubelet, proc):
-            with Watch(proc, kubelet) as watch:
-                statuses = await asyncio.to_thread(burst, proc.port, BURST)
-                probes = len(watch.probes)
-                await wait_until(lambda: len(watch.probes) >= probes + 6, timeout=30)
-            answered = [s for s in statuses if s > 0]
-            print(f"burst: {len(answered)} of {BURST} answered, {statuses.count(0)} closed "
-                  f"unanswered, {statuses.count(-1)} still open")
-            # Every connection answered or closed (none left hanging), every answer 200, and at
-            # least as many answered as the cap admits at once (beyond it the oldest are closed).
-            assert statuses.count(-1) == 0 and set(answered) == {200}, sorted(set(statuses))
-            assert len(answered) >= cap(nofile), len(answered)
-            await settled(proc, kubelet, watch, nofile)
-
-    run(body(), timeout=180)
+    async with attacked_daemon(tmp_path, nofile) as (kubelet, proc):
+        with Watch(proc, kubelet) as watch:
+            statuses = await asyncio.to_thread(burst, proc.port, BURST)
+            probes = len(watch.probes)
+            await wait_until(lambda: len(watch.probes) >= probes + 6, timeout=30)
+        answered = [s for s in statuses if s > 0]
+        print(f"burst: {len(answered)} of {BURST} answered, {statuses.count(0)} closed "
+              f"unanswered, {statuses.count(-1)} still open")
+        # Every connection answered or closed (none left hanging), every answer 200, and at
+        # least as many answered as the cap admits at once (beyond it the oldest are closed).
+        assert statuses.count(-1) == 0 and set(answered) == {200}, sorted(set(statuses))
+        assert len(answered) >= cap(nofile), len(answered)
+        await settled(proc, kubelet, watch, nofile)
