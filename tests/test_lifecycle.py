@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import run, wait_until
+from harness import wait_until
 
 from hlplugin import cli, config, names
 from hlplugin.bootstrap import SOCKET as ACCESS_SOCKET
@@ -71,9 +71,9 @@ def sample(metrics: Metrics, name: str, **labels: str) -> float:
 # --- the kubelet ends its stream and stays up (issue 11 #3) --------------------------------------
 
 
-def test_stream_ended_by_the_kubelet_registers_anew_after_the_grace(
+async def test_stream_ended_by_the_kubelet_registers_anew_after_the_grace(
         caplog: pytest.LogCaptureFixture) -> None:
-    async def body() -> None:
+    with caplog.at_level(logging.INFO, logger="hlplugin.deviceplugin.lifecycle"):
         plugin_dir = short_dir()
         kubelet = KubeletEmulator(plugin_dir)
         await kubelet.start()
@@ -95,42 +95,36 @@ def test_stream_ended_by_the_kubelet_registers_anew_after_the_grace(
                 assert sample(metrics, "hyperlight_registrations_total", result="success") == 3
         finally:
             await kubelet.stop()
-
-    with caplog.at_level(logging.INFO, logger="hlplugin.deviceplugin.lifecycle"):
-        run(body())
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warned == ["the kubelet ended its ListAndWatch stream of hyperlight.dev/hypervisor and "
                       "opened none for 0.3 s; registering anew"] * 2
 
 
-def test_a_stream_that_reopens_within_the_grace_changes_nothing() -> None:
-    async def body() -> None:
-        plugin_dir = short_dir()
-        kubelet = KubeletEmulator(plugin_dir)
-        await kubelet.start()
-        metrics = Metrics()
-        try:
-            async with lifecycle(plugin_dir, metrics=metrics, stream_grace=30) as plugin:
-                await kubelet.wait_for(lambda: plugin.open_streams == 1)
-                await kubelet.end_stream(RESOURCE)
-                await kubelet.wait_for(lambda: plugin.open_streams == 0)
-                assert plugin.registered  # within the grace: still the same registration
-                assert kubelet.register_calls == 1
-                assert sample(metrics, "hyperlight_reregistrations_total",
-                              reason="stream_ended") == 0
-        finally:
-            await kubelet.stop()
-
-    run(body())
+async def test_a_stream_that_reopens_within_the_grace_changes_nothing() -> None:
+    plugin_dir = short_dir()
+    kubelet = KubeletEmulator(plugin_dir)
+    await kubelet.start()
+    metrics = Metrics()
+    try:
+        async with lifecycle(plugin_dir, metrics=metrics, stream_grace=30) as plugin:
+            await kubelet.wait_for(lambda: plugin.open_streams == 1)
+            await kubelet.end_stream(RESOURCE)
+            await kubelet.wait_for(lambda: plugin.open_streams == 0)
+            assert plugin.registered  # within the grace: still the same registration
+            assert kubelet.register_calls == 1
+            assert sample(metrics, "hyperlight_reregistrations_total",
+                          reason="stream_ended") == 0
+    finally:
+        await kubelet.stop()
 
 
 # --- registration failures say why and count every attempt (issue 12) ----------------------------
 
 
 @pytest.mark.parametrize("cause", ["missing dir", "no kubelet.sock", "refused", "hangs"])
-def test_registration_failure_names_its_cause_and_counts_every_attempt(
+async def test_registration_failure_names_its_cause_and_counts_every_attempt(
         cause: str, caplog: pytest.LogCaptureFixture) -> None:
-    async def body() -> None:
+    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.lifecycle"):
         base = short_dir()
         plugin_dir = base / "device-plugins" if cause == "missing dir" else base
         resource = "example.kubernetes.io/hypervisor" if cause == "refused" else RESOURCE
@@ -160,22 +154,18 @@ def test_registration_failure_names_its_cause_and_counts_every_attempt(
                 assert want in reason, reason
                 if broken is not None:
                     await broken.stop(remove_socket=True)
-                if cause == "refused":
-                    return
-                kubelet = KubeletEmulator(plugin_dir)
-                await kubelet.start()
-                try:
-                    await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
-                    assert readiness()["registered"] == (True, "")
-                    assert plugin.problem == ""
-                finally:
-                    await kubelet.stop()
+                if cause != "refused":  # a refusal is checked: the rest is for the others
+                    kubelet = KubeletEmulator(plugin_dir)
+                    await kubelet.start()
+                    try:
+                        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
+                        assert readiness()["registered"] == (True, "")
+                        assert plugin.problem == ""
+                    finally:
+                        await kubelet.stop()
         finally:
             if broken is not None:
                 await broken.stop()
-
-    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.lifecycle"):
-        run(body())
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     # A lasting state is logged when it starts (and when it changes), not on every attempt...
     assert len(warned) == 1, warned
@@ -201,41 +191,35 @@ def plugin_dir_of_length(total: int) -> Path:
     return path
 
 
-def test_longest_accepted_plugin_dir_binds_and_registers() -> None:
+async def test_longest_accepted_plugin_dir_binds_and_registers() -> None:
     plugin_dir = plugin_dir_of_length(files.MAX_SOCKET_PATH)
     assert names.LONGEST_SOCKET == ACCESS_SOCKET
     assert config.socket_path_problem(plugin_dir) == ""
 
-    async def body() -> None:
-        kubelet = KubeletEmulator(plugin_dir)
-        await kubelet.start()
-        tracker = healthy_tracker()
-        plugin = PluginLifecycle(plugin_dir, ACCESS_SOCKET, ACCESS,
-                                 lambda: DeviceAccessPlugin("kvm", Path("/dev"), tracker))
-        task = asyncio.create_task(plugin.run())
-        try:
-            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
-        finally:
-            task.cancel()
-            await asyncio.wait({task})
-            await kubelet.stop()
-
-    run(body())
+    kubelet = KubeletEmulator(plugin_dir)
+    await kubelet.start()
+    tracker = healthy_tracker()
+    plugin = PluginLifecycle(plugin_dir, ACCESS_SOCKET, ACCESS,
+                             lambda: DeviceAccessPlugin("kvm", Path("/dev"), tracker))
+    task = asyncio.create_task(plugin.run())
+    try:
+        await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
+    finally:
+        task.cancel()
+        await asyncio.wait({task})
+        await kubelet.stop()
 
 
-def test_one_byte_longer_plugin_dir_exits_2_naming_the_flag(
+async def test_one_byte_longer_plugin_dir_exits_2_naming_the_flag(
         capsys: pytest.CaptureFixture[str]) -> None:
     plugin_dir = plugin_dir_of_length(files.MAX_SOCKET_PATH + 1)
     assert config.socket_path_problem(plugin_dir)
 
-    async def bind() -> None:
-        """The limit is not stricter than gRPC: one byte more does not bind."""
-        server = grpc.aio.server()
-        with pytest.raises(RuntimeError, match="Failed to bind"):
-            server.add_insecure_port(f"unix://{plugin_dir / names.LONGEST_SOCKET}")
-        await server.stop(None)
-
-    run(bind())
+    # The limit is not stricter than gRPC: one byte more does not bind.
+    server = grpc.aio.server()
+    with pytest.raises(RuntimeError, match="Failed to bind"):
+        server.add_insecure_port(f"unix://{plugin_dir / names.LONGEST_SOCKET}")
+    await server.stop(None)
     with pytest.raises(SystemExit) as exited:
         cli.main(["bootstrap", "--plugin-dir", str(plugin_dir)])
     assert exited.value.code == 2
