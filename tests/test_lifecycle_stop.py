@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from harness import run, wait_until
+from harness import wait_until
 
 from hlplugin.deviceplugin.conditions import HealthTracker
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
@@ -37,7 +37,10 @@ def test_cancelled_again_while_stopping_still_stops_the_server_and_removes_its_s
         assert not socket.exists(), f"the stopped server's socket was left behind ({turns} turns)"
         assert lifecycle.open_streams == 0
 
+    # Kept sync on purpose, one asyncio.run per case: the turns count from a fresh loop's start,
+    # and the listing runs after that loop closed, when a server left running would have been
+    # collected. One async test would share a loop across cases and list before it closed.
     for turns in (None, *range(12)):
         with tempfile.TemporaryDirectory(prefix="hlp-") as directory:
-            run(scenario(Path(directory), turns))
+            asyncio.run(asyncio.wait_for(scenario(Path(directory), turns), 60))  # a guard
             assert os.listdir(directory) == [], f"left behind when cancelled after {turns} turns"
