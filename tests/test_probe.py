@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import run, wait_until
+from harness import wait_until
 
 from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
 from hlplugin.probe import (
@@ -270,7 +270,7 @@ def test_helper_errors_reach_the_caller_only(caplog: pytest.LogCaptureFixture) -
         del runner  # the helper's future holds whatever waited on it
         gc.collect()
 
-    try:
+    try:  # sync on purpose: the check below also covers what is logged as the loop closes
         with caplog.at_level(logging.DEBUG):
             asyncio.run(scenario())
     finally:
@@ -384,12 +384,13 @@ async def test_concurrent_callers_never_run_two_helpers_at_once() -> None:
 def test_helper_finishing_after_its_loop_closed_is_quiet(
     gate: Gate, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # Sync on purpose: the helper must outlive the loop that started it, so one loop per step.
     runner = BoundedRunner(budget=0.05)
     with pytest.raises(CheckFailed, match="timed out"):
         asyncio.run(runner.run(gate))
     with caplog.at_level(logging.DEBUG):
         gate.release.set()
-        run(wait_until(lambda: not runner.busy, GUARD, "the helper finishing"))
+        asyncio.run(wait_until(lambda: not runner.busy, GUARD, "the helper finishing"))
         # A bounded watch, 50 ms: the helper is done; any callback it scheduled on the closed
         # loop has failed (and would have logged) by now.
         time.sleep(0.05)
