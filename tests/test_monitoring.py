@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import HAVE_KVM, Node, needs_kvm, on_kubelet, run, wait_until
+from harness import HAVE_KVM, Node, needs_kvm, on_kubelet, wait_until
 
 from hlplugin import cdi
 from hlplugin.emulator import free_port, with_parent_death
@@ -191,20 +191,17 @@ def test_promtool_unit_tests_one_per_alert(rules: dict[str, Any], tmp_path: Path
 
 
 @pytest.mark.parametrize("daemon", ["serve", "bootstrap"])
-def test_promtool_finds_nothing_in_the_metrics(daemon: str, tmp_path: Path) -> None:
+async def test_promtool_finds_nothing_in_the_metrics(daemon: str, tmp_path: Path) -> None:
     promtool = tool("promtool")
 
-    async def body() -> bytes:
-        node = Node.make(tmp_path)
-        args = node.serve_args() if daemon == "serve" else [
-            "bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", str(node.dev_dir)]
-        resource = "hyperlight.dev/hypervisor" if daemon == "serve" else "hyperlight.dev/device-access"
-        async with on_kubelet(node, args) as (kubelet, proc):
-            if HAVE_KVM:  # registered and advertising: every family has moved at least once
-                await kubelet.wait_for(lambda: kubelet.allocatable(resource) > 0)
-            return await proc.wait_http("/metrics", 200)
-
-    text = run(body())
+    node = Node.make(tmp_path)
+    args = node.serve_args() if daemon == "serve" else [
+        "bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", str(node.dev_dir)]
+    resource = "hyperlight.dev/hypervisor" if daemon == "serve" else "hyperlight.dev/device-access"
+    async with on_kubelet(node, args) as (kubelet, proc):
+        if HAVE_KVM:  # registered and advertising: every family has moved at least once
+            await kubelet.wait_for(lambda: kubelet.allocatable(resource) > 0)
+        text = await proc.wait_http("/metrics", 200)
     assert b"hyperlight_registrations_total" in text and b"process_resident_memory_bytes" in text
     result = sh([promtool, "check", "metrics"], input=text.decode())
     assert result.returncode == 0 and (result.stdout + result.stderr).strip() == "", (
@@ -272,7 +269,8 @@ class Prometheus:
 
 
 @needs_kvm
-def test_live_prometheus_fires_and_resolves_device_unhealthy(
+@pytest.mark.guard(60)
+async def test_live_prometheus_fires_and_resolves_device_unhealthy(
     rules: dict[str, Any], tmp_path: Path
 ) -> None:
     tool("prometheus")
@@ -281,55 +279,51 @@ def test_live_prometheus_fires_and_resolves_device_unhealthy(
     (target,) = [r for r in alerts(live) if r["alert"] == alert]
     target["for"] = "3s"
 
-    async def body() -> dict[str, float]:
-        node = Node.make(tmp_path / "node")
-        spec = node.cdi_dir / cdi.SPEC_FILE
-        async with on_kubelet(node, node.serve_args("--device-count", "4")) as (kubelet, proc):
-            await kubelet.wait_for(lambda: kubelet.allocatable("hyperlight.dev/hypervisor") == 4)
-            prometheus = Prometheus(tmp_path, proc.port, live)
+    node = Node.make(tmp_path / "node")
+    spec = node.cdi_dir / cdi.SPEC_FILE
+    async with on_kubelet(node, node.serve_args("--device-count", "4")) as (kubelet, proc):
+        await kubelet.wait_for(lambda: kubelet.allocatable("hyperlight.dev/hypervisor") == 4)
+        prometheus = Prometheus(tmp_path, proc.port, live)
 
-            def states() -> list[str]:
-                data = prometheus.api("alerts")
-                return [a["state"] for a in (data["alerts"] if data else [])
-                        if a["labels"]["alertname"] == alert and a["labels"]["node"] == "test-node"]
+        def states() -> list[str]:
+            data = prometheus.api("alerts")
+            return [a["state"] for a in (data["alerts"] if data else [])
+                    if a["labels"]["alertname"] == alert and a["labels"]["node"] == "test-node"]
 
-            prometheus.start()
-            try:
-                started = time.monotonic()
-                await wait_until(lambda: prometheus.value("hyperlight_devices_healthy") == 4,
-                                 timeout=30)
-                assert states() == []
-                marks = {"start to healthy in Prometheus": time.monotonic() - started}
+        prometheus.start()
+        try:
+            started = time.monotonic()
+            await wait_until(lambda: prometheus.value("hyperlight_devices_healthy") == 4,
+                             timeout=30)
+            assert states() == []
+            marks = {"start to healthy in Prometheus": time.monotonic() - started}
 
-                # Obstruct: a directory where the spec belongs. The daemon rewrites a deleted
-                # spec at once, so the directory is renamed into the gap until it sticks.
-                obstruction = tmp_path / "obstruction"
-                obstruction.mkdir()
-                while not spec.is_dir():
-                    with contextlib.suppress(FileNotFoundError):
-                        spec.unlink()
-                    with contextlib.suppress(NotADirectoryError, FileExistsError):
-                        os.rename(obstruction, spec)
-                obstructed = time.monotonic()
-                seen: list[str] = []
+            # Obstruct: a directory where the spec belongs. The daemon rewrites a deleted
+            # spec at once, so the directory is renamed into the gap until it sticks.
+            obstruction = tmp_path / "obstruction"
+            obstruction.mkdir()
+            while not spec.is_dir():
+                with contextlib.suppress(FileNotFoundError):
+                    spec.unlink()
+                with contextlib.suppress(NotADirectoryError, FileExistsError):
+                    os.rename(obstruction, spec)
+            obstructed = time.monotonic()
+            seen: list[str] = []
 
-                def firing() -> bool:
-                    now = states()
-                    seen.extend(s for s in now if not seen or seen[-1] != s)
-                    return now == ["firing"]
+            def firing() -> bool:
+                now = states()
+                seen.extend(s for s in now if not seen or seen[-1] != s)
+                return now == ["firing"]
 
-                await wait_until(firing, timeout=20)
-                assert seen[0] == "pending" and seen[-1] == "firing", seen
-                marks["obstruction to firing"] = time.monotonic() - obstructed
+            await wait_until(firing, timeout=20)
+            assert seen[0] == "pending" and seen[-1] == "firing", seen
+            marks["obstruction to firing"] = time.monotonic() - obstructed
 
-                spec.rmdir()
-                freed = time.monotonic()
-                await wait_until(lambda: states() == [], timeout=20)
-                marks["freed to resolved"] = time.monotonic() - freed
-                assert prometheus.value("hyperlight_devices_healthy") == 4
-                return marks
-            finally:
-                prometheus.stop()
-
-    marks = run(body(), timeout=60)
+            spec.rmdir()
+            freed = time.monotonic()
+            await wait_until(lambda: states() == [], timeout=20)
+            marks["freed to resolved"] = time.monotonic() - freed
+            assert prometheus.value("hyperlight_devices_healthy") == 4
+        finally:
+            prometheus.stop()
     print(f"live alert timings (s): {marks}")
