@@ -18,12 +18,12 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from harness import needs_root, run, wait_until
+from harness import needs_root, wait_until
 
 from hlplugin.cdi import (
     CDI_VERSION,
@@ -817,6 +817,11 @@ def _as_nobody(task: Callable[[], object]) -> object:
     return _forked(_become_nobody, task)
 
 
+def in_child(scenario: Coroutine[Any, Any, object]) -> object:
+    """Run a forked child's async scenario on its own loop, with a guard (the fork is no test)."""
+    return asyncio.run(asyncio.wait_for(scenario, 60))
+
+
 def _forked(prepare: Callable[[], None], task: Callable[[], object]) -> object:
     """Run ``prepare`` then ``task`` in a forked child; the repr of the task's result back."""
     import concurrent.futures.thread  # noqa: F401  (imported lazily by to_thread)
@@ -878,7 +883,7 @@ def _kernel_without_renameat2_flags() -> None:
 def test_without_renameat2_flags_it_falls_back_to_check_and_rename_and_says_so_once(
     cdi_dir: Path, tmp_path: Path,
 ) -> None:
-    def scenario() -> object:
+    async def scenario() -> object:
         records: list[str] = []
         handler = logging.Handler()
         handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
@@ -894,18 +899,18 @@ def test_without_renameat2_flags_it_falls_back_to_check_and_rename_and_says_so_o
         probe.unlink()
         rig = Rig(cdi_dir)
         rig.path.write_bytes(STALE)
-        first = run(rig.rec.reconcile("start"))
+        first = await rig.rec.reconcile("start")
         right = rig.path.read_bytes() == DESIRED and stat.S_IMODE(os.lstat(rig.path).st_mode)
         rig.path.unlink()
-        second = run(rig.rec.reconcile("watch"))
+        second = await rig.rec.reconcile("watch")
         rig.path.unlink()
         rig.path.symlink_to(tmp_path / "nowhere")
-        third = run(rig.rec.reconcile("watch"))
+        third = await rig.rec.reconcile("watch")
         warnings = [m for m in records if "does not support renameat2" in m]
         return (exchange_error, first, right, second, third.reason, len(warnings),
                 rig.repairs("stale"), rig.repairs("missing"), temp_files(cdi_dir))
 
-    assert _forked(_kernel_without_renameat2_flags, scenario) == repr((
+    assert _forked(_kernel_without_renameat2_flags, lambda: in_child(scenario())) == repr((
         "EINVAL", Condition(True), 0o644, Condition(True),
         f"{cdi_dir / SPEC_FILE} is a symlink; refusing to replace what we do not own", 1,
         1.0, 1.0, []))
@@ -926,18 +931,18 @@ def _permission_denied_scenario(cdi_dir: Path) -> None:
     os.chown(cdi_dir, 65534, 65534)
     os.chmod(cdi_dir, 0o555)
 
-    def scenario() -> object:
+    async def scenario() -> object:
         rig = Rig(cdi_dir)
-        first = run(rig.rec.reconcile("start"))
+        first = await rig.rec.reconcile("start")
         os.chmod(cdi_dir, 0o755)  # storage works again
-        second = run(rig.rec.reconcile("retry"))
+        second = await rig.rec.reconcile("retry")
         os.chmod(rig.path, 0o000)  # our own file, unreadable to us
-        third = run(rig.rec.reconcile("periodic"))
+        third = await rig.rec.reconcile("periodic")
         return (first, second, third, rig.refusals("write_failed"), rig.repairs("missing"),
                 rig.repairs("metadata"))
 
     path = cdi_dir / SPEC_FILE
-    assert _as_nobody(scenario) == repr((
+    assert _as_nobody(lambda: in_child(scenario())) == repr((
         Condition(False, f"cannot write {path}: Permission denied (EACCES)"),
         Condition(True), Condition(True), 1.0, 1.0, 1.0))
     st = os.lstat(path)
