@@ -42,7 +42,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
-from harness import HAVE_KVM, Daemon, Node, needs_kvm, on_kubelet, run
+from harness import HAVE_KVM, Daemon, Node, needs_kvm, on_kubelet
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -143,7 +143,8 @@ def exposed() -> Exposed:
                     finally:
                         await boot.stop()
 
-    run(main(), timeout=90)
+    # A sync module-scoped fixture (async ones need a plugin): its own loop, with a 90 s guard.
+    asyncio.run(asyncio.wait_for(main(), 90))
     found.add_registry()
     return found
 
