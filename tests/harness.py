@@ -13,28 +13,16 @@ import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hlplugin.emulator import DaemonProcess, KubeletEmulator
 
-T = TypeVar("T")
-
 HAVE_KVM = os.path.exists("/dev/kvm") and os.access("/dev/kvm", os.R_OK | os.W_OK)
 IS_ROOT = os.geteuid() == 0
 needs_kvm = pytest.mark.skipif(not HAVE_KVM, reason="needs a usable /dev/kvm")
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="needs root (mknod, mounts)")
-
-
-def run(coroutine: Awaitable[T], timeout: float = 60.0) -> T:
-    """Run one async test body with a generous guard timeout."""
-
-    async def guarded() -> T:
-        return await asyncio.wait_for(coroutine, timeout)
-
-    return asyncio.run(guarded())
 
 
 @dataclass
