@@ -167,3 +167,15 @@ def proc_status(pid: int) -> dict[str, int]:
     return {key: int(value.split()[0]) for key, _, value in
             (line.partition(":") for line in Path(f"/proc/{pid}/status").read_text().splitlines())
             if value.strip().endswith("kB")}
+
+
+def obstruct_with_directory(path: Path) -> None:
+    """Put a directory where the CDI spec belongs. The daemon rewrites a deleted spec at once, so
+    a directory made beside it is renamed into the gap, as often as it takes."""
+    spare = path.with_name(path.name + ".obstruction")
+    spare.mkdir()
+    while not path.is_dir():
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        with contextlib.suppress(NotADirectoryError, FileExistsError):
+            os.rename(spare, path)

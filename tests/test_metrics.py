@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import stat
@@ -16,6 +15,7 @@ from harness import (
     Samples,
     needs_kvm,
     needs_root,
+    obstruct_with_directory,
     on_kubelet,
     scrape,
     value,
@@ -144,15 +144,8 @@ async def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> No
                 m, "hyperlight_cdi_repairs_total", cause=c) == b + 1)
             assert spec.read_bytes() == desired, cause
 
-        # Refusal: the CDI path obstructed by a directory. The daemon rewrites a deleted spec
-        # at once, so the directory is renamed into the gap, as often as it takes.
-        obstruction = tmp_path / "obstruction"
-        obstruction.mkdir()
-        while not spec.is_dir():
-            with contextlib.suppress(FileNotFoundError):
-                spec.unlink()
-            with contextlib.suppress(NotADirectoryError, FileExistsError):
-                os.rename(obstruction, spec)
+        # Refusal: the CDI path obstructed by a directory.
+        obstruct_with_directory(spec)
         m = await wait_metric(proc, lambda m: value(
             m, "hyperlight_health_condition", condition="cdi") == 0
             and value(m, "hyperlight_devices_healthy") == 0)

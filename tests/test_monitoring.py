@@ -9,7 +9,6 @@ Missing tools skip with what to install.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import HAVE_KVM, Node, needs_kvm, on_kubelet, wait_until
+from harness import HAVE_KVM, Node, needs_kvm, obstruct_with_directory, on_kubelet, wait_until
 
 from hlplugin import cdi
 from hlplugin.emulator import free_port, with_parent_death
@@ -298,15 +297,8 @@ async def test_live_prometheus_fires_and_resolves_device_unhealthy(
             assert states() == []
             marks = {"start to healthy in Prometheus": time.monotonic() - started}
 
-            # Obstruct: a directory where the spec belongs. The daemon rewrites a deleted
-            # spec at once, so the directory is renamed into the gap until it sticks.
-            obstruction = tmp_path / "obstruction"
-            obstruction.mkdir()
-            while not spec.is_dir():
-                with contextlib.suppress(FileNotFoundError):
-                    spec.unlink()
-                with contextlib.suppress(NotADirectoryError, FileExistsError):
-                    os.rename(obstruction, spec)
+            # Obstruct: a directory where the spec belongs.
+            obstruct_with_directory(spec)
             obstructed = time.monotonic()
             seen: list[str] = []
 
