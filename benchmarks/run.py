@@ -43,7 +43,15 @@ from hlplugin.probe import check_host_identity, probe_kvm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the one harness: node root, daemon process, poller
-from harness import Daemon, Node, cpu_seconds, on_kubelet, proc_status, wait_until  # noqa: E402
+from harness import (  # noqa: E402
+    Daemon,
+    Node,
+    cpu_seconds,
+    on_kubelet,
+    proc_status,
+    spec_is_exact,
+    wait_until,
+)
 
 RESOURCE = "hyperlight.dev/hypervisor"
 BOOT_RESOURCE = "hyperlight.dev/device-access"
@@ -323,12 +331,7 @@ def measure_repairs(spec: Path, desired: bytes, kind: str, count: int) -> list[f
     stale, malformed = render_spec("kvm", 1000, 1000), b'{"cdiVersion": "0.3.0", "ki'
 
     def exact() -> bool:
-        try:
-            st = os.lstat(spec)
-            return stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644 \
-                and spec.read_bytes() == desired
-        except OSError:
-            return False
+        return spec_is_exact(spec, desired)
 
     def write_atomically(content: bytes) -> None:
         temp = spec.with_name(".bench-tamper")

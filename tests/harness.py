@@ -9,6 +9,7 @@ import inspect
 import os
 import shutil
 import signal
+import stat
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -179,3 +180,14 @@ def obstruct_with_directory(path: Path) -> None:
             path.unlink()
         with contextlib.suppress(NotADirectoryError, FileExistsError):
             os.rename(spare, path)
+
+
+def spec_is_exact(path: Path, desired: bytes) -> bool:
+    """``path`` is a regular file, mode 0644, holding exactly ``desired``: what the reconciler
+    keeps, seen without following a symlink."""
+    try:
+        st = os.lstat(path)
+        return (stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644
+                and path.read_bytes() == desired)
+    except OSError:
+        return False

@@ -55,6 +55,7 @@ from harness import (
     needs_root,
     on_kubelet,
     scrape,
+    spec_is_exact,
     value,
     wait_metric,
     wait_until,
@@ -170,15 +171,6 @@ def mounted(target: Path, *argv: str) -> Iterator[Path]:
         yield target
     finally:
         subprocess.run(["umount", "-l", str(target)], check=False, capture_output=True, timeout=30)
-
-
-def spec_is_exact(path: Path) -> bool:
-    try:
-        st = os.lstat(path)
-        return stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644 \
-            and path.read_bytes() == DESIRED
-    except OSError:
-        return False
 
 
 def median(values: list[float]) -> float:
@@ -352,7 +344,7 @@ TAMPER: dict[str, Callable[[Path], None]] = {
 
 async def exact(r: Rig) -> float:
     """Seconds until the spec is exact again (file state has no emulator event: polled)."""
-    return await wait_until(lambda: spec_is_exact(r.spec), GUARD, "an exact spec", step=0.001)
+    return await wait_until(lambda: spec_is_exact(r.spec, DESIRED), GUARD, "an exact spec", step=0.001)
 
 
 @needs_kvm
@@ -398,7 +390,7 @@ def fill_and_stale_in_place(r: Rig) -> None:
 
 def never_written_through(r: Rig) -> None:
     """The obstruction is still there, untouched; the symlink's target is a kept sibling."""
-    assert not stat.S_ISREG(os.lstat(r.spec).st_mode) and not spec_is_exact(r.spec)
+    assert not stat.S_ISREG(os.lstat(r.spec).st_mode) and not spec_is_exact(r.spec, DESIRED)
 
 
 @dataclass(frozen=True)
@@ -519,7 +511,7 @@ async def test_fault_withdraws_every_slot_keeps_liveness_and_recovers_without_re
             await r.healthy()
             row.recovered(time.monotonic() - began)
             await r.readiness(200)
-            assert spec_is_exact(r.spec)
+            assert spec_is_exact(r.spec, DESIRED)
             await r.admit()
             assert r.proc.pid == pid and r.proc.exited() is None  # no restart
             reason = re.sub(r" on \S+", "", details.split(f"{fault.condition}: ", 1)[-1])
@@ -586,7 +578,7 @@ async def test_plugin_restart_re_registers_and_keeps_the_spec(tmp_path: Path, si
             for _ in range(3):
                 await r.proc.signal(signum)
                 await r.wait(lambda: r.kubelet.allocatable(RESOURCE) == 0)
-                assert spec_is_exact(r.spec)
+                assert spec_is_exact(r.spec, DESIRED)
                 if signum == signal.SIGKILL:
                     assert (r.node.plugin_dir / SOCKET).exists()  # stale, left behind
                 began = time.monotonic()
