@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import logging
 import os
 import shutil
@@ -200,7 +201,8 @@ async def test_longest_accepted_plugin_dir_binds_and_registers() -> None:
     await kubelet.start()
     tracker = healthy_tracker()
     plugin = PluginLifecycle(plugin_dir, ACCESS_SOCKET, ACCESS,
-                             lambda: DeviceAccessPlugin("kvm", Path("/dev"), tracker))
+                             lambda: DeviceAccessPlugin(
+                                 "kvm", tracker, functools.partial(asyncio.sleep, 0, True)))
     task = asyncio.create_task(plugin.run())
     try:
         await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)

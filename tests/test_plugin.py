@@ -281,7 +281,13 @@ async def test_allocate_ids_per_container_at_and_past_the_bound() -> None:
 
 
 async def test_device_access_plugin_applies_the_same_bounds(tmp_path: Path) -> None:
-    plugin = DeviceAccessPlugin("kvm", tmp_path, healthy_tracker())
+    rechecks: list[None] = []
+
+    async def recheck() -> bool:
+        rechecks.append(None)
+        return True
+
+    plugin = DeviceAccessPlugin("kvm", healthy_tracker(), recheck)
     async with served(plugin) as stub:
         details = await refused_with(
             stub, allocate_request(["device-access-kvm", "device-access-kvm"]))
@@ -289,6 +295,7 @@ async def test_device_access_plugin_applies_the_same_bounds(tmp_path: Path) -> N
         await refused_with(stub, allocate_request(*[["device-access-kvm"]] * (MAX_CONTAINERS + 1)))
         details = await refused_with(stub, allocate_request(["x" * 50_000]))
         assert "50000 bytes" in details
+    assert not rechecks  # the bounds refuse before the node is looked at
 
 
 async def test_allocate_id_length_at_and_past_the_bound() -> None:

@@ -8,6 +8,7 @@ permission, no mounts, no environment, no CDI.
 from __future__ import annotations
 
 import functools
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -38,17 +39,20 @@ def node_problem(path: Path) -> str:
 
 
 class DeviceAccessPlugin(TrackedDevicePlugin):
-    def __init__(self, hypervisor: str, dev_dir: Path, tracker: HealthTracker,
-                 metrics: Metrics | None = None) -> None:
+    """Grants /dev/<hv> after ``recheck()`` (the node watch's bounded pass, off the event loop, so
+    a hung /dev times out in its budget instead of freezing the loop) found the node usable."""
+
+    def __init__(self, hypervisor: str, tracker: HealthTracker,
+                 recheck: Callable[[], Awaitable[bool]], metrics: Metrics | None = None) -> None:
         super().__init__([f"device-access-{hypervisor}"], tracker, metrics)
-        self.node = dev_dir / hypervisor
         self.device_path = f"/dev/{hypervisor}"
+        self._recheck = recheck
 
     async def Allocate(self, request: pb.AllocateRequest,
                        context: Context) -> pb.AllocateResponse:
         await self.check_request(request, context)
-        problem = node_problem(self.node)
-        if problem:
+        if not await self._recheck():
+            problem = self.tracker.state.describe()
             await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION,
                                f"cannot grant {self.device_path}: {problem}", "refused")
         response = pb.AllocateResponse()
@@ -87,7 +91,8 @@ async def bootstrap(settings: Settings) -> None:
         await watch.check("start")  # before registering; run() goes on from here
         lifecycle = PluginLifecycle(
             settings.plugin_dir, SOCKET, RESOURCE,
-            lambda: DeviceAccessPlugin(hv, settings.dev_dir, tracker, metrics),
+            lambda: DeviceAccessPlugin(hv, tracker, functools.partial(watch.ensure, 0.0, "allocate"),
+                                       metrics),
             register_timeout=settings.register_timeout, metrics=metrics)
         return Started(lifecycle, {"device-health": watch.run(),
                                    "plugin": lifecycle.run()})
