@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 from harness import (
-    HAVE_KVM,
     Node,
     Samples,
     needs_kvm,
@@ -28,7 +27,6 @@ from hlplugin.emulator import AdmissionError
 from hlplugin.metrics import Metrics
 
 RESOURCE = "hyperlight.dev/hypervisor"
-ACCESS = "hyperlight.dev/device-access"
 
 def series(samples: Samples) -> set[tuple[str, frozenset[tuple[str, str]]]]:
     """The hyperlight_ series of a scrape (process_ ones come and go with the platform)."""
@@ -200,34 +198,4 @@ async def test_probe_failures_by_reason(tmp_path: Path) -> None:
         os.unlink(host / "kvm")
         m = await wait_metric(proc, lambda m: value(
             m, "hyperlight_probe_failures_total", reason="identity_missing") >= 1)
-        assert series(m) == first
-
-
-@needs_root
-async def test_bootstrap_families_move_with_their_events(tmp_path: Path) -> None:
-    numbers = os.stat("/dev/kvm").st_rdev if HAVE_KVM else os.makedev(10, 232)
-    dev = make_node(tmp_path / "dev", numbers)
-    node = Node.make(tmp_path, dev_dir=dev)
-    async with on_kubelet(node, ["bootstrap", "--plugin-dir", str(node.plugin_dir),
-                         "--dev-dir", str(dev)]) as (kubelet, proc):
-        await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
-        m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
-        first = series(m)
-        assert value(m, "hyperlight_build_info", version=__version__) == 1
-        assert value(m, "hyperlight_registrations_total", result="success") == 1
-        assert value(m, "hyperlight_devices_advertised") == 1
-        assert value(m, "hyperlight_devices_healthy") == 1
-        assert value(m, "hyperlight_health_condition", condition="device") == 1
-        await kubelet.admit(ACCESS)
-        with pytest.raises(AdmissionError):
-            await kubelet.allocate(ACCESS, [["kvm-0"]])
-        os.unlink(dev / "kvm")
-        m = await wait_metric(proc, lambda m: value(m, "hyperlight_devices_healthy") == 0)
-        assert value(m, "hyperlight_health_condition", condition="device") == 0
-        assert value(m, "hyperlight_health_transitions_total", to="unhealthy") == 1
-        with pytest.raises(AdmissionError):
-            await kubelet.allocate(ACCESS, [["device-access-kvm"]])
-        m = await scrape(proc)
-        for result in ("success", "invalid", "refused"):
-            assert value(m, "hyperlight_allocations_total", result=result) == 1, result
         assert series(m) == first
