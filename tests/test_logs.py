@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import logging
@@ -21,7 +20,6 @@ import pytest
 from harness import Daemon, Node, daemon, needs_root, scrape, value, wait_metric, wait_until
 
 from hlplugin import __version__, logs
-from hlplugin.emulator import free_port
 
 TEXT_LINE = re.compile(
     r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) +[\w.-]+: ")
@@ -192,30 +190,23 @@ async def test_text_is_the_default_one_line_per_event(tmp_path: Path) -> None:
     dev = tmp_path / "dev"
     dev.mkdir()
     node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
-    env = {k: v for k, v in os.environ.items() if k != "HYPERLIGHT_LOG_FORMAT"}
-    env["DEVICE_COUNT"] = "-4"  # one warning about the environment, for good measure
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hlplugin", *node.serve_args(
-            "--hypervisor", "kvm", "--http-address", f"127.0.0.1:{free_port()}"),
-        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE)
-    assert proc.stderr is not None
-    lines: list[str] = []
+    # DEVICE_COUNT: one warning about the environment, for good measure.
+    proc = Daemon(node.serve_args("--hypervisor", "kvm"), {"DEVICE_COUNT": "-4"})
+    assert proc.args[-2:] == ["--log-format", "json"]
+    del proc.args[-2:]  # what the harness adds: without it (and its twin), text is the default
+    proc.env.pop("HYPERLIGHT_LOG_FORMAT", None)
+    await proc.start()
     try:
-        while not any("condition device is unhealthy" in line for line in lines):
-            lines.append((await asyncio.wait_for(proc.stderr.readline(), 15)).decode())
-        proc.send_signal(signal.SIGUSR1)
-        while not any(": task " in line or "dump_tasks" in line for line in lines):
-            lines.append((await asyncio.wait_for(proc.stderr.readline(), 15)).decode())
+        await wait_until(lambda: any("condition device is unhealthy" in line for line in proc.raw), 15)
+        assert proc.proc is not None
+        proc.proc.send_signal(signal.SIGUSR1)
+        await wait_until(lambda: any(": task " in line or "dump_tasks" in line for line in proc.raw), 15)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        _, rest = await asyncio.wait_for(proc.communicate(), 15)
-    lines += rest.decode().splitlines(keepends=True)
-    assert proc.returncode == 0
-    bad = [line for line in lines if not TEXT_LINE.match(line)]
+        assert await proc.stop() == 0
+    bad = [line for line in proc.raw if not TEXT_LINE.match(line)]
     assert not bad, bad
-    assert any("DEVICE_COUNT" in line and "WARNING" in line for line in lines)
-    device = next(line for line in lines if "condition device is unhealthy" in line)
+    assert any("DEVICE_COUNT" in line and "WARNING" in line for line in proc.raw)
+    device = next(line for line in proc.raw if "condition device is unhealthy" in line)
     assert "condition='device'" in device and "reason=" in device
 
 

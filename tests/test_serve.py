@@ -131,19 +131,6 @@ async def test_unusable_cdi_path_refuses_allocation_with_reason(tmp_path: Path) 
         await kubelet.admit(RESOURCE)
 
 
-async def test_kubelet_absent_at_start_then_appears(tmp_path: Path) -> None:
-    node = Node.make(tmp_path)
-    async with daemon(node.serve_args("--device-count", "2", "--hypervisor", "kvm")) as proc:
-        body = json.loads(await proc.wait_http("/readyz", 503))
-        assert body["conditions"]["registered"]["ok"] is False
-        await wait_until(lambda: (node.plugin_dir / "hyperlight.sock").exists())
-        # Not a wait for an event: the kubelet comes half a second late, once the daemon has
-        # looked for it and gone to wait, so that only kubelet.sock's appearance can wake it.
-        await asyncio.sleep(0.5)
-        async with kubelet_at(node) as kubelet:
-            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2, timeout=10)
-
-
 @pytest.mark.parametrize(("mode", "timeout", "error"), [("hang", "0.3", "DEADLINE_EXCEEDED"),
                                                         ("reset", "1", "")])
 async def test_failing_registrations_are_bounded_retried_and_logged_once(
@@ -219,38 +206,45 @@ async def test_env_twins_apply_flags_win_and_invalid_values_fall_back_with_warni
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-async def test_socket_path_not_ours_sigusr1_and_a_signal_that_stops_quickly(
+async def test_starts_without_kubelet_or_socket_path_then_dumps_tasks_and_stops_on_a_signal(
         tmp_path: Path, signum: int) -> None:
     node = Node.make(tmp_path)
-    blocker = node.plugin_dir / "hyperlight.sock"
-    blocker.write_text("not ours")
-    async with running(node, "--hypervisor", "kvm", "--device-count", "2") as (kubelet, proc):
-        # A non-socket at our socket path is not deleted; once it goes, we register.
+    sock = node.plugin_dir / "hyperlight.sock"
+    sock.write_text("not ours")
+    async with daemon(node.serve_args("--hypervisor", "kvm", "--device-count", "2")) as proc:
+        # No kubelet yet, and a non-socket at our socket path: not deleted; once it goes, we bind.
         await wait_until(lambda: any("not a socket" in m for m in proc.messages()), 10)
-        assert blocker.read_text() == "not ours"
-        assert stat.S_ISREG(os.lstat(blocker).st_mode)
-        blocker.unlink()
-        await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2, timeout=15)
+        assert sock.read_text() == "not ours"
+        assert stat.S_ISREG(os.lstat(sock).st_mode)
+        body = json.loads(await proc.wait_http("/readyz", 503))
+        assert body["conditions"]["registered"]["ok"] is False
+        sock.unlink()
+        await wait_until(sock.exists)
+        # Not a wait for an event: the kubelet comes half a second late, once the daemon has
+        # looked for it and gone to wait, so that only kubelet.sock's appearance can wake it.
+        await asyncio.sleep(0.5)
+        async with kubelet_at(node) as kubelet:
+            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2, timeout=15)
 
-        # SIGUSR1 logs every task and the daemon keeps running.
-        assert proc.proc is not None
-        proc.proc.send_signal(signal.SIGUSR1)
-        await wait_until(lambda: any(m.startswith("task ") and " waits in: " in m
-                                     for m in proc.messages()))
-        assert proc.proc.returncode is None
-        assert (await proc.http("/healthz"))[0] == 200
+            # SIGUSR1 logs every task and the daemon keeps running.
+            assert proc.proc is not None
+            proc.proc.send_signal(signal.SIGUSR1)
+            await wait_until(lambda: any(m.startswith("task ") and " waits in: " in m
+                                         for m in proc.messages()))
+            assert proc.proc.returncode is None
+            assert (await proc.http("/healthz"))[0] == 200
 
-        # SIGTERM or SIGINT: a quick exit that removes the socket and keeps the spec.
-        spec = (node.cdi_dir / "hyperlight.json").read_bytes()
-        began = time.monotonic()
-        code = await proc.signal(signum)
-        elapsed = time.monotonic() - began
-        assert code == 0
-        assert elapsed < 5, f"took {elapsed:.2f}s to stop"  # the contract is 2 s; a guard
-        assert not (node.plugin_dir / "hyperlight.sock").exists()
-        assert (node.plugin_dir / "kubelet.sock").exists()
-        assert (node.cdi_dir / "hyperlight.json").read_bytes() == spec
-        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 0)
+            # SIGTERM or SIGINT: a quick exit that removes the socket and keeps the spec.
+            spec = (node.cdi_dir / "hyperlight.json").read_bytes()
+            began = time.monotonic()
+            code = await proc.signal(signum)
+            elapsed = time.monotonic() - began
+            assert code == 0
+            assert elapsed < 5, f"took {elapsed:.2f}s to stop"  # the contract is 2 s; a guard
+            assert not sock.exists()
+            assert (node.plugin_dir / "kubelet.sock").exists()
+            assert (node.cdi_dir / "hyperlight.json").read_bytes() == spec
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 0)
 
 
 @needs_kvm
