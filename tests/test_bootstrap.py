@@ -19,7 +19,6 @@ from harness import (
     scrape,
     value,
     wait_metric,
-    wait_until,
 )
 
 from hlplugin import __version__
@@ -137,26 +136,3 @@ async def test_both_daemons_on_one_kubelet(tmp_path: Path) -> None:
             response = await kubelet.admit(HYPERVISOR)
             assert [d.name for d in response.container_responses[0].cdi_devices] == [
                 f"{HYPERVISOR}={name}"]
-
-
-async def test_auto_without_a_device_says_what_it_looks_for_and_where(tmp_path: Path) -> None:
-    """--hypervisor auto (what the manifests deploy) on a node with neither node: /readyz names
-    the search, as the main daemon's ``hypervisor`` condition does, and drops it once one appears."""
-    node = Node.make(tmp_path)
-    dev = tmp_path / "empty-dev"
-    dev.mkdir()
-    async with daemon(bootstrap_args(node, dev, "--hypervisor", "auto")) as proc:
-        ready = json.loads(await proc.wait_http("/readyz", 503))
-        assert ready["conditions"]["hypervisor"] == {
-            "ok": False, "reason": f"no mshv or kvm device under {dev}"}
-        (dev / "kvm").write_text("not a device")  # found by name; then checked as a node
-        await wait_until(lambda: "hypervisor device" in " ".join(proc.messages()))
-        want = {"ok": False, "reason": f"{dev / 'kvm'} is not a character device"}
-
-        async def device_condition_is_wanted() -> bool:  # set just after that log line
-            return bool(json.loads((await proc.get("/readyz"))[1])["conditions"]["device"] == want)
-
-        await wait_until(device_condition_is_wanted)
-        ready = json.loads(await proc.wait_http("/readyz", 503))
-        assert ready["conditions"]["device"] == want
-        assert "hypervisor" not in ready["conditions"]

@@ -19,6 +19,7 @@ from harness import (
     scrape,
     value,
     wait_metric,
+    wait_until,
 )
 from harness import daemon as harness_daemon
 
@@ -61,28 +62,49 @@ PROCESS_FAMILIES = {
 
 
 @pytest.mark.parametrize("daemon", ["serve", "bootstrap"])
-async def test_series_exist_from_the_start_without_created(tmp_path: Path, daemon: str) -> None:
-    """No kubelet, no hypervisor: nothing has happened, yet every counter series is there at 0,
-    the health conditions the daemon has are 0 ("not checked yet"), the process's own resource
-    use is exported, and no `_created` series is."""
-
-    node = Node.make(tmp_path, dev_dir=tmp_path / "empty-dev")
-    (tmp_path / "empty-dev").mkdir()
-    args = (node.serve_args() if daemon == "serve" else
-            ["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", str(node.dev_dir)])
+async def test_auto_without_a_device_exports_every_series_and_says_what_it_looks_for(
+        tmp_path: Path, daemon: str) -> None:
+    """--hypervisor auto (what the manifests deploy), no kubelet, no device node: nothing has
+    happened, yet every counter series is there at 0, the health conditions the daemon has are 0
+    ("not checked yet"), the process's own resource use is exported, and no `_created` series
+    is. /readyz names the search, and drops it once a node of that name appears."""
+    dev = tmp_path / "empty-dev"
+    dev.mkdir()
+    node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
+    args = (node.serve_args("--hypervisor", "auto") if daemon == "serve" else
+            ["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", str(dev),
+             "--hypervisor", "auto"])
     async with harness_daemon(args) as proc:
         m = await scrape(proc)
-    for name, (label, values) in COUNTER_LABELS.items():
-        for v in values:
-            assert m.get((name, frozenset({(label, v)}))) == 0, f"{name}{{{label}={v!r}}}"
-    conditions = ("cdi", "device", "host_identity") if daemon == "serve" else ("device",)
-    for condition in conditions:
-        assert m[("hyperlight_health_condition", frozenset({("condition", condition)}))] == 0
-    assert m[("hyperlight_ready", frozenset())] == 0
-    assert not [k for k in m if k[0].endswith("_created")]
-    assert m[("process_resident_memory_bytes", frozenset())] > 1 << 20
-    assert m[("process_open_fds", frozenset())] > 3
-    assert ("process_cpu_seconds_total", frozenset()) in m
+        for name, (label, values) in COUNTER_LABELS.items():
+            for v in values:
+                assert m.get((name, frozenset({(label, v)}))) == 0, f"{name}{{{label}={v!r}}}"
+        conditions = ("cdi", "device", "host_identity") if daemon == "serve" else ("device",)
+        for condition in conditions:
+            assert m[("hyperlight_health_condition", frozenset({("condition", condition)}))] == 0
+        assert m[("hyperlight_ready", frozenset())] == 0
+        assert not [k for k in m if k[0].endswith("_created")]
+        assert m[("process_resident_memory_bytes", frozenset())] > 1 << 20
+        assert m[("process_open_fds", frozenset())] > 3
+        assert ("process_cpu_seconds_total", frozenset()) in m
+
+        ready = json.loads(await proc.wait_http("/readyz", 503))
+        assert ready["conditions"]["hypervisor"] == {
+            "ok": False, "reason": f"no mshv or kvm device under {dev}"}
+        (dev / "kvm").write_text("not a device")  # found by name; then checked as a node
+        await wait_until(lambda: "hypervisor device" in " ".join(proc.messages()))
+        condition, want = (
+            ("host_identity", f"device {dev / 'kvm'} is not a character device (a regular file)")
+            if daemon == "serve" else ("device", f"{dev / 'kvm'} is not a character device"))
+
+        async def explained() -> bool:  # the readiness this answers is set just after that line
+            body = json.loads((await proc.get("/readyz"))[1])
+            return bool(body["conditions"][condition] == {"ok": False, "reason": want})
+
+        await wait_until(explained)
+        ready = json.loads(await proc.wait_http("/readyz", 503))
+        assert ready["conditions"][condition] == {"ok": False, "reason": want}
+        assert "hypervisor" not in ready["conditions"]
 
 
 @needs_kvm
