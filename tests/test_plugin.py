@@ -75,11 +75,12 @@ async def refused_with(stub: pb_grpc.DevicePluginStub, request: pb.AllocateReque
     return details
 
 
-async def test_options_empty_answers_and_the_allocate_gate() -> None:
-    """The gate refuses with the reason while unhealthy; an unknown ID is the request's fault,
-    healthy or not: INVALID_ARGUMENT, checked before the gate."""
+async def test_options_streams_and_the_allocate_gate_follow_every_transition() -> None:
+    """Every stream gets every transition and ends cleanly; the gate refuses with the reason
+    while unhealthy; an unknown ID is the request's fault, healthy or not: INVALID_ARGUMENT."""
     tracker = healthy_tracker()
-    async with served(make_plugin(tracker)) as (stub, _):
+    plugin = make_plugin(tracker, count=3)
+    async with served(plugin) as (stub, _):
         options = await stub.GetDevicePluginOptions(pb.Empty(), timeout=5)
         assert not options.pre_start_required
         assert not options.get_preferred_allocation_available
@@ -91,22 +92,6 @@ async def test_options_empty_answers_and_the_allocate_gate() -> None:
                 available_deviceIDs=["kvm-0", "kvm-1"], allocation_size=1)]),
             timeout=5) == pb.PreferredAllocationResponse()
 
-        request = allocate_request(["kvm-0"])
-        ok = await stub.Allocate(request, timeout=5)
-        assert [d.name for d in ok.container_responses[0].cdi_devices] == [
-            "hyperlight.dev/hypervisor=kvm"]
-        tracker.set_condition("device", False, "KVM_CREATE_VM on /dev/kvm failed: [Errno 25]")
-        details = await refused_with(stub, request, grpc.StatusCode.FAILED_PRECONDITION)
-        assert "KVM_CREATE_VM" in details and "device" in details
-        await refused_with(stub, allocate_request(["kvm-4"]))
-        tracker.set_condition("device", True)
-        await stub.Allocate(request, timeout=5)
-
-
-async def test_every_stream_gets_every_transition_and_ends_cleanly() -> None:
-    tracker = healthy_tracker()
-    plugin = make_plugin(tracker, count=3)
-    async with served(plugin) as (stub, _):
         streams = [stub.ListAndWatch(pb.Empty()) for _ in range(5)]
         seen: list[list[str]] = [[] for _ in streams]
 
@@ -118,10 +103,20 @@ async def test_every_stream_gets_every_transition_and_ends_cleanly() -> None:
 
         readers = [asyncio.create_task(drain(i, c)) for i, c in enumerate(streams)]
         await wait_until(lambda: all(seen) and plugin.open_streams == 5)
-        for ok in (False, True, False, True):
-            tracker.set_condition("device", ok, "flap")
-            want = "Healthy" if ok else "Unhealthy"
-            await wait_until(lambda w=want: all(s[-1] == w for s in seen))  # type: ignore[misc]
+        request = allocate_request(["kvm-0"])
+        for n, ok in enumerate((True, False, True, False, True)):
+            if n:  # the first is the state it starts in
+                tracker.set_condition("device", ok, "KVM_CREATE_VM on /dev/kvm failed: [Errno 25]")
+                want = "Healthy" if ok else "Unhealthy"
+                await wait_until(lambda w=want: all(s[-1] == w for s in seen))  # type: ignore[misc]
+            if ok:
+                answer = await stub.Allocate(request, timeout=5)
+                assert [d.name for d in answer.container_responses[0].cdi_devices] == [
+                    "hyperlight.dev/hypervisor=kvm"]
+            else:
+                details = await refused_with(stub, request, grpc.StatusCode.FAILED_PRECONDITION)
+                assert "KVM_CREATE_VM" in details and "device" in details
+            await refused_with(stub, allocate_request(["kvm-4"]))
         plugin.close_streams()
         codes = await asyncio.gather(*readers)
         assert codes == [grpc.StatusCode.OK] * 5
