@@ -11,12 +11,12 @@ import json
 import os
 import socket
 import struct
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import HAVE_KVM, Daemon, Node, needs_kvm, on_kubelet, parse_metrics, wait_until
+from harness import HAVE_KVM, Daemon, Node, daemon, needs_kvm, on_kubelet, parse_metrics, wait_until
 
 KINDS = ["serve", "bootstrap"]
 RESOURCES = {"serve": "hyperlight.dev/hypervisor", "bootstrap": "hyperlight.dev/device-access"}
@@ -32,12 +32,6 @@ def args(kind: str, node: Node) -> list[str]:
         return node.serve_args("--hypervisor", "kvm", "--device-count", "2")
     return ["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", str(node.dev_dir),
             "--hypervisor", "kvm"]
-
-
-def empty_dev_node(tmp_path: Path) -> Node:
-    dev = tmp_path / "dev"
-    dev.mkdir()
-    return Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
 
 
 def raw_request(port: int, data: bytes, timeout: float = ANSWER_WITHIN) -> bytes:
@@ -88,16 +82,6 @@ def still_open(conn: socket.socket) -> bool:
         conn.setblocking(True)
 
 
-@contextlib.asynccontextmanager
-async def started(kind: str, node: Node) -> AsyncIterator[Daemon]:
-    """The daemon of ``kind`` on ``node``; it must exit 0 when stopped."""
-    proc = await Daemon(args(kind, node)).start()
-    try:
-        yield proc
-    finally:
-        assert await proc.stop() == 0
-
-
 async def readyz_until(proc: Daemon, predicate: Callable[[dict[str, Any]], bool],
                        what: str) -> dict[str, Any]:
     """The first /readyz body (503, not ready) that satisfies ``predicate``."""
@@ -125,8 +109,9 @@ def socket_fds(pid: int) -> int:
 @pytest.mark.parametrize("kind", KINDS)
 async def test_endpoints_answer_readyz_explains_bad_and_stalled_requests_block_nothing(
         tmp_path: Path, kind: str) -> None:
-    node = empty_dev_node(tmp_path)
-    async with started(kind, node) as proc:
+    (tmp_path / "dev").mkdir()
+    node = Node.make(tmp_path, dev_dir=tmp_path / "dev", host_dev_dir=tmp_path / "dev")
+    async with daemon(args(kind, node)) as proc:
         # The first check runs after HTTP is up: wait until every condition has been checked.
         ready = await readyz_until(proc, lambda body: "not checked yet" not in [
             c["reason"] for c in body["conditions"].values()], "every condition checked")
@@ -188,6 +173,7 @@ async def test_endpoints_answer_readyz_explains_bad_and_stalled_requests_block_n
         conn.close()
         assert (await asyncio.to_thread(get, port, "/healthz"))[0] == 200
         assert proc.proc is not None and proc.proc.returncode is None
+        assert await proc.stop() == 0
     # Client errors are the client's: no traceback, and every line is still a JSON record.
     assert not [line for line in proc.raw if not line.startswith("{")], proc.raw
     assert not any("Traceback" in line for line in proc.raw)
