@@ -9,17 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import (
-    HAVE_KVM,
-    Node,
-    daemon,
-    needs_kvm,
-    needs_root,
-    on_kubelet,
-    scrape,
-    value,
-    wait_metric,
-)
+from harness import HAVE_KVM, Node, daemon, needs_kvm, needs_root, on_kubelet, scrape, value, wait_metric
 
 from hlplugin import __version__
 from hlplugin.emulator import AdmissionError

@@ -17,7 +17,6 @@ import pytest
 from harness import (
     Daemon,
     Node,
-    Samples,
     daemon,
     needs_kvm,
     needs_root,
@@ -32,10 +31,6 @@ from hlplugin.emulator import AdmissionError, KubeletEmulator
 
 RESOURCE = "hyperlight.dev/hypervisor"
 CDI_NAME = "hyperlight.dev/hypervisor=kvm"
-
-
-def hyperlight_series(samples: Samples) -> set[tuple[str, frozenset[tuple[str, str]]]]:
-    return {key for key in samples if key[0].startswith("hyperlight_")}
 
 
 @contextlib.asynccontextmanager
@@ -142,10 +137,11 @@ async def test_failing_registrations_are_bounded_retried_and_logged_once(
     args = node.serve_args("--hypervisor", "kvm", "--device-count", "2",
                            "--register-timeout", timeout)
     async with on_kubelet(node, args, mode=mode) as (faulty, proc):
-        first = hyperlight_series(await scrape(proc))
+        first = {key for key in await scrape(proc) if key[0].startswith("hyperlight_")}
         m = await wait_metric(proc, lambda m: value(
             m, "hyperlight_registrations_total", result="failure") >= 3, timeout=30)
-        assert hyperlight_series(m) == first  # failures move series that exist from the start
+        # Failures move series that exist from the start.
+        assert {key for key in m if key[0].startswith("hyperlight_")} == first
         assert value(m, "hyperlight_registrations_total", result="success") == 0
         assert value(m, "hyperlight_listandwatch_streams") == 0
         if mode == "hang":
