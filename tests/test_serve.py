@@ -73,6 +73,7 @@ async def test_registers_allocates_and_re_registers(
         assert len(one.container_responses) == 1
         assert [d.name for d in one.container_responses[0].cdi_devices] == [CDI_NAME]
         assert not one.container_responses[0].devices
+        assert bool(one.container_responses[0].annotations) == bool(flags)
         requests = [["kvm-3"], ["kvm-4", "kvm-5"], ["kvm-6"]]
         several = await kubelet.allocate(RESOURCE, requests)
         assert len(several.container_responses) == 3
