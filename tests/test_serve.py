@@ -221,7 +221,7 @@ async def test_starts_without_kubelet_or_socket_path_then_dumps_tasks_and_stops_
         # looked for it and gone to wait, so that only kubelet.sock's appearance can wake it.
         await asyncio.sleep(0.5)
         async with kubelet_at(node) as kubelet:
-            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2, timeout=15)
+            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2, timeout=10)
 
             # SIGUSR1 logs every task and the daemon keeps running.
             assert proc.proc is not None
