@@ -11,12 +11,12 @@ import json
 import os
 import socket
 import struct
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import HAVE_KVM, Daemon, Node, needs_kvm, on_kubelet, parse_metrics, wait_until
+from harness import HAVE_KVM, Daemon, Node, daemon, needs_kvm, on_kubelet, parse_metrics, wait_until
 
 KINDS = ["serve", "bootstrap"]
 RESOURCES = {"serve": "hyperlight.dev/hypervisor", "bootstrap": "hyperlight.dev/device-access"}
@@ -32,12 +32,6 @@ def args(kind: str, node: Node) -> list[str]:
         return node.serve_args("--hypervisor", "kvm", "--device-count", "2")
     return ["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", str(node.dev_dir),
             "--hypervisor", "kvm"]
-
-
-def empty_dev_node(tmp_path: Path) -> Node:
-    dev = tmp_path / "dev"
-    dev.mkdir()
-    return Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
 
 
 def raw_request(port: int, data: bytes, timeout: float = ANSWER_WITHIN) -> bytes:
@@ -88,16 +82,6 @@ def still_open(conn: socket.socket) -> bool:
         conn.setblocking(True)
 
 
-@contextlib.asynccontextmanager
-async def started(kind: str, node: Node) -> AsyncIterator[Daemon]:
-    """The daemon of ``kind`` on ``node``; it must exit 0 when stopped."""
-    proc = await Daemon(args(kind, node)).start()
-    try:
-        yield proc
-    finally:
-        assert await proc.stop() == 0
-
-
 async def readyz_until(proc: Daemon, predicate: Callable[[dict[str, Any]], bool],
                        what: str) -> dict[str, Any]:
     """The first /readyz body (503, not ready) that satisfies ``predicate``."""
@@ -123,42 +107,51 @@ def socket_fds(pid: int) -> int:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-async def test_endpoints_answer_readyz_explains_and_bad_requests_get_4xx(tmp_path: Path, kind: str) -> None:
-    node = empty_dev_node(tmp_path)
-    async with started(kind, node) as proc:
+async def test_endpoints_answer_readyz_explains_bad_and_stalled_requests_block_nothing(
+        tmp_path: Path, kind: str) -> None:
+    (tmp_path / "dev").mkdir()
+    node = Node.make(tmp_path, dev_dir=tmp_path / "dev", host_dev_dir=tmp_path / "dev")
+    async with daemon(args(kind, node)) as proc:
         # The first check runs after HTTP is up: wait until every condition has been checked.
         ready = await readyz_until(proc, lambda body: "not checked yet" not in [
             c["reason"] for c in body["conditions"].values()], "every condition checked")
         port = proc.port
-        assert ready["status"] == "not ready"
-        conditions = ready["conditions"]
-        assert set(conditions) == CONDITIONS[kind]
-        for name, condition in conditions.items():
-            assert set(condition) == {"ok", "reason"}, name
-            assert condition["ok"] or condition["reason"], f"{name} fails without a reason"
-        assert conditions["registered"] == {"ok": False,
-                                            "reason": "not registered with the kubelet"}
-        assert not conditions["device"]["ok"]
-        assert str(node.dev_dir / "kvm") in conditions["device"]["reason"]
+        # Half-open connections (the server drops them at its whole-request deadline) hold
+        # nothing another client needs: every answer in this block comes while they are connected.
+        before = socket_fds(proc.pid)
+        with stalled_clients(port) as conns:
+            await wait_until(lambda: socket_fds(proc.pid) >= before + len(conns), 10,
+                             "the server accepting every stalled client")
+            assert ready["status"] == "not ready"
+            conditions = ready["conditions"]
+            assert set(conditions) == CONDITIONS[kind]
+            for name, condition in conditions.items():
+                assert set(condition) == {"ok", "reason"}, name
+                assert condition["ok"] or condition["reason"], f"{name} fails without a reason"
+            assert conditions["registered"] == {"ok": False,
+                                                "reason": "not registered with the kubelet"}
+            assert not conditions["device"]["ok"]
+            assert str(node.dev_dir / "kvm") in conditions["device"]["reason"]
 
-        status, headers, raw = await asyncio.to_thread(get, port, "/readyz")
-        assert (status, headers["content-type"]) == (503, "application/json")
-        assert json.loads(raw) == ready
-
-        status, headers, raw = await asyncio.to_thread(get, port, "/healthz")
-        assert status == 200 and json.loads(raw) == {"status": "ok", "reason": ""}
-
-        status, headers, raw = await asyncio.to_thread(get, port, "/metrics")
-        assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
-        names = {name for name, _ in parse_metrics(raw.decode())}
-        assert "hyperlight_build_info" in names and "hyperlight_health_condition" in names
-
-        status, headers, raw = await asyncio.to_thread(get, port, "/no-such-path")
-        assert status == 404 and b"/healthz" in raw
-        status, headers, raw = await asyncio.to_thread(get, port, "/healthz", "POST")
-        assert status == 405 and headers["allow"] == "GET"
-        status, headers, raw = await asyncio.to_thread(get, port, "/healthz", "HEAD")
-        assert status == 200 and raw == b""
+            status, headers, raw = await asyncio.to_thread(get, port, "/readyz")
+            assert (status, headers["content-type"]) == (503, "application/json")
+            assert json.loads(raw) == ready
+            status, headers, raw = await asyncio.to_thread(get, port, "/healthz")
+            assert status == 200 and json.loads(raw) == {"status": "ok", "reason": ""}
+            status, headers, raw = await asyncio.to_thread(get, port, "/metrics")
+            assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
+            names = {name for name, _ in parse_metrics(raw.decode())}
+            assert "hyperlight_build_info" in names and "hyperlight_health_condition" in names
+            status, headers, raw = await asyncio.to_thread(get, port, "/no-such-path")
+            assert status == 404 and b"/healthz" in raw
+            status, headers, raw = await asyncio.to_thread(get, port, "/healthz", "POST")
+            assert status == 405 and headers["allow"] == "GET"
+            status, headers, raw = await asyncio.to_thread(get, port, "/healthz", "HEAD")
+            assert status == 200 and raw == b""
+            # Answered while every stalled client was still connected, so not after it.
+            assert all(still_open(c) for c in conns)
+            await wait_until(lambda: not any(still_open(c) for c in conns), 20,
+                             "the stalled clients being dropped")
 
         # Malformed requests get a 4xx (or 505) and the daemon lives.
         cases = [
@@ -170,42 +163,20 @@ async def test_endpoints_answer_readyz_explains_and_bad_requests_get_4xx(tmp_pat
             (b"GET /healthz HTTP/1.1\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", 431),
         ]
         for data, status in cases:
-            answer = await asyncio.to_thread(raw_request, proc.port, data)
+            answer = await asyncio.to_thread(raw_request, port, data)
             assert answer.split(b" ", 2)[:2] == [b"HTTP/1.1", str(status).encode()], \
                 (data[:30], answer[:80])
         # A client that resets mid-request.
-        conn = socket.create_connection(("127.0.0.1", proc.port))
+        conn = socket.create_connection(("127.0.0.1", port))
         conn.sendall(b"GET /heal")
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         conn.close()
-        assert (await asyncio.to_thread(get, proc.port, "/healthz"))[0] == 200
+        assert (await asyncio.to_thread(get, port, "/healthz"))[0] == 200
         assert proc.proc is not None and proc.proc.returncode is None
+        assert await proc.stop() == 0
     # Client errors are the client's: no traceback, and every line is still a JSON record.
     assert not [line for line in proc.raw if not line.startswith("{")], proc.raw
     assert not any("Traceback" in line for line in proc.raw)
-
-
-@pytest.mark.guard(90)
-@pytest.mark.parametrize("kind", KINDS)
-async def test_stalled_clients_block_no_endpoint(tmp_path: Path, kind: str) -> None:
-    """Half-open connections hold nothing another client needs: every endpoint answers while
-    they are still connected, and the server drops them at its whole-request deadline."""
-
-    node = empty_dev_node(tmp_path)
-    async with started(kind, node) as proc:
-        await proc.wait_http("/readyz", 503)
-        before = socket_fds(proc.pid)
-        with stalled_clients(proc.port) as conns:
-            await wait_until(lambda: socket_fds(proc.pid) >= before + len(conns), 10,
-                             "the server accepting every stalled client")
-            for path, want in [("/healthz", 200), ("/readyz", 503), ("/metrics", 200)]:
-                status, _, _ = await asyncio.to_thread(get, proc.port, path)
-                assert status == want, path
-            # Answered while every stalled client was still connected, so not after it.
-            assert all(still_open(c) for c in conns)
-            await wait_until(lambda: not any(still_open(c) for c in conns), 20,
-                             "the stalled clients being dropped")
-        assert (await asyncio.to_thread(get, proc.port, "/healthz"))[0] == 200
 
 
 @needs_kvm

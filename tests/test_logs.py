@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import logging
@@ -21,7 +20,6 @@ import pytest
 from harness import Daemon, Node, daemon, needs_root, scrape, value, wait_metric, wait_until
 
 from hlplugin import __version__, logs
-from hlplugin.emulator import free_port
 
 TEXT_LINE = re.compile(
     r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) +[\w.-]+: ")
@@ -42,11 +40,16 @@ def captured() -> Iterator[tuple[logging.Logger, io.StringIO]]:
         logger.removeHandler(handler)
 
 
-def _raise() -> None:
-    raise ValueError("boom\nsecond line")
+HOSTILE = "id\x1b[2J\x00\x07\x7f\x9b31m\u2028\u202e\ud800\tend"
+ESCAPED = "id\\x1b[2J\\x00\\x07\\x7f\\x9b31m\\u2028\\u202e\\ud800\\tend"
 
 
-def test_json_formatter_fields_and_exception(captured: tuple[logging.Logger, io.StringIO]) -> None:
+def _raise(message: str = "boom\nsecond line") -> None:
+    raise ValueError(message)
+
+
+def test_json_formatter_fields_exception_and_escapes(
+        captured: tuple[logging.Logger, io.StringIO]) -> None:
     logger, stream = captured
     logger.handlers[0].setFormatter(logs.JsonFormatter())
     logger.info("repaired %s", "spec", extra={"cause": "missing", "path": Path("/x")})
@@ -55,9 +58,13 @@ def test_json_formatter_fields_and_exception(captured: tuple[logging.Logger, io.
         _raise()
     except ValueError:
         logger.exception("failed\nbadly")
+    try:
+        _raise(f"bad {HOSTILE}")
+    except ValueError:
+        logger.exception("unknown device %s", HOSTILE, extra={"device": HOSTILE})
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 3
-    first, second, third = (json.loads(line) for line in lines)
+    assert len(lines) == 4
+    first, second, third, hostile = (json.loads(line) for line in lines)
     assert list(first) == ["time", "level", "logger", "message", "fields"]
     assert first["level"] == "info" and first["logger"] == "hlplugin.test-logs"
     assert first["message"] == "repaired spec"
@@ -65,9 +72,17 @@ def test_json_formatter_fields_and_exception(captured: tuple[logging.Logger, io.
     assert datetime.fromisoformat(first["time"]).utcoffset() is not None
     assert "fields" not in second
     assert third["message"] == "failed\nbadly" and "ValueError: boom" in third["exception"]
+    # Every control character escaped: the line is printable ASCII, and decodes to what was logged.
+    assert lines[3].isascii() and lines[3].isprintable()
+    assert hostile["message"] == f"unknown device {HOSTILE}"
+    assert hostile["fields"]["device"] == HOSTILE
+    assert f"ValueError: bad {HOSTILE}" in hostile["exception"]
 
 
-def test_text_formatter_one_line_per_event(captured: tuple[logging.Logger, io.StringIO]) -> None:
+def test_text_formatter_one_line_per_event_and_escapes(
+        captured: tuple[logging.Logger, io.StringIO]) -> None:
+    """Nothing reaches the line raw that could drive a terminal or split a line (a request's
+    bytes in the message, a field and a traceback); printable text of any script stays as it is."""
     logger, stream = captured
     logger.handlers[0].setFormatter(logs.TextFormatter())
     logger.info("repaired %s", "spec", extra={"cause": "missing"})
@@ -76,13 +91,22 @@ def test_text_formatter_one_line_per_event(captured: tuple[logging.Logger, io.St
     except ValueError:
         logger.exception("failed\nbadly", extra={"step": "open"})
     logger.warning("stack", stack_info=True)
+    try:
+        _raise(f"bad {HOSTILE}")
+    except ValueError:
+        logger.exception("unknown device %s (caf\u00e9, \u65e5\u672c)", HOSTILE,
+                         extra={"device": HOSTILE})
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
     assert all(TEXT_LINE.match(line) for line in lines), lines
     assert lines[0].endswith("hlplugin.test-logs: repaired spec cause='missing'")
     assert "failed\\nbadly step='open' | Traceback" in lines[1]
     assert "ValueError: boom\\nsecond line" in lines[1]
     assert "Stack (most recent call last)" in lines[2]
+    assert lines[3].isprintable(), [c for c in lines[3] if not c.isprintable()]
+    assert f"unknown device {ESCAPED} (caf\u00e9, \u65e5\u672c)" in lines[3]
+    assert "device='id\\x1b[2J" in lines[3]  # the field, escaped by repr
+    assert f"ValueError: bad {ESCAPED}" in lines[3]  # the traceback
 
 
 def test_configure_replaces_handlers_and_sets_level() -> None:
@@ -166,71 +190,24 @@ async def test_text_is_the_default_one_line_per_event(tmp_path: Path) -> None:
     dev = tmp_path / "dev"
     dev.mkdir()
     node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
-    env = {k: v for k, v in os.environ.items() if k != "HYPERLIGHT_LOG_FORMAT"}
-    env["DEVICE_COUNT"] = "-4"  # one warning about the environment, for good measure
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hlplugin", *node.serve_args(
-            "--hypervisor", "kvm", "--http-address", f"127.0.0.1:{free_port()}"),
-        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE)
-    assert proc.stderr is not None
-    lines: list[str] = []
+    # DEVICE_COUNT: one warning about the environment, for good measure.
+    proc = Daemon(node.serve_args("--hypervisor", "kvm"), {"DEVICE_COUNT": "-4"})
+    assert proc.args[-2:] == ["--log-format", "json"]
+    del proc.args[-2:]  # what the harness adds: without it (and its twin), text is the default
+    proc.env.pop("HYPERLIGHT_LOG_FORMAT", None)
+    await proc.start()
     try:
-        while not any("condition device is unhealthy" in line for line in lines):
-            lines.append((await asyncio.wait_for(proc.stderr.readline(), 15)).decode())
-        proc.send_signal(signal.SIGUSR1)
-        while not any(": task " in line or "dump_tasks" in line for line in lines):
-            lines.append((await asyncio.wait_for(proc.stderr.readline(), 15)).decode())
+        await wait_until(lambda: any("condition device is unhealthy" in line for line in proc.raw), 15)
+        assert proc.proc is not None
+        proc.proc.send_signal(signal.SIGUSR1)
+        await wait_until(lambda: any(": task " in line or "dump_tasks" in line for line in proc.raw), 15)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        _, rest = await asyncio.wait_for(proc.communicate(), 15)
-    lines += rest.decode().splitlines(keepends=True)
-    assert proc.returncode == 0
-    bad = [line for line in lines if not TEXT_LINE.match(line)]
+        assert await proc.stop() == 0
+    bad = [line for line in proc.raw if not TEXT_LINE.match(line)]
     assert not bad, bad
-    assert any("DEVICE_COUNT" in line and "WARNING" in line for line in lines)
-    device = next(line for line in lines if "condition device is unhealthy" in line)
+    assert any("DEVICE_COUNT" in line and "WARNING" in line for line in proc.raw)
+    device = next(line for line in proc.raw if "condition device is unhealthy" in line)
     assert "condition='device'" in device and "reason=" in device
-
-
-HOSTILE = "id\x1b[2J\x00\x07\x7f\x9b31m\u2028\u202e\ud800\tend"
-ESCAPED = "id\\x1b[2J\\x00\\x07\\x7f\\x9b31m\\u2028\\u202e\\ud800\\tend"
-
-
-def _hostile_exception() -> None:
-    raise ValueError(f"bad {HOSTILE}")
-
-
-def test_text_escapes_every_control_character(captured: tuple[logging.Logger, io.StringIO]) -> None:
-    """A request's bytes in the message, a field and a traceback: nothing reaches the line raw
-    that could drive a terminal or split a line; printable text of any script stays as it is."""
-    logger, stream = captured
-    logger.handlers[0].setFormatter(logs.TextFormatter())
-    try:
-        _hostile_exception()
-    except ValueError:
-        logger.exception("unknown device %s (caf\u00e9, \u65e5\u672c)", HOSTILE,
-                         extra={"device": HOSTILE})
-    (line,) = stream.getvalue().splitlines()
-    assert line.isprintable(), [c for c in line if not c.isprintable()]
-    assert f"unknown device {ESCAPED} (caf\u00e9, \u65e5\u672c)" in line
-    assert "device='id\\x1b[2J" in line  # the field, escaped by repr
-    assert f"ValueError: bad {ESCAPED}" in line  # the traceback
-
-
-def test_json_escapes_every_control_character(captured: tuple[logging.Logger, io.StringIO]) -> None:
-    logger, stream = captured
-    logger.handlers[0].setFormatter(logs.JsonFormatter())
-    try:
-        _hostile_exception()
-    except ValueError:
-        logger.exception("unknown device %s", HOSTILE, extra={"device": HOSTILE})
-    (line,) = stream.getvalue().splitlines()
-    assert line.isascii() and line.isprintable()
-    entry = json.loads(line)
-    assert entry["message"] == f"unknown device {HOSTILE}"
-    assert entry["fields"]["device"] == HOSTILE
-    assert f"ValueError: bad {HOSTILE}" in entry["exception"]
 
 
 FOREIGN = r'''
@@ -262,9 +239,9 @@ def _foreign(fmt: str) -> tuple[int, list[str]]:
     return result.returncode, result.stderr.splitlines()
 
 
-def test_everything_on_stderr_is_one_json_record_per_line() -> None:
+def test_everything_on_stderr_is_one_record_per_line_in_either_format() -> None:
     """gRPC's C core, the interpreter's own prints and uncaught exceptions (main thread and
-    another) all come out as JSON records, one per line, nothing raw."""
+    another) all come out as records of the chosen format, one per line, nothing raw."""
     code, lines = _foreign("json")
     assert code == 1  # an uncaught exception still fails the process
     entries = [json.loads(line) for line in lines]  # raises on any line that is not JSON
@@ -285,8 +262,6 @@ def test_everything_on_stderr_is_one_json_record_per_line() -> None:
     assert uncaught[1]["message"] == "uncaught ValueError: boom\nsecond line"
     assert "Traceback" in str(uncaught[1]["exception"])
 
-
-def test_foreign_lines_in_text_format_are_text_records() -> None:
     code, lines = _foreign("text")
     assert code == 1
     bad = [line for line in lines if not TEXT_LINE.match(line)]

@@ -17,7 +17,6 @@ import pytest
 from harness import (
     Daemon,
     Node,
-    Samples,
     daemon,
     needs_kvm,
     needs_root,
@@ -32,10 +31,6 @@ from hlplugin.emulator import AdmissionError, KubeletEmulator
 
 RESOURCE = "hyperlight.dev/hypervisor"
 CDI_NAME = "hyperlight.dev/hypervisor=kvm"
-
-
-def hyperlight_series(samples: Samples) -> set[tuple[str, frozenset[tuple[str, str]]]]:
-    return {key for key in samples if key[0].startswith("hyperlight_")}
 
 
 @contextlib.asynccontextmanager
@@ -56,10 +51,15 @@ def running(node: Node, *extra: str, env: dict[str, str] | None = None
 
 
 @needs_kvm
-async def test_registers_advertises_slots_and_answers_a_cdi_reference_per_container(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize(("event", "flags"), [
+    ("kubelet restart", []),
+    ("own socket deleted", ["--cdi-annotations"]),  # for kubelets older than 1.29
+])
+async def test_registers_allocates_and_re_registers(
+        tmp_path: Path, event: str, flags: list[str]) -> None:
     node = Node.make(tmp_path)
-    async with running(node, "--device-count", "10") as (kubelet, proc):
+    async with running(node, "--device-count", "10", *flags) as (kubelet, proc):
+        # Registration: ten slots, and a CDI reference (annotations only on request) per container.
         await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 10)
         resource = kubelet.resources[RESOURCE]
         assert resource.endpoint == "hyperlight.sock"
@@ -72,27 +72,40 @@ async def test_registers_advertises_slots_and_answers_a_cdi_reference_per_contai
         one = await kubelet.admit(RESOURCE)
         assert len(one.container_responses) == 1
         assert [d.name for d in one.container_responses[0].cdi_devices] == [CDI_NAME]
-        assert not one.container_responses[0].annotations
         assert not one.container_responses[0].devices
-        several = await kubelet.allocate(RESOURCE, [["kvm-3"], ["kvm-4", "kvm-5"], ["kvm-6"]])
+        assert bool(one.container_responses[0].annotations) == bool(flags)
+        requests = [["kvm-3"], ["kvm-4", "kvm-5"], ["kvm-6"]]
+        several = await kubelet.allocate(RESOURCE, requests)
         assert len(several.container_responses) == 3
-        for entry in several.container_responses:
+        for ids, entry in zip(requests, several.container_responses, strict=True):
             assert [d.name for d in entry.cdi_devices] == [CDI_NAME]
+            annotations = {f"cdi.k8s.io/hyperlight.dev_{ids[0]}": CDI_NAME} if flags else {}
+            assert dict(entry.annotations) == annotations
         with pytest.raises(AdmissionError) as refused:
             await kubelet.allocate(RESOURCE, [["kvm-1"], ["kvm-999"]])
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "kvm-999" in refused.value.details
 
-
-@needs_kvm
-async def test_cdi_annotations_for_old_kubelets(tmp_path: Path) -> None:
-    node = Node.make(tmp_path)
-    async with running(node, "--device-count", "2", "--cdi-annotations") as (kubelet, _proc):
-        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 2)
-        response = await kubelet.allocate(RESOURCE, [["kvm-1"]])
-        entry = response.container_responses[0]
-        assert dict(entry.annotations) == {"cdi.k8s.io/hyperlight.dev_kvm-1": CDI_NAME}
-        assert [d.name for d in entry.cdi_devices] == [CDI_NAME]
+        # Registering anew. When its socket goes, the daemon ends the old streams before
+        # registering: the kubelet keys streams on the resource, so an old stream ending after
+        # the new registration would stop the new endpoint. The emulator reproduces that, so
+        # this fails if we register first.
+        for _ in range(3):
+            calls = kubelet.register_calls
+            if event == "kubelet restart":
+                await kubelet.restart()  # deletes every socket, serves kubelet.sock anew
+                assert kubelet.capacity(RESOURCE) == 0
+            else:
+                os.unlink(node.plugin_dir / "hyperlight.sock")
+            await kubelet.wait_for(lambda c=calls: kubelet.allocatable(RESOURCE) == 10
+                                   and kubelet.register_calls > c, timeout=10)
+            if event == "own socket deleted":
+                # A bounded watch, 300 ms: an old stream ends when its server stops, well within
+                # this on loopback, and its end would unregister the resource at once.
+                await asyncio.sleep(0.3)
+                assert kubelet.registered(RESOURCE)
+                assert kubelet.allocatable(RESOURCE) == 10
+            await kubelet.admit(RESOURCE)
 
 
 @needs_kvm
@@ -114,47 +127,6 @@ async def test_unusable_cdi_path_refuses_allocation_with_reason(tmp_path: Path) 
         await kubelet.admit(RESOURCE)
 
 
-@needs_kvm
-@pytest.mark.parametrize("event", ["kubelet restart", "own socket deleted"])
-async def test_re_registers_after_a_kubelet_restart_or_losing_its_socket(tmp_path: Path,
-                                                                         event: str) -> None:
-    """When its socket goes, the daemon ends the old streams before registering anew: the kubelet
-    keys streams on the resource, so an old stream ending after the new registration would stop
-    the new endpoint. The emulator reproduces that, so this fails if we register first."""
-    node = Node.make(tmp_path)
-    async with running(node, "--device-count", "3") as (kubelet, _proc):
-        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 3)
-        for _ in range(3):
-            calls = kubelet.register_calls
-            if event == "kubelet restart":
-                await kubelet.restart()  # deletes every socket, serves kubelet.sock anew
-                assert kubelet.capacity(RESOURCE) == 0
-            else:
-                os.unlink(node.plugin_dir / "hyperlight.sock")
-            await kubelet.wait_for(lambda c=calls: kubelet.allocatable(RESOURCE) == 3
-                                   and kubelet.register_calls > c, timeout=10)
-            if event == "own socket deleted":
-                # A bounded watch, 300 ms: an old stream ends when its server stops, well within
-                # this on loopback, and its end would unregister the resource at once.
-                await asyncio.sleep(0.3)
-                assert kubelet.registered(RESOURCE)
-                assert kubelet.allocatable(RESOURCE) == 3
-            await kubelet.admit(RESOURCE)
-
-
-async def test_kubelet_absent_at_start_then_appears(tmp_path: Path) -> None:
-    node = Node.make(tmp_path)
-    async with daemon(node.serve_args("--device-count", "2", "--hypervisor", "kvm")) as proc:
-        body = json.loads(await proc.wait_http("/readyz", 503))
-        assert body["conditions"]["registered"]["ok"] is False
-        await wait_until(lambda: (node.plugin_dir / "hyperlight.sock").exists())
-        # Not a wait for an event: the kubelet comes half a second late, once the daemon has
-        # looked for it and gone to wait, so that only kubelet.sock's appearance can wake it.
-        await asyncio.sleep(0.5)
-        async with kubelet_at(node) as kubelet:
-            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2, timeout=10)
-
-
 @pytest.mark.parametrize(("mode", "timeout", "error"), [("hang", "0.3", "DEADLINE_EXCEEDED"),
                                                         ("reset", "1", "")])
 async def test_failing_registrations_are_bounded_retried_and_logged_once(
@@ -166,10 +138,11 @@ async def test_failing_registrations_are_bounded_retried_and_logged_once(
     args = node.serve_args("--hypervisor", "kvm", "--device-count", "2",
                            "--register-timeout", timeout)
     async with on_kubelet(node, args, mode=mode) as (faulty, proc):
-        first = hyperlight_series(await scrape(proc))
+        first = {key for key in await scrape(proc) if key[0].startswith("hyperlight_")}
         m = await wait_metric(proc, lambda m: value(
             m, "hyperlight_registrations_total", result="failure") >= 3, timeout=30)
-        assert hyperlight_series(m) == first  # failures move series that exist from the start
+        # Failures move series that exist from the start.
+        assert {key for key in m if key[0].startswith("hyperlight_")} == first
         assert value(m, "hyperlight_registrations_total", result="success") == 0
         assert value(m, "hyperlight_listandwatch_streams") == 0
         if mode == "hang":
@@ -189,45 +162,23 @@ async def test_failing_registrations_are_bounded_retried_and_logged_once(
                                          for m in proc.messages()))
 
 
-async def test_socket_deleted_during_register_starts_fresh_server(tmp_path: Path) -> None:
+async def test_socket_deleted_during_register_starts_fresh_server_and_sigterm_exits(
+        tmp_path: Path) -> None:
+    """A Register that hangs: deleting our socket starts a fresh server at once, and SIGTERM
+    during the Register in flight exits promptly, without waiting out --register-timeout."""
     node = Node.make(tmp_path)
     sock = node.plugin_dir / "hyperlight.sock"
     args = node.serve_args("--hypervisor", "kvm", "--register-timeout", "60")
-    async with on_kubelet(node, args, mode="hang") as (hanging, _proc):
+    async with on_kubelet(node, args, mode="hang") as (hanging, proc):
         await hanging.wait_for(lambda: hanging.register_calls == 1, timeout=10)
         os.unlink(sock)
         # Without the fix the daemon waits out the 60 s register timeout first.
         await wait_until(sock.exists, timeout=10)
         await hanging.wait_for(lambda: hanging.register_calls == 2, timeout=10)
-
-
-async def test_sigusr1_logs_every_task_and_keeps_running(tmp_path: Path) -> None:
-    node = Node.make(tmp_path)
-    async with running(node, "--hypervisor", "kvm", "--device-count", "2") as (kubelet, proc):
-        await kubelet.wait_for(lambda: kubelet.registered(RESOURCE))
-        assert proc.proc is not None
-        proc.proc.send_signal(signal.SIGUSR1)
-        await wait_until(lambda: any(m.startswith("task ") and " waits in: " in m
-                                     for m in proc.messages()))
-        assert proc.proc.returncode is None
-        assert (await proc.http("/healthz"))[0] == 200
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-async def test_signal_stops_quickly_removes_socket_keeps_spec(tmp_path: Path, signum: int) -> None:
-    node = Node.make(tmp_path)
-    async with running(node, "--hypervisor", "kvm", "--device-count", "2") as (kubelet, proc):
-        await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2)
-        spec = (node.cdi_dir / "hyperlight.json").read_bytes()
         began = time.monotonic()
-        code = await proc.signal(signum)
-        elapsed = time.monotonic() - began
-        assert code == 0
-        assert elapsed < 5, f"took {elapsed:.2f}s to stop"  # the contract is 2 s; a guard
-        assert not (node.plugin_dir / "hyperlight.sock").exists()
-        assert (node.plugin_dir / "kubelet.sock").exists()
-        assert (node.cdi_dir / "hyperlight.json").read_bytes() == spec
-        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 0)
+        assert await proc.stop() == 0
+        assert time.monotonic() - began < 5  # the contract is 2 s; a guard
+        assert not sock.exists()
 
 
 @needs_kvm
@@ -251,16 +202,46 @@ async def test_env_twins_apply_flags_win_and_invalid_values_fall_back_with_warni
         assert fallbacks == (list(env) if count == 2000 else []), warnings
 
 
-async def test_socket_path_occupied_by_a_non_socket_is_not_deleted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_starts_without_kubelet_or_socket_path_then_dumps_tasks_and_stops_on_a_signal(
+        tmp_path: Path, signum: int) -> None:
     node = Node.make(tmp_path)
-    blocker = node.plugin_dir / "hyperlight.sock"
-    blocker.write_text("not ours")
-    async with running(node, "--hypervisor", "kvm") as (kubelet, proc):
+    sock = node.plugin_dir / "hyperlight.sock"
+    sock.write_text("not ours")
+    async with daemon(node.serve_args("--hypervisor", "kvm", "--device-count", "2")) as proc:
+        # No kubelet yet, and a non-socket at our socket path: not deleted; once it goes, we bind.
         await wait_until(lambda: any("not a socket" in m for m in proc.messages()), 10)
-        assert blocker.read_text() == "not ours"
-        assert stat.S_ISREG(os.lstat(blocker).st_mode)
-        blocker.unlink()
-        await kubelet.wait_for(lambda: kubelet.registered(RESOURCE), timeout=15)
+        assert sock.read_text() == "not ours"
+        assert stat.S_ISREG(os.lstat(sock).st_mode)
+        body = json.loads(await proc.wait_http("/readyz", 503))
+        assert body["conditions"]["registered"]["ok"] is False
+        sock.unlink()
+        await wait_until(sock.exists)
+        # Not a wait for an event: the kubelet comes half a second late, once the daemon has
+        # looked for it and gone to wait, so that only kubelet.sock's appearance can wake it.
+        await asyncio.sleep(0.5)
+        async with kubelet_at(node) as kubelet:
+            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2, timeout=10)
+
+            # SIGUSR1 logs every task and the daemon keeps running.
+            assert proc.proc is not None
+            proc.proc.send_signal(signal.SIGUSR1)
+            await wait_until(lambda: any(m.startswith("task ") and " waits in: " in m
+                                         for m in proc.messages()))
+            assert proc.proc.returncode is None
+            assert (await proc.http("/healthz"))[0] == 200
+
+            # SIGTERM or SIGINT: a quick exit that removes the socket and keeps the spec.
+            spec = (node.cdi_dir / "hyperlight.json").read_bytes()
+            began = time.monotonic()
+            code = await proc.signal(signum)
+            elapsed = time.monotonic() - began
+            assert code == 0
+            assert elapsed < 5, f"took {elapsed:.2f}s to stop"  # the contract is 2 s; a guard
+            assert not sock.exists()
+            assert (node.plugin_dir / "kubelet.sock").exists()
+            assert (node.cdi_dir / "hyperlight.json").read_bytes() == spec
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 0)
 
 
 @needs_kvm
@@ -281,14 +262,3 @@ async def test_no_hypervisor_at_start_stays_up_unready_then_recovers(tmp_path: P
         await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 2, timeout=10)
         await proc.wait_http("/readyz", 200)
         await kubelet.admit(RESOURCE)
-
-
-async def test_sigterm_while_register_is_in_flight_exits_promptly(tmp_path: Path) -> None:
-    node = Node.make(tmp_path)
-    args = node.serve_args("--hypervisor", "kvm", "--register-timeout", "60")
-    async with on_kubelet(node, args, mode="hang") as (hanging, proc):
-        await hanging.wait_for(lambda: hanging.register_calls >= 1, timeout=20)
-        began = time.monotonic()
-        assert await proc.stop() == 0
-        assert time.monotonic() - began < 5  # the contract is 2 s; a guard
-        assert not (node.plugin_dir / "hyperlight.sock").exists()
