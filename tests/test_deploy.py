@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from harness import needs_kvm
 from test_readme import metric_families
 
 from hlplugin import config
@@ -66,21 +67,16 @@ CHECKOV_ENV = {"BC_SKIP_MAPPING": "TRUE", "CKV_SKIP_PACKAGE_UPDATE_CHECK": "true
 
 
 def which(name: str) -> str | None:
-    extra = os.environ.get("DEPLOY_CHECKS_BIN")
-    return (shutil.which(name, path=extra) if extra else None) or shutil.which(name)
+    return shutil.which(name, path=os.environ.get("DEPLOY_CHECKS_BIN")) or shutil.which(name)
 
 
 def tool(name: str) -> str:
     """Path of a command-line tool, or skip the test naming what to install."""
-    found = which(name)
-    if found is None:
-        pytest.skip(f"{name} is not installed: {TOOL_HINTS.get(name, PIP_HINT)}")
-    return found
+    return which(name) or pytest.skip(f"{name} is not installed: {TOOL_HINTS.get(name, PIP_HINT)}")
 
 
 def run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    kwargs.setdefault("timeout", 100)
-    return subprocess.run(cmd, capture_output=True, text=True, check=False, **kwargs)
+    return subprocess.run(cmd, capture_output=True, text=True, check=False, **{"timeout": 100, **kwargs})
 
 
 def mib(quantity: str) -> float:
@@ -167,9 +163,9 @@ def test_every_kustomization_renders_what_it_should(objects: dict[str, list[dict
         for obj in objects[name]:
             if obj["kind"] not in ("Namespace",) and not obj["kind"].startswith("ValidatingAdm"):
                 assert obj["metadata"].get("namespace") == NAMESPACE, obj["metadata"]["name"]
-    for name in ("overlays/kind", "overlays/aks"):
-        kinds = {o["kind"] for o in objects[name]}
-        assert {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} <= kinds, name
+        if name != "base":  # the overlays add the admission policy
+            admission = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+            assert admission <= {kind for kind, _ in kinds}, name
     # The monitoring component adds its two objects and changes nothing else.
     for name, overlay in MONITORED.items():
         added = sorted((o["kind"], o["metadata"]["name"]) for o in objects[name] if o["kind"] in CRD_KINDS)
@@ -338,9 +334,8 @@ def test_base_manifests_explain_root_and_set_only_real_settings() -> None:
 
 
 def test_kind_path_is_whole() -> None:
-    """`kubectl apply -k deploy/overlays/kind` alone pulls an image no registry has: the README,
-    the overlay and the e2e workflow give every step, with the overlay's image tag and the
-    cluster's names."""
+    """`kubectl apply -k deploy/overlays/kind` alone pulls an image no registry has: the README, the
+    overlay and the e2e workflow give every step, with the overlay's image tag and the cluster's names."""
     cluster = yaml.safe_load((DEPLOY / "overlays/kind/kind-config.yaml").read_text())
     e2e = (GITHUB / "workflows/e2e.yml").read_text()
     # The cluster config is a KIND config beside the overlay, not one of its resources.
@@ -524,62 +519,49 @@ def _python_for(uid: int) -> str | None:
 
 @pytest.fixture
 def workload_dir() -> Iterator[Path]:
-    """A world-readable directory with the example workloads' script and, as root, a dev/kvm
-    owned by the workload's UID, as the kubelet makes it through CDI (else dev is /dev)."""
-    kvm = Path("/dev/kvm")
-    if not kvm.exists():
-        pytest.skip("no /dev/kvm on this machine")
+    """A world-readable directory (pytest's tmp_path is under one the workload's UID cannot enter)."""
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        work.chmod(0o755)
-        (work / "vm_check.py").write_text((DEPLOY / "examples/vm_check.py").read_text())
-        if os.geteuid() != 0:
-            if not os.access(kvm, os.R_OK | os.W_OK):
-                pytest.skip("/dev/kvm is not read-write for this user")
-            (work / "dev").symlink_to("/dev")
-        else:
-            (work / "dev").mkdir(mode=0o755)
-            try:
-                os.mknod(work / "dev" / "kvm", stat.S_IFCHR | 0o600, kvm.stat().st_rdev)
-            except OSError as err:
-                pytest.skip(f"cannot create a device node here: {err}")
-            os.chown(work / "dev" / "kvm", WORKLOAD_UID, WORKLOAD_UID)
-        yield work
+        os.chmod(tmp, 0o755)
+        yield Path(tmp)
 
 
-def test_example_check_creates_a_vm_as_non_root(workload_dir: Path) -> None:
-    """The example workloads' script, against a CDI-style node owned by UID 65534."""
+@needs_kvm
+def test_example_check_runs_as_the_workload_and_stops_on_sigterm_as_pid_1(workload_dir: Path) -> None:
+    """The example workloads' script against a CDI-style node, as the kubelet makes it: as root,
+    a dev/kvm owned by the workload's UID (else dev is /dev)."""
+    shutil.copy(DEPLOY / "examples/vm_check.py", workload_dir)
     cmd = [str(workload_dir / "vm_check.py"), "--dev-dir", str(workload_dir / "dev")]
+    python = sys.executable
+    as_workload: dict[str, Any] = {}
     if os.geteuid() != 0:
-        result = run([sys.executable, *cmd])
+        (workload_dir / "dev").symlink_to("/dev")
     else:
+        (workload_dir / "dev").mkdir(mode=0o755)
+        try:
+            os.mknod(workload_dir / "dev/kvm", stat.S_IFCHR | 0o600, os.stat("/dev/kvm").st_rdev)
+        except OSError as err:
+            pytest.skip(f"cannot create a device node here: {err}")
+        os.chown(workload_dir / "dev/kvm", WORKLOAD_UID, WORKLOAD_UID)
         as_root = run([sys.executable, *cmd])
         assert as_root.returncode == 1 and "running as root" in as_root.stderr
-        python = _python_for(WORKLOAD_UID)
-        if python is None:
-            pytest.skip(f"no Python that UID {WORKLOAD_UID} may run")
-        result = run([python, *cmd], user=WORKLOAD_UID, group=WORKLOAD_UID, extra_groups=[])
+        python = _python_for(WORKLOAD_UID) or pytest.skip(f"no Python that UID {WORKLOAD_UID} may run")
+        as_workload = {"user": WORKLOAD_UID, "group": WORKLOAD_UID, "extra_groups": []}
+    result = run([python, *cmd], **as_workload)
     assert result.returncode == 0, result.stderr
     assert re.search(r"created a KVM VM as uid=(\d+) ", result.stdout), result.stdout
     assert "uid=0 " not in result.stdout
 
-
-def test_example_check_stops_on_sigterm_as_pid_1(workload_dir: Path) -> None:
-    """In a container the script is PID 1, which the kernel gives no default action for SIGTERM:
-    it must handle the signal itself, or every stop of the worker waits out the grace period and
-    ends in SIGKILL. Run as the workload would be: PID 1 of its own PID namespace, UID 65534."""
+    # In a container the script is PID 1, which the kernel gives no default action for SIGTERM:
+    # it must handle the signal itself, or every stop of the worker waits out the grace period
+    # and ends in SIGKILL. Run as the workload would be: PID 1 of its own PID namespace, UID 65534.
     if os.geteuid() != 0:
         pytest.skip("needs root: a PID namespace and a device node owned by the workload's UID")
     unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
     if unshare is None or setpriv is None:
         pytest.skip("needs unshare and setpriv (util-linux)")
-    python = _python_for(WORKLOAD_UID)
-    if python is None:
-        pytest.skip(f"no Python that UID {WORKLOAD_UID} may run")
     proc = subprocess.Popen(
         [unshare, "--pid", "--fork", setpriv, f"--reuid={WORKLOAD_UID}",
-         f"--regid={WORKLOAD_UID}", "--clear-groups", python, str(workload_dir / "vm_check.py"),
-         "--interval", "60", "--dev-dir", str(workload_dir / "dev")],
+         f"--regid={WORKLOAD_UID}", "--clear-groups", python, *cmd, "--interval", "60"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -603,22 +585,10 @@ def test_example_check_stops_on_sigterm_as_pid_1(workload_dir: Path) -> None:
 
 
 def dockerfile_instructions() -> list[tuple[str, str, str]]:
-    """(INSTRUCTION, arguments, comments just above) with continuation lines joined."""
-    out, comments, current = [], [], ""
-    for line in (ROOT / "Dockerfile").read_text().splitlines():
-        stripped = line.strip()
-        if not current and stripped.startswith("#"):
-            comments.append(stripped)
-            continue
-        if not stripped:
-            continue
-        current += " " + stripped.rstrip("\\").strip()
-        if stripped.endswith("\\"):
-            continue
-        word, _, rest = current.strip().partition(" ")
-        out.append((word.upper(), rest.strip(), "\n".join(comments)))
-        comments, current = [], ""
-    return out
+    """(INSTRUCTION, arguments, the comments since the one before) with continuation lines joined."""
+    text = re.sub(r"\\\n\s*", " ", (ROOT / "Dockerfile").read_text())
+    found = re.findall(r"((?:^[ \t]*(?:#.*)?\n)*)^[ \t]*(\w+)[ \t]+(.*)$", text, re.M)
+    return [(op.upper(), args.strip(), "\n".join(re.findall("#.*", notes))) for notes, op, args in found]
 
 
 def test_image_is_pinned_small_and_runs_the_console_script() -> None:
@@ -672,10 +642,8 @@ def test_workflows() -> None:
             assert set(job["permissions"].values()) <= {"read", "write", "none"}
             if "write" in job["permissions"].values():
                 writers.add((path.name, job_name))
-        for step in steps_of(wf):
-            uses = step.get("uses")
-            if uses is None:
-                continue
+        for step in (s for s in steps_of(wf) if "uses" in s):
+            uses = step["uses"]
             assert re.fullmatch(r"[\w.-]+/[\w./-]+@[0-9a-f]{40}", uses), f"{path.name}: {uses}"
             assert re.search(re.escape(uses) + r" # v\d", text), f"{uses}: say which version"
             if uses.startswith("actions/checkout@"):
@@ -724,8 +692,7 @@ def test_static_analyser_finds_nothing(analyser: str) -> None:
 
 
 def test_shellcheck_every_shell_script_and_workflow_step(tmp_path: Path) -> None:
-    """Every shell script this repository ships or runs, and every workflow `run:` step as the
-    runner's bash runs it."""
+    """Every shell script this repository ships or runs, and every workflow `run:` step as bash runs it."""
     shellcheck = tool("shellcheck")
     scripts = {ROOT / ".ci" / "run", *DEPLOY.rglob("*.sh"), *GITHUB.rglob("*.sh")}
     for path in DEPLOY.rglob("*"):
@@ -774,16 +741,14 @@ def test_checkov_finds_nothing(rendered: dict[str, Path], tmp_path: Path) -> Non
     shutil.copytree(next(iter(rendered.values())).parent, tmp_path / "rendered")
     shutil.copy(ROOT / "Dockerfile", tmp_path / "Dockerfile")
     shutil.copytree(GITHUB / "workflows", tmp_path / ".github" / "workflows")
-    result = run(
-        [checkov, "--directory", str(tmp_path), "--framework", "kubernetes,dockerfile,github_actions",
-         "--skip-download", "--output", "json", "--compact"],
-        env={**os.environ, **CHECKOV_ENV},
-        timeout=110,
-    )  # fmt: skip
+    frameworks = ("kubernetes", "dockerfile", "github_actions")
+    result = run([checkov, "--directory", str(tmp_path), "--framework", ",".join(frameworks),
+                  "--skip-download", "--output", "json", "--compact"],
+                 env={**os.environ, **CHECKOV_ENV}, timeout=110)
     assert result.stdout.strip(), result.stderr
     reports = json.loads(result.stdout)
     reports = reports if isinstance(reports, list) else [reports]
-    for framework in ("kubernetes", "dockerfile", "github_actions"):
+    for framework in frameworks:
         (report,) = [r for r in reports if r["check_type"] == framework]
         summary, results = report["summary"], report["results"]
         failed = [f"{c['check_id']} {c['resource']} ({c['file_path']})" for c in results["failed_checks"]]
@@ -800,15 +765,11 @@ def test_checkov_finds_nothing(rendered: dict[str, Path], tmp_path: Path) -> Non
 
 OPERATOR_QUESTIONS = {
     "architecture.md": (BOOTSTRAP, MAIN, "Allocate", "CDI", "repair"),
-    "operations.md": (
-        "kubectl apply -k deploy/overlays/", "label-nodes.sh", "Upgrade", "Rollback", "/readyz",
-        "DEVICE_COUNT", "## Monitoring", "## Probes and restarts", *metric_families(),
-    ),
-    "security.md": (
-        "hyperlight.dev/device-access", "ValidatingAdmissionPolicy", "ResourceQuota",
-        "every capability dropped", "root-owned",
-    ),
-}  # fmt: skip
+    "operations.md": ("kubectl apply -k deploy/overlays/", "label-nodes.sh", "Upgrade", "Rollback", "/readyz",
+                      "DEVICE_COUNT", "## Monitoring", "## Probes and restarts", *metric_families()),
+    "security.md": ("hyperlight.dev/device-access", "ValidatingAdmissionPolicy", "ResourceQuota",
+                    "every capability dropped", "root-owned"),
+}
 
 
 def test_docs_cover_the_operators_questions() -> None:

@@ -34,13 +34,10 @@ _USERS = (("serve", config.SERVE_OPTIONS), ("bootstrap", config.BOOTSTRAP_OPTION
 
 
 def _shown(value: Any) -> str:
-    if isinstance(value, tuple):
-        return f"`{value[0]}:{value[1]}`"
-    if isinstance(value, bool):
-        return f"`{str(value).lower()}`"
     if value is None or value == "":
         return "(empty)"
-    return f"`{value}`"
+    text = ":".join(map(str, value)) if isinstance(value, tuple) else str(value)
+    return f"`{text.lower() if isinstance(value, bool) else text}`"
 
 
 def render_options_table() -> str:
@@ -71,25 +68,20 @@ def _pip_installs(text: str) -> list[str]:
     return [part for part in parts if re.search(r"\bpip3?\b.*\binstall\b", part)]
 
 
-def test_readme_starts_with_the_quickstart_into_a_virtual_environment() -> None:
+def test_readme_starts_with_the_quickstart_that_installs_only_into_virtual_environments() -> None:
     """PEP 668 distros (Debian 12, Ubuntu 24.04) refuse `pip install` into the system Python: the
-    first command makes its own venv and uses only its pip and its hlplugin."""
+    first command makes its own venv and uses only its pip and its hlplugin; the second, `.ci/run`,
+    runs only a virtual environment's pip, and the linters and pytest come from there too."""
     readme = README.read_text()
     assert readme.startswith(QUICKSTART)
+    floor = re.search(r'requires-python = ">=(\d+\.\d+)"', (ROOT / "pyproject.toml").read_text())
+    assert floor is not None
+    assert f"Python {floor.group(1)} or newer" in readme[:1500]
     first = QUICKSTART.splitlines()[1].split("#")[0]
     installs = _pip_installs(first)
     assert installs and all(cmd.startswith(".venv/bin/pip ") for cmd in installs), installs
     assert first.startswith("python3 -m venv .venv && ")
     assert ".venv/bin/hlplugin demo" in first
-    # It states the Python floor of pyproject.
-    floor = re.search(r'requires-python = ">=(\d+\.\d+)"', (ROOT / "pyproject.toml").read_text())
-    assert floor is not None
-    assert f"Python {floor.group(1)} or newer" in readme[:1500]
-
-
-def test_ci_run_installs_nothing_into_the_system_python() -> None:
-    """`.ci/run` is the README's test command: every pip it runs is a virtual environment's, and
-    the linters and pytest come from that environment too."""
     script = (ROOT / ".ci" / "run").read_text()
     installs = _pip_installs(script)
     assert installs, "no pip install found in .ci/run"
