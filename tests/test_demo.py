@@ -31,7 +31,7 @@ def short_tmp() -> Iterator[Path]:
 
 def processes_mentioning(text: str) -> list[str]:
     found = subprocess.run(["pgrep", "-af", re.escape(text)], capture_output=True, text=True)
-    return found.stdout.splitlines()
+    return [line for line in found.stdout.splitlines() if line.split()[0] != str(os.getpid())]
 
 
 def explains_itself(out: str, root: Path) -> None:

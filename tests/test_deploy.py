@@ -562,7 +562,7 @@ def test_example_check_runs_as_the_workload_and_stops_on_sigterm_as_pid_1(worklo
     proc = subprocess.Popen(
         [unshare, "--pid", "--fork", setpriv, f"--reuid={WORKLOAD_UID}",
          f"--regid={WORKLOAD_UID}", "--clear-groups", python, *cmd, "--interval", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
         assert proc.stdout is not None
@@ -575,10 +575,10 @@ def test_example_check_runs_as_the_workload_and_stops_on_sigterm_as_pid_1(worklo
         os.kill(child, signal.SIGTERM)
         code = proc.wait(timeout=10)
         elapsed = time.monotonic() - started
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    finally:  # unshare and the script in its namespace: a failed test leaves neither behind
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     rest = proc.stdout.read()
     assert code == 0 and "stopping on SIGTERM" in rest, rest
     assert elapsed < 5, f"took {elapsed:.1f} s to stop"
