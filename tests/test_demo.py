@@ -25,39 +25,19 @@ from hlplugin.demo import demo
 def short_tmp() -> Iterator[Path]:
     """A short temp dir: the demo's sockets live under it, and unix socket paths are capped."""
     path = Path(tempfile.mkdtemp(prefix="hlp-demo-test-", dir="/tmp"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def processes_mentioning(text: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(f"{pid}: {cmdline}")
-    return found
+    found = subprocess.run(["pgrep", "-af", re.escape(text)], capture_output=True, text=True)
+    return [line for line in found.stdout.splitlines() if line.split()[0] != str(os.getpid())]
 
 
-def printed_commands(out: str) -> dict[str, list[str]]:
-    """The daemons' command lines the demo prints ("$ ..." with backslash continuations), by
-    subcommand, as argv."""
-    commands = {}
-    for match in re.finditer(r"^ *\$ ((?:.*\\\n)*.*)$", out, re.M):
-        argv = shlex.split(match.group(1).replace("\\\n", " "))
-        commands[argv[argv.index("hlplugin") + 1]] = argv
-    return commands
-
-
-def explains_itself(out: str) -> None:
-    """One "why" per step, and the words a newcomer needs: device plugin, CDI, the 2,000 slots,
-    the bootstrap daemon."""
+def explains_itself(out: str, root: Path) -> None:
+    """One "why" per step, the words a newcomer needs (device plugin, CDI, the 2,000 slots, the
+    bootstrap daemon), and the daemons' real command lines: the CLI parses them, and they point
+    at the demo's node root."""
     flat = " ".join(out.split())
     intro, *steps = re.split(r"^(?=\d+\. )", out, flags=re.M)
     assert len(steps) >= 7, out
@@ -69,53 +49,62 @@ def explains_itself(out: str) -> None:
                    "the bootstrap daemon's one hyperlight.dev/device-access unit is for the main "
                    "daemon's own pod"]:
         assert phrase in flat, f"{phrase!r} missing from:\n{out}"
-
-
-def check_printed_commands(out: str, root: Path) -> None:
-    """The printed command lines are the daemons' real ones: the CLI parses them, and they point
-    at the demo's node root."""
-    commands = printed_commands(out)
+    commands = {}
+    for match in re.finditer(r"^ *\$ ((?:.*\\\n)*.*)$", out, re.M):  # "$ ..." and its continuations
+        argv = shlex.split(match.group(1).replace("\\\n", " "))
+        commands[argv[argv.index("hlplugin") + 1]] = argv
     assert set(commands) == {"serve", "bootstrap"}, out
     for name, argv in commands.items():
         assert argv[:3] == [sys.executable, "-m", "hlplugin"], argv
-        args = cli.build_parser().parse_args(argv[3:])
-        assert args.command == name
+        assert cli.build_parser().parse_args(argv[3:]).command == name
         assert str(root / "device-plugins") in argv, argv
 
 
 @needs_kvm
-def test_demo_runs_the_main_job_and_leaves_nothing(short_tmp: Path) -> None:
-    env = {**os.environ, "TMPDIR": str(short_tmp)}
-    result = subprocess.run([sys.executable, "-m", "hlplugin", "demo"], env=env,
+@pytest.mark.parametrize("keep", [False, True])
+def test_demo_runs_the_main_job(short_tmp: Path, keep: bool) -> None:
+    """As the README runs it. Without --keep it leaves nothing behind; with it, the node root and
+    the daemons' logs stay, and it says where."""
+    result = subprocess.run([sys.executable, "-m", "hlplugin", "demo", *(["--keep"] if keep else [])],
+                            env={**os.environ, "TMPDIR": str(short_tmp)},
                             capture_output=True, text=True, timeout=60)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
-    explains_itself(out)
     root = Path(re.search(r"node root +(\S+)", out).group(1))  # type: ignore[union-attr]
-    check_printed_commands(out, root)
+    explains_itself(out, root)
     for expected in [
         "hyperlight.dev/hypervisor     capacity 2000   allocatable 2000",
         "hyperlight.dev/device-access  capacity    1   allocatable    1",
-        "hlplugin serve      /readyz 200 ready",
-        "hlplugin bootstrap  /readyz 200 ready",
+        "hlplugin serve      /readyz 200 ready", "hlplugin bootstrap  /readyz 200 ready",
         "answered cdi_devices: hyperlight.dev/hypervisor=kvm",
         "deviceNode /dev/kvm (type c, rw, uid 65534, gid 65534)",
-        "created a VM and ran a guest",
-        "(cause: malformed, trigger: ",
+        "created a VM and ran a guest", "(cause: malformed, trigger: ",
         'hyperlight_cdi_repairs_total{cause="malformed"} 0 -> 1',
         "DeviceSpec container_path=/dev/kvm host_path=/dev/kvm permissions=rw",
-        "hlplugin serve      exited 0",
-        "hlplugin bootstrap  exited 0",
-        "plugin sockets left: none",
-        "summary",
-        "result: OK",
-        "--keep keeps it and the daemons' logs",
-        "nothing was left behind",
+        "hlplugin serve      exited 0", "hlplugin bootstrap  exited 0",
+        "plugin sockets left: none", "summary", "result: OK",
     ]:
         assert expected in out, f"{expected!r} missing from:\n{out}"
-    assert "could not" not in out and "kept the" not in out
-    assert os.listdir(short_tmp) == [], "the demo left its node root behind"
+    assert "could not" not in out
     assert processes_mentioning(str(short_tmp)) == []
+    if not keep:
+        assert "--keep keeps it and the daemons' logs" in out
+        assert "nothing was left behind" in out
+        assert "kept the" not in out
+        assert os.listdir(short_tmp) == [], "the demo left its node root behind"
+        return
+    assert list(short_tmp.iterdir()) == [root]
+    logs = root / "logs"
+    assert f"node root   {root} (kept, with the daemons' logs in {logs})" in out
+    assert "nothing was left behind" not in out, "--keep leaves the node root and the logs"
+    assert "the node root and the daemons' logs are kept (--keep)" in out
+    for name, message in (("serve", "repaired CDI spec"),
+                          ("bootstrap", "registered hyperlight.dev/device-access")):
+        path = logs / f"{name}.log"
+        assert f"kept the log of hlplugin {name}: {path}" in out
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        assert any(message in line["message"] for line in lines), lines
+    assert (root / "cdi" / "hyperlight.json").is_file()
 
 
 def test_demo_without_a_hypervisor_explains_and_shows_the_rest(
@@ -135,45 +124,19 @@ def test_demo_without_a_hypervisor_explains_and_shows_the_rest(
         "hlplugin serve      /readyz 503 not ready",
         f"device: open on {dev / 'kvm'} failed",
         "could not allocate a hypervisor slot: Allocate(kvm-0) anyway: FAILED_PRECONDITION",
-        "skipped: no allocation",
-        "(cause: malformed, trigger: ",
+        "skipped: no allocation", "(cause: malformed, trigger: ",
         "could not grant device access: Allocate(device-access-kvm) anyway: FAILED_PRECONDITION",
-        "hlplugin serve      exited 0",
+        "hlplugin serve      exited 0", "hlplugin doctor",
         "result: this machine cannot run Hyperlight workloads: could not allocate a hypervisor "
         "slot, grant device access",
-        "hlplugin doctor",
     ]:
         assert expected in text, f"{expected!r} missing from:\n{text}"
     (root,) = [p for p in short_tmp.iterdir() if p.name.startswith("hlplugin-demo-")]
     assert f"kept the node root: {root}" in text
-    explains_itself(text)
-    check_printed_commands(text, root)
+    explains_itself(text, root)
     assert "nothing was left behind" not in text
-    serve_log = (root / "logs" / "serve.log").read_text()
     assert f"kept the log of hlplugin serve: {root / 'logs' / 'serve.log'}" in text
-    assert "repaired CDI spec" in serve_log
+    assert "repaired CDI spec" in (root / "logs" / "serve.log").read_text()
     assert (root / "cdi" / "hyperlight.json").is_file()  # --keep keeps what was made
     assert sorted(p.name for p in (root / "device-plugins").iterdir()) == []  # sockets gone
-    assert processes_mentioning(str(root)) == []
-
-
-@needs_kvm
-def test_demo_keep_keeps_the_daemons_logs_and_says_so(short_tmp: Path) -> None:
-    env = {**os.environ, "TMPDIR": str(short_tmp)}
-    result = subprocess.run([sys.executable, "-m", "hlplugin", "demo", "--keep"], env=env,
-                            capture_output=True, text=True, timeout=60)
-    out = result.stdout
-    assert result.returncode == 0, out + result.stderr
-    (root,) = list(short_tmp.iterdir())
-    logs = root / "logs"
-    assert f"node root   {root} (kept, with the daemons' logs in {logs})" in out
-    assert "nothing was left behind" not in out, "--keep leaves the node root and the logs"
-    assert "the node root and the daemons' logs are kept (--keep)" in out
-    for name, message in (("serve", "repaired CDI spec"),
-                          ("bootstrap", "registered hyperlight.dev/device-access")):
-        path = logs / f"{name}.log"
-        assert f"kept the log of hlplugin {name}: {path}" in out
-        lines = [json.loads(line) for line in path.read_text().splitlines()]
-        assert any(message in line["message"] for line in lines), lines
-    assert (root / "cdi" / "hyperlight.json").is_file()
     assert processes_mentioning(str(root)) == []

@@ -34,13 +34,10 @@ _USERS = (("serve", config.SERVE_OPTIONS), ("bootstrap", config.BOOTSTRAP_OPTION
 
 
 def _shown(value: Any) -> str:
-    if isinstance(value, tuple):
-        return f"`{value[0]}:{value[1]}`"
-    if isinstance(value, bool):
-        return f"`{str(value).lower()}`"
     if value is None or value == "":
         return "(empty)"
-    return f"`{value}`"
+    text = ":".join(map(str, value)) if isinstance(value, tuple) else str(value)
+    return f"`{text.lower() if isinstance(value, bool) else text}`"
 
 
 def render_options_table() -> str:
@@ -64,10 +61,6 @@ def _block(text: str) -> str:
     return text[start:text.index(END)]
 
 
-def test_readme_starts_with_the_quickstart() -> None:
-    assert README.read_text().startswith(QUICKSTART)
-
-
 def _pip_installs(text: str) -> list[str]:
     """Every command (a line, or one `&&` part of it) that runs `pip install`."""
     parts = (part.strip() for line in text.splitlines() if not line.lstrip().startswith("#")
@@ -75,26 +68,20 @@ def _pip_installs(text: str) -> list[str]:
     return [part for part in parts if re.search(r"\bpip3?\b.*\binstall\b", part)]
 
 
-def test_quickstart_installs_into_a_virtual_environment() -> None:
+def test_readme_starts_with_the_quickstart_that_installs_only_into_virtual_environments() -> None:
     """PEP 668 distros (Debian 12, Ubuntu 24.04) refuse `pip install` into the system Python: the
-    first command makes its own venv and uses only its pip and its hlplugin."""
+    first command makes its own venv and uses only its pip and its hlplugin; the second, `.ci/run`,
+    runs only a virtual environment's pip, and the linters and pytest come from there too."""
+    readme = README.read_text()
+    assert readme.startswith(QUICKSTART)
+    floor = re.search(r'requires-python = ">=(\d+\.\d+)"', (ROOT / "pyproject.toml").read_text())
+    assert floor is not None
+    assert f"Python {floor.group(1)} or newer" in readme[:1500]
     first = QUICKSTART.splitlines()[1].split("#")[0]
     installs = _pip_installs(first)
     assert installs and all(cmd.startswith(".venv/bin/pip ") for cmd in installs), installs
     assert first.startswith("python3 -m venv .venv && ")
     assert ".venv/bin/hlplugin demo" in first
-
-
-def test_readme_states_the_python_floor_of_pyproject() -> None:
-    floor = re.search(r'requires-python = ">=(\d+\.\d+)"', (ROOT / "pyproject.toml").read_text())
-    assert floor is not None
-    head = README.read_text()[:1500]
-    assert f"Python {floor.group(1)} or newer" in head
-
-
-def test_ci_run_installs_nothing_into_the_system_python() -> None:
-    """`.ci/run` is the README's test command: every pip it runs is a virtual environment's, and
-    the linters and pytest come from that environment too."""
     script = (ROOT / ".ci" / "run").read_text()
     installs = _pip_installs(script)
     assert installs, "no pip install found in .ci/run"
@@ -105,47 +92,34 @@ def test_ci_run_installs_nothing_into_the_system_python() -> None:
         assert re.search(rf'^"\$venv/bin/{re.escape(tool.split()[0])}"', script, re.M), tool
 
 
-def test_options_table_matches_config() -> None:
-    assert _block(README.read_text()) == render_options_table(), (
-        "README options table is stale: run `python tests/test_readme.py --write`")
-
-
-def test_options_table_covers_every_flag_of_both_daemons() -> None:
+def test_options_table_matches_config_and_covers_both_daemons() -> None:
     table = _block(README.read_text())
+    assert table == render_options_table(), (
+        "README options table is stale: run `python tests/test_readme.py --write`")
     for name in (*config.SERVE_OPTIONS, *config.BOOTSTRAP_OPTIONS):
         option = config.OPTIONS[name]
         row = next(line for line in table.splitlines() if f"`{option.flag}" in line)
         assert option.env is None or f"`{option.env}`" in row
 
 
-def _families() -> dict[str, tuple[str, ...]]:
-    """Exposed name -> label names of every family metrics.py declares."""
+def metric_families() -> dict[str, tuple[str, ...]]:
+    """Exposed name -> label names of every family metrics.py declares (test_deploy.py uses it)."""
     found = {}
     for metric in vars(Metrics()).values():
-        if not isinstance(metric, MetricWrapperBase):
-            continue
-        family = next(iter(metric.describe()))
-        suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
-        labels = tuple(metric._labelnames) or (("version",) if family.type == "info" else ())
-        found[family.name + suffix] = labels
+        if isinstance(metric, MetricWrapperBase):
+            family = next(iter(metric.describe()))
+            suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
+            labels = tuple(metric._labelnames) or (("version",) if family.type == "info" else ())
+            found[family.name + suffix] = labels
     return found
 
 
-def _metrics_rows() -> dict[str, str]:
+def test_every_metric_family_is_documented_with_its_labels() -> None:
     text = README.read_text()
     section = text[text.index("## Metrics"):]
     section = section[:section.index("\n## ", 1)]
-    rows = {}
-    for line in section.splitlines():
-        match = re.match(r"\| `(hyperlight_\w+)`", line)
-        if match:
-            rows[match.group(1)] = line
-    return rows
-
-
-def test_every_metric_family_is_documented_with_its_labels() -> None:
-    rows = _metrics_rows()
-    families = _families()
+    rows = {name: line for line, name in re.findall(r"^(\| `(hyperlight_\w+)`.*)$", section, re.M)}
+    families = metric_families()
     assert len(families) == 14
     for name, labels in families.items():
         assert name in rows, f"{name} is not in the README metrics table"
