@@ -10,6 +10,7 @@ from __future__ import annotations
 import email
 import email.message
 import importlib.metadata
+import os
 import re
 import subprocess
 import sys
@@ -135,3 +136,16 @@ def test_build_floor_reads_license_expressions() -> None:
     (requirement,) = [r for r in pyproject["build-system"]["requires"] if r.startswith("setuptools")]
     floor = re.fullmatch(r"setuptools>=(\d+)(\.\d+)*", requirement)
     assert floor is not None and int(floor.group(1)) >= 77, requirement
+
+
+def test_the_tree_holds_no_symlink_leaving_it() -> None:
+    """A tracked link to an absolute path (one arrived with a merge once) dangles in every clone
+    and the image's build context; a relative one must stay inside the tree."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: nothing says which files are tracked")
+    listing = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-s"], capture_output=True,
+                             text=True, check=True).stdout
+    links = [line.split("\t", 1)[1] for line in listing.splitlines() if line.startswith("120000")]
+    leaving = [link for link in links if Path(os.readlink(ROOT / link)).is_absolute()
+               or not (ROOT / link).resolve().is_relative_to(ROOT) or not (ROOT / link).exists()]
+    assert not leaving, leaving
