@@ -11,6 +11,7 @@ import shutil
 import signal
 import stat
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,13 +56,30 @@ class Daemon(DaemonProcess):
 
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None) -> None:
         super().__init__(args, env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})
+        self.started = 0.0
+
+    async def start(self) -> Daemon:
+        self.started = time.monotonic()  # what a start-up time is measured from
+        await super().start()
+        return self
 
     async def signal(self, signum: int = signal.SIGTERM, timeout: float = 10.0,
                      *, kill_on_timeout: bool = False) -> int:
         return await super().signal(signum, timeout, kill_on_timeout=kill_on_timeout)
 
-    async def http(self, path: str) -> tuple[int, bytes]:
-        return await self.get(path)
+    http = DaemonProcess.get
+
+
+@contextlib.asynccontextmanager
+async def daemon(args: Sequence[str], env: dict[str, str] | None = None, *,
+                 graceful: bool = False) -> AsyncIterator[Daemon]:
+    """The daemon started with ``args``; on the way out killed or, if ``graceful``, stopped with
+    SIGTERM (a daemon that does not stop in time fails the test)."""
+    proc = await Daemon(args, env).start()
+    try:
+        yield proc
+    finally:
+        await (proc.stop() if graceful else proc.signal(signal.SIGKILL))
 
 
 @contextlib.asynccontextmanager
@@ -72,26 +90,10 @@ async def on_kubelet(node: Node, args: Sequence[str], env: dict[str, str] | None
     kubelet = KubeletEmulator(node.plugin_dir, mode=mode)
     await kubelet.start()
     try:
-        proc = Daemon(args, env)
-        await proc.start()
-        try:
+        async with daemon(args, env, graceful=True) as proc:
             yield kubelet, proc
-        finally:
-            await proc.stop()
     finally:
         await kubelet.stop()
-
-
-@contextlib.asynccontextmanager
-async def daemon(args: Sequence[str], env: dict[str, str] | None = None) -> AsyncIterator[Daemon]:
-    proc = Daemon(args, env)
-    await proc.start()
-    try:
-        yield proc
-    finally:
-        if proc.proc is not None and proc.proc.returncode is None:
-            proc.proc.kill()
-            await proc.proc.wait()
 
 
 async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0,
@@ -112,8 +114,6 @@ async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: f
             raise TimeoutError(f"{what or 'condition'} not met within {timeout:g}s")
         await asyncio.sleep(step)
     return loop.time() - began
-
-
 
 
 # --- metrics: the one reader -------------------------------------------------------------------
