@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from hlplugin.cdi import SPEC_FILE, render_spec
 from hlplugin.config import KUBELET_MAX_MESSAGE, MAX_DEVICE_COUNT
 from hlplugin.deviceplugin.servicer import MAX_STREAMS
 from hlplugin.emulator import KubeletEmulator
+from hlplugin.names import DEVICE_ACCESS_RESOURCE, HYPERVISOR_RESOURCE, HYPERVISOR_SOCKET
 from hlplugin.probe import check_host_identity, probe_kvm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,8 +48,6 @@ sys.path.insert(0, str(ROOT / "tests"))  # the one harness: node root, daemon pr
 import harness  # noqa: E402
 from harness import Node, proc_status, wait_until  # noqa: E402
 
-RESOURCE = "hyperlight.dev/hypervisor"
-BOOT_RESOURCE = "hyperlight.dev/device-access"
 KVM = Path("/dev/kvm")
 
 
@@ -68,7 +68,6 @@ class Profile:
     probes: int = 300            # KVM checks timed
 
 
-FULL = Profile()
 QUICK = Profile(repeats=2, allocs=300, transitions=6, tampers=10, kubelet_restarts=3, starts=2,
                 mem_allocs=1000, mem_transitions=40, boot_allocs=100, idle=5.0, probes=20)
 # The most raw streams the daemon serves next to the kubelet's (it refuses more).
@@ -131,7 +130,7 @@ def put(path: Path, content: bytes | None) -> None:
 
 
 async def flip(node: Node, kubelet: KubeletEmulator, ok: bool, count: int,
-               resource: str = RESOURCE, directory: Path | None = None) -> None:
+               resource: str = HYPERVISOR_RESOURCE, directory: Path | None = None) -> None:
     put((directory or node.host_dev_dir) / "kvm", None if ok else NOT_A_DEVICE)
     await kubelet.wait_for(lambda: kubelet.allocatable(resource) == (count if ok else 0), 30)
 
@@ -149,7 +148,7 @@ async def served(tmp: Path, name: str, count: int = 2000, bootstrap: bool = Fals
     node = make_node(tmp, name)
     args = bootstrap_args(node) if bootstrap else node.serve_args(
         "--hypervisor", "kvm", "--device-count", str(count))
-    resource, count = (BOOT_RESOURCE, 1) if bootstrap else (RESOURCE, count)
+    resource, count = (DEVICE_ACCESS_RESOURCE, 1) if bootstrap else (HYPERVISOR_RESOURCE, count)
     async with harness.on_kubelet(node, args) as (kubelet, proc):
         await kubelet.wait_for(lambda: kubelet.allocatable(resource) == count, timeout)
         yield node, kubelet, proc
@@ -190,11 +189,11 @@ async def baseline_server(root: Path) -> AsyncIterator[tuple[str, int]]:
 
 
 def target(node: Node) -> str:
-    return f"unix://{node.plugin_dir}/hyperlight.sock"
+    return f"unix://{node.plugin_dir}/{HYPERVISOR_SOCKET}"
 
 
-async def hammer(stub: pb_grpc.DevicePluginStub, calls: int, concurrency: int) -> tuple[list[float], float]:
-    """``calls`` Allocates from ``concurrency`` workers; (latencies, seconds for all)."""
+async def hammer(stub: pb_grpc.DevicePluginStub, calls: int, concurrency: int) -> dict[str, float]:
+    """``calls`` Allocates from ``concurrency`` workers: latency p50 and p99, calls per second."""
     request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["kvm-0"])])
     latencies: list[float] = []
     jobs = iter(range(calls))  # shared: each call is taken by whichever worker is free
@@ -207,7 +206,8 @@ async def hammer(stub: pb_grpc.DevicePluginStub, calls: int, concurrency: int) -
 
     began = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return latencies, time.perf_counter() - began
+    rate = len(latencies) / (time.perf_counter() - began)
+    return {"p50": pct(latencies, 50), "p99": pct(latencies, 99), "rate": rate}
 
 
 async def bench_allocate(tmp: Path, p: Profile) -> None:
@@ -220,8 +220,7 @@ async def bench_allocate(tmp: Path, p: Profile) -> None:
             runs: dict[str, list[dict[str, float]]] = {"baseline": [], "hlplugin": []}
             for rep in range(p.repeats):
                 for who in stubs if rep % 2 == 0 else reversed(stubs):  # alternate who goes first
-                    lat, took = await hammer(stubs[who], p.allocs, concurrency)
-                    runs[who].append({"p50": pct(lat, 50), "p99": pct(lat, 99), "rate": len(lat) / took})
+                    runs[who].append(await hammer(stubs[who], p.allocs, concurrency))
             ours, base_ = ({key: statistics.median(r[key] for r in runs[who]) for key in runs[who][0]}
                            for who in ("hlplugin", "baseline"))
             ratios = [d["p50"] / b["p50"] for d, b in zip(runs["hlplugin"], runs["baseline"], strict=True)]
@@ -280,41 +279,40 @@ async def bench_broadcast(tmp: Path, p: Profile) -> None:
             includes="inotify, KVM check with guest, broadcast, client receipt")
 
 
-def measure_repairs(spec: Path, desired: bytes, kind: str, count: int) -> list[float]:
-    """Tamper ``count`` times; seconds until the file is exact again, woken by inotify."""
-    stale, malformed = render_spec("kvm", 1000, 1000), b'{"cdiVersion": "0.3.0", "ki'
-
+def measure_repairs(spec: Path, count: int) -> dict[str, list[float]]:
+    """Tamper with ``spec`` ``count`` times in each way; seconds until it is exact again, each
+    wait woken by inotify."""
+    desired, stale = render_spec("kvm", 65534, 65534), render_spec("kvm", 1000, 1000)
     tamper: dict[str, Callable[[], object]] = {
         "missing": lambda: os.unlink(spec),
         "stale": lambda: put(spec, stale),
-        "malformed": lambda: put(spec, malformed),
+        "malformed": lambda: put(spec, b'{"cdiVersion": "0.3.0", "ki'),
         "in-place": lambda: spec.write_bytes(stale),
         "mode": lambda: os.chmod(spec, 0o600),
     }
-    times = []
+    times: dict[str, list[float]] = {kind: [] for kind in tamper}
+    flags = inotify_simple.flags
     with inotify_simple.INotify() as watch:
-        watch.add_watch(spec.parent, inotify_simple.flags.MOVED_TO | inotify_simple.flags.CREATE
-                        | inotify_simple.flags.CLOSE_WRITE | inotify_simple.flags.ATTRIB)
-        for _ in range(count):
-            time.sleep(0.01)  # pacing: tamperings 10 ms apart
-            watch.read(timeout=0)
-            t0 = time.monotonic()
-            tamper[kind]()
-            while not harness.spec_is_exact(spec, desired):
-                watch.read(timeout=50)
-                if time.monotonic() - t0 > 30:
-                    raise TimeoutError(f"{kind} not repaired")
-            times.append(time.monotonic() - t0)
+        watch.add_watch(spec.parent, flags.MOVED_TO | flags.CREATE | flags.CLOSE_WRITE | flags.ATTRIB)
+        for kind, act in tamper.items():
+            for _ in range(count):
+                time.sleep(0.01)  # pacing: tamperings 10 ms apart
+                watch.read(timeout=0)
+                t0 = time.monotonic()
+                act()
+                while not harness.spec_is_exact(spec, desired):
+                    watch.read(timeout=50)
+                    if time.monotonic() - t0 > 30:
+                        raise TimeoutError(f"{kind} not repaired")
+                times[kind].append(time.monotonic() - t0)
     return times
 
 
 async def bench_cdi(tmp: Path, p: Profile) -> None:
-    desired = render_spec("kvm", 65534, 65534)
     async with served(tmp, "cdi") as (node, _, _):
-        for kind in ("missing", "stale", "malformed", "in-place", "mode"):
-            times = await asyncio.to_thread(measure_repairs, node.cdi_dir / SPEC_FILE, desired, kind,
-                                            p.tampers)
-            latency(f"CDI {kind} -> repaired, p99 of {len(times)}", times, 99, 100)
+        repairs = await asyncio.to_thread(measure_repairs, node.cdi_dir / SPEC_FILE, p.tampers)
+    for kind, times in repairs.items():
+        latency(f"CDI {kind} -> repaired, p99 of {len(times)}", times, 99, 100)
 
 
 async def bench_kubelet_restart(tmp: Path, p: Profile) -> None:
@@ -326,7 +324,7 @@ async def bench_kubelet_restart(tmp: Path, p: Profile) -> None:
             t0 = time.monotonic()
             await kubelet.restart()
             await kubelet.wait_for(lambda c=calls: kubelet.register_calls > c  # type: ignore[misc]
-                                   and kubelet.allocatable(RESOURCE) == 2000, 30)
+                                   and kubelet.allocatable(HYPERVISOR_RESOURCE) == 2000, 30)
             times.append(time.monotonic() - t0)
     latency("kubelet restart -> re-registered, p50", times, 50, 100, restarts=len(times),
             until="Register done and 2,000 Healthy devices listed")
@@ -399,9 +397,9 @@ async def bench_ceiling(tmp: Path, p: Profile) -> None:
 async def bench_bootstrap_memory(tmp: Path, p: Profile) -> None:
     async with served(tmp, "bootstrap", bootstrap=True) as (node, kubelet, proc):
         for _ in range(p.boot_allocs):
-            await kubelet.allocate(BOOT_RESOURCE, [["device-access-kvm"]])
+            await kubelet.allocate(DEVICE_ACCESS_RESOURCE, [["device-access-kvm"]])
         for i in range(20):
-            await flip(node, kubelet, i % 2 == 1, 1, BOOT_RESOURCE, node.root / "dev")
+            await flip(node, kubelet, i % 2 == 1, 1, DEVICE_ACCESS_RESOURCE, node.root / "dev")
         peak = proc_status(proc.pid)["VmHWM"]
     record("peak RSS (VmHWM), bootstrap daemon", round(peak / 1024, 1), "MiB", goal="<= 40 MiB",
            met=peak <= 40 * 1024, baseline=BASELINE.get("mib"), allocates=p.boot_allocs, transitions=20)
@@ -410,7 +408,7 @@ async def bench_bootstrap_memory(tmp: Path, p: Profile) -> None:
 async def bench_idle(tmp: Path, p: Profile) -> None:
     async with served(tmp, "idle") as (node, kubelet, main), \
             baseline_server(node.root) as (_, base_pid), harness.daemon(bootstrap_args(node)) as boot:
-        await kubelet.wait_for(lambda: kubelet.allocatable(BOOT_RESOURCE) == 1, 30)
+        await kubelet.wait_for(lambda: kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == 1, 30)
         await asyncio.sleep(1.0)  # settle: start-up work done before the window opens
         pids = {"main": main.pid, "bootstrap": boot.pid, "baseline": base_pid}
         before = {k: harness.cpu_seconds(v) for k, v in pids.items()}
@@ -434,11 +432,7 @@ async def bench_probes(tmp: Path, p: Profile) -> None:
         "host identity check": lambda: check_host_identity(KVM, host / "kvm"),
     }
     for name, check in checks.items():
-        times = []
-        for _ in range(p.probes):
-            t0 = time.perf_counter()
-            check()
-            times.append(time.perf_counter() - t0)
+        times = timeit.repeat(check, "gc.enable()", number=1, repeat=p.probes)  # with gc, as in use
         latency(f"{name}, p50", times, 50, runs=len(times))
 
 
@@ -488,15 +482,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"benchmarks/run.py needs {need}", file=sys.stderr)
             return 2
     began = time.time()
-    asyncio.run(run(QUICK if args.quick else FULL, args.only))
+    asyncio.run(run(QUICK if args.quick else Profile(), args.only))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "command": " ".join(["python", "benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(began)),
-        "seconds": round(time.time() - began, 1),
-        "profile": "quick" if args.quick else "full",
-        "machine": machine(),
-        "figures": FIGURES,
+        "seconds": round(time.time() - began, 1), "profile": "quick" if args.quick else "full",
+        "machine": machine(), "figures": FIGURES,
     }, indent=2) + "\n")
     print(table(FIGURES))
     missed = sum(f["met"] is False for f in FIGURES)

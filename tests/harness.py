@@ -42,8 +42,7 @@ class Node:
         # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
         plugin_dir = Path(tempfile.mkdtemp(prefix="hlp-", dir="/tmp"))
         atexit.register(shutil.rmtree, plugin_dir, True)
-        cdi_dir = root / "cdi"
-        return cls(root, plugin_dir, cdi_dir, dev_dir or Path("/dev"), host_dev_dir or Path("/dev"))
+        return cls(root, plugin_dir, root / "cdi", dev_dir or Path("/dev"), host_dev_dir or Path("/dev"))
 
     def serve_args(self, *extra: str) -> list[str]:
         return ["serve", "--plugin-dir", str(self.plugin_dir), "--cdi-dir", str(self.cdi_dir),
@@ -102,22 +101,18 @@ async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: f
     ``timeout`` (a guard, not a measurement) fail naming ``what``. ``predicate`` may be async (an
     HTTP probe). Prefer waiting on an event (KubeletEmulator.wait_for, a tracker's
     wait_for_change) where the code under test offers one."""
-
-    async def holds() -> bool:
-        result = predicate()
-        return bool(await result) if inspect.isawaitable(result) else bool(result)
-
     loop = asyncio.get_running_loop()
     began = loop.time()
-    while not await holds():
+    while True:
+        result = predicate()
+        if await result if inspect.isawaitable(result) else result:
+            return loop.time() - began
         if loop.time() - began > timeout:
             raise TimeoutError(f"{what or 'condition'} not met within {timeout:g}s")
         await asyncio.sleep(step)
-    return loop.time() - began
 
 
-# --- metrics: the one reader -------------------------------------------------------------------
-
+# The one metrics reader.
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
@@ -152,9 +147,6 @@ async def wait_metric(proc: DaemonProcess, predicate: Callable[[Samples], bool],
         interesting = {k: v for k, v in latest.items() if k[0].startswith("hyperlight_")}
         raise TimeoutError(f"metrics never matched: {interesting}") from None
     return latest
-
-
-# --- a process's resources, from /proc -----------------------------------------------------------
 
 
 def cpu_seconds(pid: int) -> float:
