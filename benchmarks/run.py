@@ -21,7 +21,6 @@ import platform
 import re
 import stat
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -155,8 +154,7 @@ async def served(tmp: Path, name: str, count: int = 2000, bootstrap: bool = Fals
 
 
 BASELINE_SERVER = r"""
-import asyncio, sys
-import grpc
+import asyncio, sys, grpc
 from hlplugin.api import deviceplugin_pb2 as pb, deviceplugin_pb2_grpc as pb_grpc
 
 class Empty(pb_grpc.DevicePluginServicer):
@@ -179,7 +177,8 @@ async def baseline_server(root: Path) -> AsyncIterator[tuple[str, int]]:
     """The baseline: an empty grpc.aio DevicePlugin server; (its target, its pid)."""
     sock = root / "baseline.sock"
     child = await asyncio.create_subprocess_exec(sys.executable, "-c", BASELINE_SERVER, str(sock),
-                                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                                                 stdin=asyncio.subprocess.DEVNULL,
+                                                 stdout=asyncio.subprocess.DEVNULL)
     try:
         await wait_until(sock.exists, 30, "baseline socket")
         yield f"unix://{sock}", child.pid
@@ -256,10 +255,8 @@ async def raw_streams(node: Node, count: int) -> AsyncIterator[list[list[tuple[f
         await wait_until(lambda: all(seen), 30, f"{count} streams' first lists", step=0.0005)
         yield seen
     finally:
-        for task in tasks:
-            task.cancel()
+        await channel.close(None)  # cancels every stream
         await asyncio.gather(*tasks, return_exceptions=True)
-        await channel.close(None)
 
 
 async def bench_broadcast(tmp: Path, p: Profile) -> None:
@@ -381,8 +378,8 @@ async def bench_ceiling(tmp: Path, p: Profile) -> None:
     peaks: list[int] = []
     for run_index in range(p.repeats):
         async with served(tmp, f"ceiling-{run_index}", count=count, timeout=120) as (node, kubelet, proc):
-            await flip(node, kubelet, False, count)
-            await flip(node, kubelet, True, count)
+            for ok in (False, True):
+                await flip(node, kubelet, ok, count)
             peaks.append(proc_status(proc.pid)["VmHWM"])
     longest = pb.ListAndWatchResponse(devices=[
         pb.Device(ID=f"mshv-{i}", health="Unhealthy") for i in range(count)]).ByteSize()

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import HAVE_KVM, IS_ROOT
+from harness import IS_ROOT, needs_kvm, needs_root
 
 RUN = [sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks/run.py")]
 
@@ -28,8 +28,8 @@ FIGURES = (
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.skipif(not IS_ROOT, reason="the benchmarks need root (mknod of a host-device view)")
-@pytest.mark.skipif(not HAVE_KVM, reason="the benchmarks need a usable /dev/kvm")
+@needs_root
+@needs_kvm
 def test_quick_benchmark_run_produces_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     result = subprocess.run([*RUN, "--quick", "--json", str(out)], capture_output=True, text=True,
