@@ -114,7 +114,7 @@ def make_node(tmp: Path, name: str) -> Node:
     root = tmp / name
     for d in (root / "host-dev", root / "dev"):
         d.mkdir(parents=True)
-        os.mknod(d / "kvm", stat.S_IFCHR | 0o600, RDEV)
+        put(d / "kvm", None)
     return Node.make(root, KVM.parent, root / "host-dev")
 
 
