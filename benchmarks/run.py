@@ -18,15 +18,15 @@ import contextlib
 import json
 import os
 import platform
-import shutil
+import re
 import stat
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+import timeit
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,91 +39,73 @@ from hlplugin.cdi import SPEC_FILE, render_spec
 from hlplugin.config import KUBELET_MAX_MESSAGE, MAX_DEVICE_COUNT
 from hlplugin.deviceplugin.servicer import MAX_STREAMS
 from hlplugin.emulator import KubeletEmulator
+from hlplugin.names import DEVICE_ACCESS_RESOURCE, HYPERVISOR_RESOURCE, HYPERVISOR_SOCKET
 from hlplugin.probe import check_host_identity, probe_kvm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the one harness: node root, daemon process, poller
-from harness import (  # noqa: E402
-    Daemon,
-    Node,
-    cpu_seconds,
-    on_kubelet,
-    proc_status,
-    spec_is_exact,
-    wait_until,
-)
+import harness  # noqa: E402
+from harness import Node, proc_status, wait_until  # noqa: E402
 
-RESOURCE = "hyperlight.dev/hypervisor"
-BOOT_RESOURCE = "hyperlight.dev/device-access"
 KVM = Path("/dev/kvm")
 
 
 @dataclass(frozen=True)
 class Profile:
-    repeats: int          # repetitions of the Allocate comparison (medians over these)
-    allocs: int           # Allocate calls per measurement
-    streams: int          # ListAndWatch streams for the broadcast figure
-    transitions: int      # health transitions for the broadcast figure
-    tampers: int          # tamperings per CDI kind
-    kubelet_restarts: int
-    starts: int
-    mem_allocs: int       # Allocates for the memory figure (two halves)
-    mem_transitions: int  # transitions for the memory figure (two halves)
-    boot_allocs: int
-    idle: float           # seconds of idle CPU measurement
-    probes: int           # KVM checks timed
+    """The counts of a run; the defaults are the full run's."""
+
+    repeats: int = 5             # repetitions of the Allocate comparison (medians over these)
+    allocs: int = 3000           # Allocate calls per measurement
+    transitions: int = 100       # health transitions for the broadcast figure
+    tampers: int = 200           # tamperings per CDI kind
+    kubelet_restarts: int = 30
+    starts: int = 7
+    mem_allocs: int = 10_000     # Allocates for the memory figure (two halves)
+    mem_transitions: int = 1000  # transitions for the memory figure (two halves)
+    boot_allocs: int = 1000
+    idle: float = 60.0           # seconds of idle CPU measurement
+    probes: int = 300            # KVM checks timed
 
 
+QUICK = Profile(repeats=2, allocs=300, transitions=6, tampers=10, kubelet_restarts=3, starts=2,
+                mem_allocs=1000, mem_transitions=40, boot_allocs=100, idle=5.0, probes=20)
 # The most raw streams the daemon serves next to the kubelet's (it refuses more).
 RAW_STREAMS = MAX_STREAMS - 1
-FULL = Profile(repeats=5, allocs=3000, streams=RAW_STREAMS, transitions=100, tampers=200,
-               kubelet_restarts=30, starts=7, mem_allocs=10_000, mem_transitions=1000,
-               boot_allocs=1000, idle=60.0, probes=300)
-QUICK = Profile(repeats=2, allocs=300, streams=RAW_STREAMS, transitions=6, tampers=10, kubelet_restarts=3,
-                starts=2, mem_allocs=1000, mem_transitions=40, boot_allocs=100, idle=5.0,
-                probes=20)
 
 
-# --- figures -------------------------------------------------------------------------------------
+FIGURES: list[dict[str, Any]] = []
+BASELINE: dict[str, float] = {}  # VmHWM of the empty grpc.aio server, from the Allocate step
 
 
-@dataclass
-class Figure:
-    name: str
-    value: float
-    unit: str
-    goal: str = "reported"
-    met: bool | None = None
-    baseline: float | None = None
-    ratio: float | None = None
-    detail: dict[str, Any] = field(default_factory=dict)
-
-
-FIGURES: list[Figure] = []
-
-
-def record(figure: Figure) -> None:
-    FIGURES.append(figure)
-    shown = f"{figure.value:.4g} {figure.unit}"
-    extra = "" if figure.met is None else (" (goal met)" if figure.met else " (GOAL MISSED)")
-    print(f"  {figure.name}: {shown}{extra}", file=sys.stderr, flush=True)
+def record(name: str, value: float, unit: str, goal: str = "reported", met: bool | None = None,
+           baseline: float | None = None, ratio: float | None = None, **detail: Any) -> None:
+    """Keep a figure for the table and the JSON, and show it at once."""
+    FIGURES.append({"name": name, "value": value, "unit": unit, "goal": goal, "met": met,
+                    "baseline": baseline, "ratio": ratio, "detail": detail})
+    shown = "" if met is None else (" (goal met)" if met else " (GOAL MISSED)")
+    print(f"  {name}: {value:.4g} {unit}{shown}", file=sys.stderr, flush=True)
 
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 def ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
 
 
-# --- the node and its processes (tests/harness.py) -----------------------------------------------
+def latency(name: str, times: list[float], q: int, goal_ms: float | None = None, **detail: Any) -> None:
+    """Record the ``q``th percentile of ``times`` in ms (against ``goal_ms`` if given), with the
+    other percentile of p50/p99 and the maximum in its detail."""
+    value, other = pct(times, q), 50 if q == 99 else 99
+    goal, met = ("reported", None) if goal_ms is None else (f"<= {goal_ms:g} ms", value <= goal_ms / 1000)
+    record(name, ms(value), "ms", goal, met, **{f"p{other}_ms": ms(pct(times, other))},
+           max_ms=ms(max(times)), **detail)
+
 
 RDEV = os.stat(KVM).st_rdev if KVM.exists() else os.makedev(10, 232)
+NOT_A_DEVICE = b"not a device\n"  # what a health flip puts where the host's KVM node belongs
 
 
 def make_node(tmp: Path, name: str) -> Node:
@@ -132,23 +114,23 @@ def make_node(tmp: Path, name: str) -> Node:
     root = tmp / name
     for d in (root / "host-dev", root / "dev"):
         d.mkdir(parents=True)
-        os.mknod(d / "kvm", stat.S_IFCHR | 0o600, RDEV)
+        put(d / "kvm", None)
     return Node.make(root, KVM.parent, root / "host-dev")
 
 
-def set_identity(directory: Path, ok: bool) -> None:
-    """Atomically put the KVM node (ok) or a regular file (not ok) at <dir>/kvm."""
-    temp = directory / ".flip"
-    if ok:
+def put(path: Path, content: bytes | None) -> None:
+    """Atomically put ``content`` at ``path``, or a KVM node where ``content`` is None."""
+    temp = path.with_name(".bench-put")
+    if content is None:
         os.mknod(temp, stat.S_IFCHR | 0o600, RDEV)
     else:
-        temp.write_bytes(b"not a device\n")
-    os.rename(temp, directory / "kvm")
+        temp.write_bytes(content)
+    os.rename(temp, path)
 
 
 async def flip(node: Node, kubelet: KubeletEmulator, ok: bool, count: int,
-               resource: str = RESOURCE, directory: Path | None = None) -> None:
-    set_identity(directory or node.host_dev_dir, ok)
+               resource: str = HYPERVISOR_RESOURCE, directory: Path | None = None) -> None:
+    put((directory or node.host_dev_dir) / "kvm", None if ok else NOT_A_DEVICE)
     await kubelet.wait_for(lambda: kubelet.allocatable(resource) == (count if ok else 0), 30)
 
 
@@ -158,22 +140,21 @@ def bootstrap_args(node: Node) -> list[str]:
 
 
 @contextlib.asynccontextmanager
-async def served(tmp: Path, name: str, *extra: str, count: int = 2000, bootstrap: bool = False,
-                 timeout: float = 30.0) -> AsyncIterator[tuple[Node, KubeletEmulator, Daemon]]:
+async def served(tmp: Path, name: str, count: int = 2000, bootstrap: bool = False,
+                 timeout: float = 30.0) -> AsyncIterator[tuple[Node, KubeletEmulator, harness.Daemon]]:
     """A kubelet emulator and the main daemon (or the bootstrap), registered with every slot
     Healthy; both stopped on the way out."""
     node = make_node(tmp, name)
     args = bootstrap_args(node) if bootstrap else node.serve_args(
-        "--hypervisor", "kvm", "--device-count", str(count), *extra)
-    resource, count = (BOOT_RESOURCE, 1) if bootstrap else (RESOURCE, count)
-    async with on_kubelet(node, args) as (kubelet, proc):
+        "--hypervisor", "kvm", "--device-count", str(count))
+    resource, count = (DEVICE_ACCESS_RESOURCE, 1) if bootstrap else (HYPERVISOR_RESOURCE, count)
+    async with harness.on_kubelet(node, args) as (kubelet, proc):
         await kubelet.wait_for(lambda: kubelet.allocatable(resource) == count, timeout)
         yield node, kubelet, proc
 
 
 BASELINE_SERVER = r"""
-import asyncio, sys
-import grpc
+import asyncio, sys, grpc
 from hlplugin.api import deviceplugin_pb2 as pb, deviceplugin_pb2_grpc as pb_grpc
 
 class Empty(pb_grpc.DevicePluginServicer):
@@ -196,7 +177,8 @@ async def baseline_server(root: Path) -> AsyncIterator[tuple[str, int]]:
     """The baseline: an empty grpc.aio DevicePlugin server; (its target, its pid)."""
     sock = root / "baseline.sock"
     child = await asyncio.create_subprocess_exec(sys.executable, "-c", BASELINE_SERVER, str(sock),
-                                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                                                 stdin=asyncio.subprocess.DEVNULL,
+                                                 stdout=asyncio.subprocess.DEVNULL)
     try:
         await wait_until(sock.exists, 30, "baseline socket")
         yield f"unix://{sock}", child.pid
@@ -206,28 +188,25 @@ async def baseline_server(root: Path) -> AsyncIterator[tuple[str, int]]:
 
 
 def target(node: Node) -> str:
-    return f"unix://{node.plugin_dir}/hyperlight.sock"
+    return f"unix://{node.plugin_dir}/{HYPERVISOR_SOCKET}"
 
 
-# --- Allocate latency ----------------------------------------------------------------------------
-
-
-async def hammer(stub: pb_grpc.DevicePluginStub, calls: int, concurrency: int) -> tuple[list[float], float]:
-    """``calls`` Allocates from ``concurrency`` workers; (latencies, seconds for all)."""
+async def hammer(stub: pb_grpc.DevicePluginStub, calls: int, concurrency: int) -> dict[str, float]:
+    """``calls`` Allocates from ``concurrency`` workers: latency p50 and p99, calls per second."""
     request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["kvm-0"])])
     latencies: list[float] = []
-    remaining = [calls]
+    jobs = iter(range(calls))  # shared: each call is taken by whichever worker is free
 
     async def worker() -> None:
-        while remaining[0] > 0:
-            remaining[0] -= 1
+        for _ in jobs:
             t0 = time.perf_counter()
             await stub.Allocate(request, timeout=30)
             latencies.append(time.perf_counter() - t0)
 
     began = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return latencies, time.perf_counter() - began
+    rate = len(latencies) / (time.perf_counter() - began)
+    return {"p50": pct(latencies, 50), "p99": pct(latencies, 99), "rate": rate}
 
 
 async def bench_allocate(tmp: Path, p: Profile) -> None:
@@ -239,48 +218,31 @@ async def bench_allocate(tmp: Path, p: Profile) -> None:
         for concurrency in (1, 16):
             runs: dict[str, list[dict[str, float]]] = {"baseline": [], "hlplugin": []}
             for rep in range(p.repeats):
-                order = ["baseline", "hlplugin"] if rep % 2 == 0 else ["hlplugin", "baseline"]
-                for who in order:
-                    lat, took = await hammer(stubs[who], p.allocs, concurrency)
-                    runs[who].append({"p50": pct(lat, 50), "p99": pct(lat, 99), "rate": len(lat) / took})
-            pairs = zip(runs["hlplugin"], runs["baseline"], strict=True)
-            ratios = [d["p50"] / b["p50"] for d, b in pairs]
-
-            def med(who: str, key: str, r: dict[str, list[dict[str, float]]] = runs) -> float:
-                return statistics.median(x[key] for x in r[who])
-
+                for who in stubs if rep % 2 == 0 else reversed(stubs):  # alternate who goes first
+                    runs[who].append(await hammer(stubs[who], p.allocs, concurrency))
+            ours, base_ = ({key: statistics.median(r[key] for r in runs[who]) for key in runs[who][0]}
+                           for who in ("hlplugin", "baseline"))
+            ratios = [d["p50"] / b["p50"] for d, b in zip(runs["hlplugin"], runs["baseline"], strict=True)]
             ratio = statistics.median(ratios)
-            record(Figure(f"Allocate p50, concurrency {concurrency}", ms(med("hlplugin", "p50")), "ms",
-                          goal="<= 1.5x baseline p50", met=ratio <= 1.5,
-                          baseline=ms(med("baseline", "p50")), ratio=round(ratio, 2),
-                          detail={"ratios": [round(r, 2) for r in ratios], "calls": p.allocs,
-                                  "repeats": p.repeats}))
-            record(Figure(f"Allocate p99, concurrency {concurrency}", ms(med("hlplugin", "p99")), "ms",
-                          baseline=ms(med("baseline", "p99")),
-                          ratio=round(med("hlplugin", "p99") / med("baseline", "p99"), 2)))
-            record(Figure(f"Allocate throughput, concurrency {concurrency}",
-                          round(med("hlplugin", "rate")), "calls/s",
-                          baseline=round(med("baseline", "rate")),
-                          ratio=round(med("hlplugin", "rate") / med("baseline", "rate"), 2)))
-        FIGURES_MEM["baseline_grpc_server_kib"] = proc_status(base_pid)["VmHWM"]
-
-
-FIGURES_MEM: dict[str, int] = {}
-
-
-# --- broadcast of a health transition -------------------------------------------------------------
+            record(f"Allocate p50, concurrency {concurrency}", ms(ours["p50"]), "ms",
+                   goal="<= 1.5x baseline p50", met=ratio <= 1.5, baseline=ms(base_["p50"]),
+                   ratio=round(ratio, 2),
+                   ratios=[round(r, 2) for r in ratios], calls=p.allocs, repeats=p.repeats)
+            record(f"Allocate p99, concurrency {concurrency}", ms(ours["p99"]), "ms",
+                   baseline=ms(base_["p99"]), ratio=round(ours["p99"] / base_["p99"], 2))
+            record(f"Allocate throughput, concurrency {concurrency}", round(ours["rate"]), "calls/s",
+                   baseline=round(base_["rate"]), ratio=round(ours["rate"] / base_["rate"], 2))
+        BASELINE["mib"] = round(proc_status(base_pid)["VmHWM"] / 1024, 1)
 
 
 @contextlib.asynccontextmanager
-async def raw_streams(node: Node, count: int, per_channel: int = 50,
-                      ) -> AsyncIterator[list[list[tuple[float, bool]]]]:
-    """``count`` raw ListAndWatch streams, each logging (arrival, healthy) without parsing, once
-    every one has received its first list."""
-    channels = [grpc.aio.insecure_channel(target(node))
-                for _ in range((count + per_channel - 1) // per_channel)]
+async def raw_streams(node: Node, count: int) -> AsyncIterator[list[list[tuple[float, bool]]]]:
+    """``count`` raw ListAndWatch streams on one channel, each logging (arrival, healthy) without
+    parsing, once every one has received its first list."""
+    channel = grpc.aio.insecure_channel(target(node))
     seen: list[list[tuple[float, bool]]] = [[] for _ in range(count)]
 
-    async def consume(channel: grpc.aio.Channel, log: list[tuple[float, bool]]) -> None:
+    async def consume(log: list[tuple[float, bool]]) -> None:
         call = channel.unary_stream("/v1beta1.DevicePlugin/ListAndWatch",
                                     request_serializer=pb.Empty.SerializeToString,
                                     response_deserializer=None)(pb.Empty())
@@ -288,92 +250,66 @@ async def raw_streams(node: Node, count: int, per_channel: int = 50,
             async for raw in call:
                 log.append((time.monotonic(), b"Unhealthy" not in raw))
 
-    tasks = [asyncio.create_task(consume(channels[i // per_channel], log))
-             for i, log in enumerate(seen)]
+    tasks = [asyncio.create_task(consume(log)) for log in seen]
     try:
         await wait_until(lambda: all(seen), 30, f"{count} streams' first lists", step=0.0005)
         yield seen
     finally:
-        for task in tasks:
-            task.cancel()
+        await channel.close(None)  # cancels every stream
         await asyncio.gather(*tasks, return_exceptions=True)
-        for channel in channels:
-            await channel.close(None)
 
 
 async def bench_broadcast(tmp: Path, p: Profile) -> None:
-    async with served(tmp, "broadcast") as (node, _, _), raw_streams(node, p.streams) as seen:
+    async with served(tmp, "broadcast") as (node, _, _), raw_streams(node, RAW_STREAMS) as seen:
         await wait_until(lambda: all(s[-1][1] for s in seen), 30, "first lists", step=0.0005)
         times: list[float] = []
         for i in range(p.transitions):
             healthy = i % 2 == 1
             t0 = time.monotonic()
-            set_identity(node.host_dev_dir, healthy)
+            put(node.host_dev_dir / "kvm", None if healthy else NOT_A_DEVICE)
             await wait_until(lambda h=healthy: all(s[-1][1] == h for s in seen),  # type: ignore[misc]
                              30, "broadcast", step=0.0005)
-            arrivals = [next(t for t, h in reversed(s) if h == healthy) for s in seen]
-            times.append(max(arrivals) - t0)
+            times.append(max(next(t for t, h in reversed(s) if h == healthy) for s in seen) - t0)
             await asyncio.sleep(0.02)  # pacing: transitions 20 ms apart
-        if p.transitions % 2:
-            set_identity(node.host_dev_dir, True)
-    record(Figure(f"health transition seen by all {p.streams} streams, p99", ms(pct(times, 99)), "ms",
-                  goal="<= 100 ms", met=pct(times, 99) <= 0.1,
-                  detail={"p50_ms": ms(pct(times, 50)), "max_ms": ms(max(times)),
-                          "transitions": len(times), "devices": 2000,
-                          "includes": "inotify, KVM check with guest, broadcast, client receipt"}))
+    latency(f"health transition seen by all {RAW_STREAMS} streams, p99", times, 99, 100,
+            transitions=len(times), devices=2000,
+            includes="inotify, KVM check with guest, broadcast, client receipt")
 
 
-# --- CDI repair ----------------------------------------------------------------------------------
-
-
-def measure_repairs(spec: Path, desired: bytes, kind: str, count: int) -> list[float]:
-    """Tamper ``count`` times; seconds until the file is exact again, woken by inotify."""
-    stale, malformed = render_spec("kvm", 1000, 1000), b'{"cdiVersion": "0.3.0", "ki'
-
-    def exact() -> bool:
-        return spec_is_exact(spec, desired)
-
-    def write_atomically(content: bytes) -> None:
-        temp = spec.with_name(".bench-tamper")
-        temp.write_bytes(content)
-        os.rename(temp, spec)
-
+def measure_repairs(spec: Path, count: int) -> dict[str, list[float]]:
+    """Tamper with ``spec`` ``count`` times in each way; seconds until it is exact again, each
+    wait woken by inotify."""
+    desired, stale = render_spec("kvm", 65534, 65534), render_spec("kvm", 1000, 1000)
     tamper: dict[str, Callable[[], object]] = {
         "missing": lambda: os.unlink(spec),
-        "stale": lambda: write_atomically(stale),
-        "malformed": lambda: write_atomically(malformed),
+        "stale": lambda: put(spec, stale),
+        "malformed": lambda: put(spec, b'{"cdiVersion": "0.3.0", "ki'),
         "in-place": lambda: spec.write_bytes(stale),
         "mode": lambda: os.chmod(spec, 0o600),
     }
-    times = []
+    times: dict[str, list[float]] = {kind: [] for kind in tamper}
+    flags = inotify_simple.flags
     with inotify_simple.INotify() as watch:
-        watch.add_watch(spec.parent, inotify_simple.flags.MOVED_TO | inotify_simple.flags.CREATE
-                        | inotify_simple.flags.CLOSE_WRITE | inotify_simple.flags.ATTRIB)
-        for _ in range(count):
-            time.sleep(0.01)  # pacing: tamperings 10 ms apart
-            watch.read(timeout=0)
-            t0 = time.monotonic()
-            tamper[kind]()
-            while not exact():
-                watch.read(timeout=50)
-                if time.monotonic() - t0 > 30:
-                    raise TimeoutError(f"{kind} not repaired")
-            times.append(time.monotonic() - t0)
+        watch.add_watch(spec.parent, flags.MOVED_TO | flags.CREATE | flags.CLOSE_WRITE | flags.ATTRIB)
+        for kind, act in tamper.items():
+            for _ in range(count):
+                time.sleep(0.01)  # pacing: tamperings 10 ms apart
+                watch.read(timeout=0)
+                t0 = time.monotonic()
+                act()
+                while not harness.spec_is_exact(spec, desired):
+                    watch.read(timeout=50)
+                    if time.monotonic() - t0 > 30:
+                        raise TimeoutError(f"{kind} not repaired")
+                times[kind].append(time.monotonic() - t0)
     return times
 
 
 async def bench_cdi(tmp: Path, p: Profile) -> None:
-    desired = render_spec("kvm", 65534, 65534)
     async with served(tmp, "cdi") as (node, _, _):
-        for kind in ("missing", "stale", "malformed", "in-place", "mode"):
-            times = await asyncio.to_thread(measure_repairs, node.cdi_dir / SPEC_FILE, desired, kind,
-                                            p.tampers)
-            record(Figure(f"CDI {kind} -> repaired, p99 of {len(times)}", ms(pct(times, 99)), "ms",
-                          goal="<= 100 ms", met=pct(times, 99) <= 0.1,
-                          detail={"p50_ms": ms(pct(times, 50)), "max_ms": ms(max(times))}))
-
-
-# --- registration --------------------------------------------------------------------------------
+        repairs = await asyncio.to_thread(measure_repairs, node.cdi_dir / SPEC_FILE, p.tampers)
+    for kind, times in repairs.items():
+        latency(f"CDI {kind} -> repaired, p99 of {len(times)}", times, 99, 100)
 
 
 async def bench_kubelet_restart(tmp: Path, p: Profile) -> None:
@@ -385,78 +321,53 @@ async def bench_kubelet_restart(tmp: Path, p: Profile) -> None:
             t0 = time.monotonic()
             await kubelet.restart()
             await kubelet.wait_for(lambda c=calls: kubelet.register_calls > c  # type: ignore[misc]
-                                   and kubelet.allocatable(RESOURCE) == 2000, 30)
+                                   and kubelet.allocatable(HYPERVISOR_RESOURCE) == 2000, 30)
             times.append(time.monotonic() - t0)
-    record(Figure("kubelet restart -> re-registered, p50", ms(pct(times, 50)), "ms",
-                  goal="<= 100 ms", met=pct(times, 50) <= 0.1,
-                  detail={"p99_ms": ms(pct(times, 99)), "max_ms": ms(max(times)),
-                          "restarts": len(times),
-                          "until": "Register done and 2,000 Healthy devices listed"}))
+    latency("kubelet restart -> re-registered, p50", times, 50, 100, restarts=len(times),
+            until="Register done and 2,000 Healthy devices listed")
 
 
 async def bench_start(tmp: Path, p: Profile) -> None:
-    times = []
+    times, imports = [], []
     for i in range(p.starts):
-        node = make_node(tmp, f"start-{i}")
-        kubelet = KubeletEmulator(node.plugin_dir)
-        await kubelet.start()
-        daemon = Daemon(node.serve_args("--hypervisor", "kvm", "--device-count", "2000"))
-        try:
-            t0 = time.monotonic()
-            await daemon.start()
-            await kubelet.wait_for(lambda k=kubelet: k.allocatable(RESOURCE) == 2000, 30)  # type: ignore[misc]
-            times.append(time.monotonic() - t0)
-        finally:
-            await daemon.stop()
-            await kubelet.stop()
-    imports = []
+        async with served(tmp, f"start-{i}") as (_, _, proc):
+            times.append(time.monotonic() - proc.started)
     for _ in range(p.starts):
         t0 = time.monotonic()
-        child = await asyncio.create_subprocess_exec(sys.executable, "-c", "import hlplugin.plugin")
-        await child.wait()
+        await (await asyncio.create_subprocess_exec(sys.executable, "-c", "import hlplugin.plugin")).wait()
         imports.append(time.monotonic() - t0)
-    record(Figure("process start -> registered, p50", round(statistics.median(times), 3), "s",
-                  goal="<= 0.5 s", met=statistics.median(times) <= 0.5,
-                  baseline=round(statistics.median(imports), 3),
-                  ratio=round(statistics.median(times) / statistics.median(imports), 2),
-                  detail={"max_s": round(max(times), 3), "starts": len(times),
-                          "baseline_is": "python -c 'import hlplugin.plugin' (interpreter + imports)"}))
-
-
-# --- memory --------------------------------------------------------------------------------------
+    took, base = statistics.median(times), statistics.median(imports)
+    record("process start -> registered, p50", round(took, 3), "s", goal="<= 0.5 s", met=took <= 0.5,
+           baseline=round(base, 3), ratio=round(took / base, 2),
+           max_s=round(max(times), 3), starts=len(times),
+           baseline_is="python -c 'import hlplugin.plugin' (interpreter + imports)")
 
 
 async def bench_memory(tmp: Path, p: Profile) -> None:
-    async with served(tmp, "memory") as (node, kubelet, daemon), \
-            raw_streams(node, RAW_STREAMS), \
+    async with served(tmp, "memory") as (node, kubelet, proc), raw_streams(node, RAW_STREAMS), \
             grpc.aio.insecure_channel(target(node)) as channel:  # + the kubelet's stream
-        at_start = proc_status(daemon.pid)
-        rss: list[int] = []
+        at_start = proc_status(proc.pid)["VmRSS"]
         stub = pb_grpc.DevicePluginStub(channel)
         # Both halves do the same: 10 chunks of Allocates, each followed by transitions (in
         # unhealthy/healthy pairs), so the second half repeats the first in a warm daemon.
         pairs = max(1, p.mem_transitions // 40)
+        rss: list[int] = []
         for _half in range(2):
             for _chunk in range(10):
                 await hammer(stub, p.mem_allocs // 20, 16)
-                for _ in range(pairs):
-                    await flip(node, kubelet, False, 2000)
-                    await flip(node, kubelet, True, 2000)
-            rss.append(proc_status(daemon.pid)["VmRSS"])  # after the 5,000th, the 10,000th
-        final = proc_status(daemon.pid)
+                for i in range(2 * pairs):
+                    await flip(node, kubelet, i % 2 == 1, 2000)
+            rss.append(proc_status(proc.pid)["VmRSS"])  # after the 5,000th, the 10,000th
+        peak = proc_status(proc.pid)["VmHWM"]
     growth = rss[1] - rss[0]
-    record(Figure("peak RSS (VmHWM), main daemon", round(final["VmHWM"] / 1024, 1), "MiB",
-                  goal="<= 48 MiB", met=final["VmHWM"] <= 48 * 1024,
-                  baseline=round(FIGURES_MEM.get("baseline_grpc_server_kib", 0) / 1024, 1) or None,
-                  detail={"allocates": p.mem_allocs, "transitions": 2 * 20 * pairs,
-                          "devices": 2000, "streams": RAW_STREAMS + 1,
-                          "rss_after_start_mib": round(at_start["VmRSS"] / 1024, 1),
-                          "baseline_is": "VmHWM of the empty grpc.aio server (Allocate figure)"}))
-    record(Figure(f"RSS growth from Allocate {p.mem_allocs // 2:,} to {p.mem_allocs:,}",
-                  round(growth / 1024, 2), "MiB",
-                  goal="no growth (<= 0.25 MiB of allocator noise)", met=growth <= 256,
-                  detail={"rss_at_half_mib": round(rss[0] / 1024, 2),
-                          "rss_at_end_mib": round(rss[1] / 1024, 2)}))
+    record("peak RSS (VmHWM), main daemon", round(peak / 1024, 1), "MiB", goal="<= 48 MiB",
+           met=peak <= 48 * 1024, baseline=BASELINE.get("mib"),
+           allocates=p.mem_allocs, transitions=2 * 20 * pairs, devices=2000, streams=RAW_STREAMS + 1,
+           rss_after_start_mib=round(at_start / 1024, 1),
+           baseline_is="VmHWM of the empty grpc.aio server (Allocate figure)")
+    record(f"RSS growth from Allocate {p.mem_allocs // 2:,} to {p.mem_allocs:,}",
+           round(growth / 1024, 2), "MiB", goal="no growth (<= 0.25 MiB of allocator noise)",
+           met=growth <= 256, rss_at_half_mib=round(rss[0] / 1024, 2), rss_at_end_mib=round(rss[1] / 1024, 2))
 
 
 async def bench_ceiling(tmp: Path, p: Profile) -> None:
@@ -466,109 +377,74 @@ async def bench_ceiling(tmp: Path, p: Profile) -> None:
     count = MAX_DEVICE_COUNT
     peaks: list[int] = []
     for run_index in range(p.repeats):
-        async with served(tmp, f"ceiling-{run_index}", count=count, timeout=120) as (node, kubelet, daemon):
-            await flip(node, kubelet, False, count)
-            await flip(node, kubelet, True, count)
-            peaks.append(proc_status(daemon.pid)["VmHWM"])
+        async with served(tmp, f"ceiling-{run_index}", count=count, timeout=120) as (node, kubelet, proc):
+            for ok in (False, True):
+                await flip(node, kubelet, ok, count)
+            peaks.append(proc_status(proc.pid)["VmHWM"])
     longest = pb.ListAndWatchResponse(devices=[
         pb.Device(ID=f"mshv-{i}", health="Unhealthy") for i in range(count)]).ByteSize()
-    record(Figure(f"peak RSS (VmHWM), main daemon at DEVICE_COUNT {count:,}",
-                  round(statistics.median(peaks) / 1024, 1), "MiB",
-                  detail={"runs_kib": peaks, "transitions": 2}))
-    record(Figure(f"longest device list at DEVICE_COUNT {count:,}", longest, "bytes",
-                  goal="<= half the kubelet's 4 MiB limit", met=2 * longest <= KUBELET_MAX_MESSAGE,
-                  baseline=KUBELET_MAX_MESSAGE, ratio=round(longest / KUBELET_MAX_MESSAGE, 3),
-                  detail={"ids": f"mshv-0..mshv-{count - 1}", "health": "Unhealthy"}))
+    record(f"peak RSS (VmHWM), main daemon at DEVICE_COUNT {count:,}",
+           round(statistics.median(peaks) / 1024, 1), "MiB", runs_kib=peaks, transitions=2)
+    record(f"longest device list at DEVICE_COUNT {count:,}", longest, "bytes",
+           goal="<= half the kubelet's 4 MiB limit", met=2 * longest <= KUBELET_MAX_MESSAGE,
+           baseline=KUBELET_MAX_MESSAGE, ratio=round(longest / KUBELET_MAX_MESSAGE, 3),
+           ids=f"mshv-0..mshv-{count - 1}", health="Unhealthy")
 
 
 async def bench_bootstrap_memory(tmp: Path, p: Profile) -> None:
-    async with served(tmp, "bootstrap", bootstrap=True) as (node, kubelet, daemon):
+    async with served(tmp, "bootstrap", bootstrap=True) as (node, kubelet, proc):
         for _ in range(p.boot_allocs):
-            await kubelet.allocate(BOOT_RESOURCE, [["device-access-kvm"]])
+            await kubelet.allocate(DEVICE_ACCESS_RESOURCE, [["device-access-kvm"]])
         for i in range(20):
-            await flip(node, kubelet, i % 2 == 1, 1, BOOT_RESOURCE, node.root / "dev")
-        status = proc_status(daemon.pid)
-    record(Figure("peak RSS (VmHWM), bootstrap daemon", round(status["VmHWM"] / 1024, 1), "MiB",
-                  goal="<= 40 MiB", met=status["VmHWM"] <= 40 * 1024,
-                  baseline=round(FIGURES_MEM.get("baseline_grpc_server_kib", 0) / 1024, 1) or None,
-                  detail={"allocates": p.boot_allocs, "transitions": 20}))
-
-
-# --- idle CPU ------------------------------------------------------------------------------------
-
-
-IDLE_WORK = {
-    "main": "defaults: CDI check 10 s, device check 10 s (KVM + guest), socket recheck 1 s, HTTP 0.5 s",
-    "bootstrap": "defaults: node lstat 10 s, socket recheck 1 s, HTTP poll 0.5 s",
-}
+            await flip(node, kubelet, i % 2 == 1, 1, DEVICE_ACCESS_RESOURCE, node.root / "dev")
+        peak = proc_status(proc.pid)["VmHWM"]
+    record("peak RSS (VmHWM), bootstrap daemon", round(peak / 1024, 1), "MiB", goal="<= 40 MiB",
+           met=peak <= 40 * 1024, baseline=BASELINE.get("mib"), allocates=p.boot_allocs, transitions=20)
 
 
 async def bench_idle(tmp: Path, p: Profile) -> None:
     async with served(tmp, "idle") as (node, kubelet, main), \
-            baseline_server(node.root) as (_, base_pid):
-        boot = Daemon(bootstrap_args(node))
-        await boot.start()
-        try:
-            await kubelet.wait_for(lambda: kubelet.allocatable(BOOT_RESOURCE) == 1, 30)
-            await asyncio.sleep(1.0)  # settle: start-up work done before the window opens
-            pids = {"main": main.pid, "bootstrap": boot.pid, "baseline": base_pid}
-            before = {k: cpu_seconds(v) for k, v in pids.items()}
-            t0 = time.monotonic()
-            await asyncio.sleep(p.idle)  # the measurement window itself
-            wall = time.monotonic() - t0
-            used = {k: (cpu_seconds(v) - before[k]) / wall * 100 for k, v in pids.items()}
-        finally:
-            await boot.stop()
-    for who in ("main", "bootstrap"):
-        record(Figure(f"idle CPU, {who} daemon ({p.idle:.0f} s)", round(used[who], 3), "% of a core",
-                      goal="<= 0.2 %", met=used[who] <= 0.2, baseline=round(used["baseline"], 3),
-                      detail={"clock_tick_s": 1 / os.sysconf("SC_CLK_TCK"),
-                              "intervals": IDLE_WORK[who],
-                              "baseline_is": "the empty grpc.aio server, idle"}))
-
-
-# --- KVM check durations --------------------------------------------------------------------------
+            baseline_server(node.root) as (_, base_pid), harness.daemon(bootstrap_args(node)) as boot:
+        await kubelet.wait_for(lambda: kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == 1, 30)
+        await asyncio.sleep(1.0)  # settle: start-up work done before the window opens
+        pids = {"main": main.pid, "bootstrap": boot.pid, "baseline": base_pid}
+        before = {k: harness.cpu_seconds(v) for k, v in pids.items()}
+        t0 = time.monotonic()
+        await asyncio.sleep(p.idle)  # the measurement window itself
+        wall = time.monotonic() - t0
+        used = {k: (harness.cpu_seconds(v) - before[k]) / wall * 100 for k, v in pids.items()}
+    for who, work in (("main", "CDI check 10 s, device check 10 s (KVM + guest), socket recheck 1 s"),
+                      ("bootstrap", "node lstat 10 s, socket recheck 1 s")):
+        record(f"idle CPU, {who} daemon ({p.idle:.0f} s)", round(used[who], 3), "% of a core",
+               goal="<= 0.2 %", met=used[who] <= 0.2, baseline=round(used["baseline"], 3),
+               clock_tick_s=1 / os.sysconf("SC_CLK_TCK"), intervals=f"defaults: {work}, self-check 5 s",
+               baseline_is="the empty grpc.aio server, idle")
 
 
 async def bench_probes(tmp: Path, p: Profile) -> None:
-    host = tmp / "probe-host"
-    host.mkdir()
-    os.mknod(host / "kvm", stat.S_IFCHR | 0o600, RDEV)
+    host = make_node(tmp, "probes").host_dev_dir
     checks: dict[str, Callable[[], object]] = {
         "KVM check (open, API version, create VM)": lambda: probe_kvm(KVM, guest=False),
         "KVM check with guest (+ vCPU, run to hlt)": lambda: probe_kvm(KVM, guest=True),
         "host identity check": lambda: check_host_identity(KVM, host / "kvm"),
     }
     for name, check in checks.items():
-        times = []
-        for _ in range(p.probes):
-            t0 = time.perf_counter()
-            check()
-            times.append(time.perf_counter() - t0)
-        record(Figure(f"{name}, p50", ms(pct(times, 50)), "ms",
-                      detail={"p99_ms": ms(pct(times, 99)), "runs": len(times)}))
-
-
-# --- the run -------------------------------------------------------------------------------------
+        times = timeit.repeat(check, "gc.enable()", number=1, repeat=p.probes)  # with gc, as in use
+        latency(f"{name}, p50", times, 50, runs=len(times))
 
 
 def machine() -> dict[str, Any]:
-    cpu = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {"nproc": os.cpu_count(), "cpu": cpu, "kernel": platform.release(),
+    cpu = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+    return {"nproc": os.cpu_count(), "cpu": cpu[1].strip() if cpu else "", "kernel": platform.release(),
             "python": platform.python_version(), "grpcio": grpc.__version__,
             "loadavg_at_start": os.getloadavg()}
 
 
-def table(figures: list[Figure]) -> str:
+def table(figures: list[dict[str, Any]]) -> str:
     head = ("figure", "value", "baseline", "ratio", "goal", "met")
-    rows = [(f.name, f"{f.value:g} {f.unit}", "-" if f.baseline is None else f"{f.baseline:g}",
-             "-" if f.ratio is None else f"{f.ratio:g}x", f.goal,
-             "-" if f.met is None else ("yes" if f.met else "NO")) for f in figures]
+    rows = [(f["name"], f"{f['value']:g} {f['unit']}", "-" if f["baseline"] is None else f"{f['baseline']:g}",
+             "-" if f["ratio"] is None else f"{f['ratio']:g}x", f["goal"],
+             "-" if f["met"] is None else ("yes" if f["met"] else "NO")) for f in figures]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *rows]]
     lines.insert(1, "-+-".join("-" * w for w in widths))
@@ -576,35 +452,17 @@ def table(figures: list[Figure]) -> str:
 
 
 STEPS: dict[str, Callable[[Path, Profile], Awaitable[None]]] = {
-    "allocate": bench_allocate,
-    "broadcast": bench_broadcast,
-    "cdi": bench_cdi,
-    "kubelet-restart": bench_kubelet_restart,
-    "start": bench_start,
-    "memory": bench_memory,
-    "ceiling": bench_ceiling,
-    "bootstrap-memory": bench_bootstrap_memory,
-    "idle": bench_idle,
-    "probes": bench_probes,
-}
-
-
-@contextlib.contextmanager
-def workdir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="hlplugin-bench-"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    bench.__name__.removeprefix("bench_").replace("_", "-"): bench for bench in (
+        bench_allocate, bench_broadcast, bench_cdi, bench_kubelet_restart, bench_start, bench_memory,
+        bench_ceiling, bench_bootstrap_memory, bench_idle, bench_probes)}
 
 
 async def run(profile: Profile, only: list[str]) -> None:
-    with workdir() as tmp:
+    with tempfile.TemporaryDirectory(prefix="hlplugin-bench-", ignore_cleanup_errors=True) as tmp:
         for name, step in STEPS.items():
-            if only and name not in only:
-                continue
-            print(f"[{name}]", file=sys.stderr, flush=True)
-            await step(tmp, profile)
+            if name in only or not only:
+                print(f"[{name}]", file=sys.stderr, flush=True)
+                await step(Path(tmp), profile)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -615,28 +473,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[], choices=list(STEPS),
                         help="run only this step (repeatable)")
     args = parser.parse_args(argv)
-    if os.geteuid() != 0:
-        print("benchmarks/run.py needs root (mknod of a host-device view)", file=sys.stderr)
-        return 2
-    if not (KVM.exists() and os.access(KVM, os.R_OK | os.W_OK)):
-        print("benchmarks/run.py needs a usable /dev/kvm", file=sys.stderr)
-        return 2
-    profile = QUICK if args.quick else FULL
-    began = time.time()
-    asyncio.run(run(profile, args.only))
-    result = {
+    for have, need in ((harness.IS_ROOT, "root (mknod of a host-device view)"),
+                       (harness.HAVE_KVM, "a usable /dev/kvm")):
+        if not have:
+            print(f"benchmarks/run.py needs {need}", file=sys.stderr)
+            return 2
+    began, host = time.time(), machine()  # before the run: its load average is the one at start
+    asyncio.run(run(QUICK if args.quick else Profile(), args.only))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
         "command": " ".join(["python", "benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(began)),
-        "seconds": round(time.time() - began, 1),
-        "profile": "quick" if args.quick else "full",
-        "machine": machine(),
-        "figures": [vars(f) for f in FIGURES],
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+        "seconds": round(time.time() - began, 1), "profile": "quick" if args.quick else "full",
+        "machine": host, "figures": FIGURES,
+    }, indent=2) + "\n")
     print(table(FIGURES))
-    missed = [f.name for f in FIGURES if f.met is False]
-    print(f"\n{len(FIGURES)} figures, {len(missed)} goal(s) missed; JSON: {args.json}")
+    missed = sum(f["met"] is False for f in FIGURES)
+    print(f"\n{len(FIGURES)} figures, {missed} goal(s) missed; JSON: {args.json}")
     return 0
 
 

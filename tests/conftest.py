@@ -6,7 +6,6 @@ import asyncio
 import inspect
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,8 +16,7 @@ ASYNC_GUARD_SECONDS = 90.0
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "guard(seconds): the async test's guard timeout (default 90 s)")
+    config.addinivalue_line("markers", "guard(seconds): the async test's guard timeout (default 90 s)")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -29,8 +27,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     marker = pyfuncitem.get_closest_marker("guard")
     guard = float(marker.args[0]) if marker else ASYNC_GUARD_SECONDS
-    names = pyfuncitem._fixtureinfo.argnames
-    kwargs: dict[str, Any] = {name: pyfuncitem.funcargs[name] for name in names}
+    kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
 
     async def guarded() -> None:
         async with asyncio.timeout(guard):

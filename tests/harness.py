@@ -11,6 +11,7 @@ import shutil
 import signal
 import stat
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +42,7 @@ class Node:
         # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
         plugin_dir = Path(tempfile.mkdtemp(prefix="hlp-", dir="/tmp"))
         atexit.register(shutil.rmtree, plugin_dir, True)
-        cdi_dir = root / "cdi"
-        return cls(root, plugin_dir, cdi_dir, dev_dir or Path("/dev"), host_dev_dir or Path("/dev"))
+        return cls(root, plugin_dir, root / "cdi", dev_dir or Path("/dev"), host_dev_dir or Path("/dev"))
 
     def serve_args(self, *extra: str) -> list[str]:
         return ["serve", "--plugin-dir", str(self.plugin_dir), "--cdi-dir", str(self.cdi_dir),
@@ -55,13 +55,30 @@ class Daemon(DaemonProcess):
 
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None) -> None:
         super().__init__(args, env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})
+        self.started = 0.0
+
+    async def start(self) -> Daemon:
+        self.started = time.monotonic()  # what a start-up time is measured from
+        await super().start()
+        return self
 
     async def signal(self, signum: int = signal.SIGTERM, timeout: float = 10.0,
                      *, kill_on_timeout: bool = False) -> int:
         return await super().signal(signum, timeout, kill_on_timeout=kill_on_timeout)
 
-    async def http(self, path: str) -> tuple[int, bytes]:
-        return await self.get(path)
+    http = DaemonProcess.get
+
+
+@contextlib.asynccontextmanager
+async def daemon(args: Sequence[str], env: dict[str, str] | None = None, *,
+                 graceful: bool = False) -> AsyncIterator[Daemon]:
+    """The daemon started with ``args``; on the way out killed or, if ``graceful``, stopped with
+    SIGTERM (a daemon that does not stop in time fails the test)."""
+    proc = await Daemon(args, env).start()
+    try:
+        yield proc
+    finally:
+        await (proc.stop() if graceful else proc.signal(signal.SIGKILL))
 
 
 @contextlib.asynccontextmanager
@@ -72,26 +89,10 @@ async def on_kubelet(node: Node, args: Sequence[str], env: dict[str, str] | None
     kubelet = KubeletEmulator(node.plugin_dir, mode=mode)
     await kubelet.start()
     try:
-        proc = Daemon(args, env)
-        await proc.start()
-        try:
+        async with daemon(args, env, graceful=True) as proc:
             yield kubelet, proc
-        finally:
-            await proc.stop()
     finally:
         await kubelet.stop()
-
-
-@contextlib.asynccontextmanager
-async def daemon(args: Sequence[str], env: dict[str, str] | None = None) -> AsyncIterator[Daemon]:
-    proc = Daemon(args, env)
-    await proc.start()
-    try:
-        yield proc
-    finally:
-        if proc.proc is not None and proc.proc.returncode is None:
-            proc.proc.kill()
-            await proc.proc.wait()
 
 
 async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0,
@@ -100,24 +101,18 @@ async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: f
     ``timeout`` (a guard, not a measurement) fail naming ``what``. ``predicate`` may be async (an
     HTTP probe). Prefer waiting on an event (KubeletEmulator.wait_for, a tracker's
     wait_for_change) where the code under test offers one."""
-
-    async def holds() -> bool:
-        result = predicate()
-        return bool(await result) if inspect.isawaitable(result) else bool(result)
-
     loop = asyncio.get_running_loop()
     began = loop.time()
-    while not await holds():
+    while True:
+        result = predicate()
+        if await result if inspect.isawaitable(result) else result:
+            return loop.time() - began
         if loop.time() - began > timeout:
             raise TimeoutError(f"{what or 'condition'} not met within {timeout:g}s")
         await asyncio.sleep(step)
-    return loop.time() - began
 
 
-
-
-# --- metrics: the one reader -------------------------------------------------------------------
-
+# The one metrics reader.
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
@@ -152,9 +147,6 @@ async def wait_metric(proc: DaemonProcess, predicate: Callable[[Samples], bool],
         interesting = {k: v for k, v in latest.items() if k[0].startswith("hyperlight_")}
         raise TimeoutError(f"metrics never matched: {interesting}") from None
     return latest
-
-
-# --- a process's resources, from /proc -----------------------------------------------------------
 
 
 def cpu_seconds(pid: int) -> float:
