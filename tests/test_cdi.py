@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures.thread  # noqa: F401  (to_thread's, imported before any fork)
 import contextlib
 import ctypes
 import errno
@@ -18,12 +19,13 @@ import subprocess
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
-from harness import needs_root, wait_until
+from harness import needs_root, spec_is_exact, wait_until
 
 from hlplugin.cdi import (
     CDI_VERSION,
@@ -36,7 +38,7 @@ from hlplugin.cdi import (
     qualified_name,
     render_spec,
 )
-from hlplugin.deviceplugin.conditions import Condition, HealthTracker
+from hlplugin.deviceplugin.conditions import MIN_PERIOD, Condition, HealthTracker
 from hlplugin.metrics import Metrics
 
 SCHEMA_DIR = Path(__file__).parent / "data" / "cdi-schema"
@@ -44,17 +46,14 @@ DESIRED = render_spec("kvm", 65534, 65534)
 STALE = render_spec("kvm", 1000, 1000)  # well-formed, another uid/gid
 GUARD = 5.0  # seconds; a guard against hangs, not a benchmark
 
-T = TypeVar("T")
-
 
 class Rig:
     """A reconciler wired to a real tracker and metrics registry."""
 
-    def __init__(self, cdi_dir: Path, desired: bytes = DESIRED, **kwargs: Any) -> None:
+    def __init__(self, cdi_dir: Path, **kwargs: Any) -> None:
         self.tracker = HealthTracker(required=("cdi",))
         self.metrics = Metrics()
-        self.rec = CdiReconciler(cdi_dir, desired, tracker=self.tracker, metrics=self.metrics,
-                                 **kwargs)
+        self.rec = CdiReconciler(cdi_dir, DESIRED, tracker=self.tracker, metrics=self.metrics, **kwargs)
         self.path = cdi_dir / SPEC_FILE
 
     def repairs(self, cause: str) -> float:
@@ -114,16 +113,11 @@ def schema_validator() -> Any | None:
 VALIDATOR = schema_validator()
 
 
-def assert_desired(path: Path, desired: bytes = DESIRED) -> None:
-    """Our spec, as we own it; and (when the reference schema is present) valid CDI."""
+def assert_desired(path: Path) -> None:
+    """Our spec, as we own it (valid CDI: test_rendered_spec_validates_against_the_cdi_schema)."""
+    assert spec_is_exact(path, DESIRED)
     st = os.lstat(path)
-    assert stat.S_ISREG(st.st_mode)
-    assert stat.S_IMODE(st.st_mode) == 0o644
     assert (st.st_uid, st.st_gid) == (os.geteuid(), os.getegid())
-    data = path.read_bytes()
-    assert data == desired
-    if VALIDATOR is not None:
-        VALIDATOR.validate(json.loads(data))
 
 
 def temp_files(directory: Path) -> list[str]:
@@ -135,14 +129,8 @@ def fingerprint(path: Path) -> tuple[Any, ...]:
     return st.st_ino, st.st_mode, st.st_mtime_ns, st.st_size
 
 
-@contextlib.contextmanager
-def tmpfs(mountpoint: Path, options: str) -> Iterator[Path]:
-    mountpoint.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mountpoint)], check=True)
-    try:
-        yield mountpoint
-    finally:
-        subprocess.run(["umount", str(mountpoint)], check=False)
+def mount(*args: str) -> None:
+    subprocess.run(["mount", *args], check=True)
 
 
 def overwrite(path: Path, data: bytes) -> None:
@@ -152,14 +140,10 @@ def overwrite(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def remount(mountpoint: Path, mode: str) -> None:
-    subprocess.run(["mount", "-o", f"remount,{mode}", str(mountpoint)], check=True)
-
-
 # --- desired content and versions ----------------------------------------------------------------
 
 
-def test_desired_spec_is_exactly_the_documented_content() -> None:
+def test_desired_spec_is_exactly_the_documented_content_rendered_deterministically() -> None:
     assert qualified_name("kvm") == "hyperlight.dev/hypervisor=kvm"
     assert desired_spec("kvm", 65534, 65533) == {
         "cdiVersion": "0.3.0",
@@ -176,9 +160,7 @@ def test_desired_spec_is_exactly_the_documented_content() -> None:
     mshv = desired_spec("mshv", 0, 0)["devices"][0]["containerEdits"]
     assert mshv["deviceNodes"][0]["path"] == "/dev/mshv"
     assert mshv["env"] == ["HYPERLIGHT_HYPERVISOR=mshv", "HYPERLIGHT_DEVICE_PATH=/dev/mshv"]
-
-
-def test_rendered_bytes_are_deterministic_with_a_decimal_file_mode() -> None:
+    # Rendered deterministically, with a decimal fileMode.
     first = render_spec("kvm", 65534, 65534)
     assert first == render_spec("kvm", 65534, 65534)
     assert first.endswith(b"}\n") and not first.endswith(b"\n\n")
@@ -245,20 +227,6 @@ def test_check_file_reports_equal_missing_and_differences(tmp_path: Path) -> Non
     assert not ok
     assert '-            "uid": 65534,' in diff and '+            "uid": 1000,' in diff
     assert diff.startswith("--- desired\n")
-
-
-@pytest.mark.timeout(20)
-def test_check_file_never_follows_or_blocks(tmp_path: Path) -> None:
-    copy = tmp_path / "copy.json"
-    copy.write_bytes(DESIRED)
-    link = tmp_path / "link.json"
-    link.symlink_to(copy)
-    assert check_file(link, DESIRED) == (False, f"{link} is not a regular file (a symlink)")
-    fifo = tmp_path / "fifo.json"
-    os.mkfifo(fifo)
-    assert check_file(fifo, DESIRED) == (False, f"{fifo} is not a regular file (a FIFO)")
-    assert check_file(tmp_path, DESIRED) == (False, f"{tmp_path} is not a regular file "
-                                                    "(a directory)")
 
 
 # --- repairs -------------------------------------------------------------------------------------
@@ -360,10 +328,12 @@ async def test_a_wrong_or_missing_spec_is_repaired_once_and_reported(
     old = os.umask(umask)
     try:
         with caplog.at_level(logging.INFO, logger="hlplugin.cdi"):
-            condition = await rig.rec.reconcile("start")
+            # Twenty callers at once: one reconcile at a time, so one repair, and all see it.
+            conditions = await asyncio.gather(*(rig.rec.reconcile(f"c{i}") for i in range(20)))
     finally:
         os.umask(old)
-    assert condition == Condition(True) == rig.rec.condition == rig.cdi
+    assert conditions == [Condition(True)] * 20
+    assert rig.rec.condition == Condition(True) == rig.cdi
     assert_desired(rig.path)  # our euid and egid: a setgid directory's group is not inherited
     if damage is None:
         assert stat.S_IMODE(os.stat(cdi_dir).st_mode) == 0o755
@@ -377,18 +347,11 @@ async def test_a_wrong_or_missing_spec_is_repaired_once_and_reported(
     assert sum(rig.repairs(c) for c in CAUSES) == 1
 
 
-async def test_one_reconcile_at_a_time(cdi_dir: Path) -> None:
-    rig = Rig(cdi_dir)
-    conditions = await asyncio.gather(*(rig.rec.reconcile(f"caller-{i}") for i in range(20)))
-    assert all(c.ok for c in conditions)
-    assert rig.repairs("missing") == 1
-    assert_desired(rig.path)
-
-
 # --- ensure(): the check before every Allocate ---------------------------------------------------
 
 
-async def test_ensure_is_cheap_when_right_and_catches_a_same_size_rewrite(cdi_dir: Path) -> None:
+async def test_ensure_is_cheap_when_right_repairs_what_it_can_reports_what_it_cannot(
+        cdi_dir: Path, tmp_path: Path) -> None:
     rig = Rig(cdi_dir)
 
     assert (await rig.rec.reconcile("start")).ok
@@ -419,10 +382,7 @@ async def test_ensure_is_cheap_when_right_and_catches_a_same_size_rewrite(cdi_di
     assert_desired(rig.path)
     assert rig.repairs("missing") == 2
 
-
-async def test_ensure_reports_a_failure_it_cannot_repair(cdi_dir: Path, tmp_path: Path) -> None:
-    rig = Rig(cdi_dir)
-    assert (await rig.rec.reconcile("start")).ok
+    # What it cannot repair (a symlink) it reports, and leaves alone.
     rig.path.unlink()
     rig.path.symlink_to(tmp_path / "nowhere")
     condition = await rig.rec.ensure()
@@ -487,6 +447,8 @@ async def test_non_regular_path_is_refused_untouched_and_recovers(
     snapshot = _obstruct(kind, rig.path, tmp_path)
     before = snapshot()
 
+    # check_file neither follows nor blocks (on a FIFO) either.
+    assert check_file(rig.path, DESIRED) == (False, f"{rig.path} is not a regular file ({what})")
     condition = await rig.rec.reconcile("start")
     reason = f"{rig.path} is {what}; refusing to replace what we do not own"
     assert condition == Condition(False, reason) == rig.cdi
@@ -514,7 +476,7 @@ async def test_a_file_mounted_at_our_path_is_refused_untouched_and_recovers(cdi_
     source.write_bytes(STALE)
     rig = Rig(cdi_dir, interval=60.0)
     rig.path.write_bytes(b"")
-    subprocess.run(["mount", "--bind", str(source), str(rig.path)], check=True)  # noqa: ASYNC221 (the loop runs nothing else here)
+    mount("--bind", str(source), str(rig.path))
     try:
         condition = await rig.rec.reconcile("start")
         reason = f"{rig.path} is a mount point; refusing to replace what we do not own"
@@ -587,70 +549,47 @@ def exchange(a: Path, b: Path, flags: int = 2) -> None:
 
 
 class Swapper:
-    """Someone with write access to the CDI directory (a fake of the world) who, while repairs
-    run, keeps exchanging its own object, a symlink or a directory, with whatever is at our path
-    (renameat2 RENAME_EXCHANGE, as fast as it can); or ("gap") keeps moving its symlink from our
-    path to its side name and back (RENAME_NOREPLACE), so that our path is now missing, now the
-    symlink. None of its moves destroys anything, so its object is always either at our path or
-    at its side name; if after a pass it is at neither, the repair replaced it. What the
-    exchanges move to the side name is what a runtime could have read at our path.
-    """
+    """Someone with write access to the CDI directory (a fake of the world) who, while a repair
+    runs, keeps exchanging its own object at ``side``, a symlink or a directory, with whatever is
+    at our ``path`` (RENAME_EXCHANGE, as fast as it can); or ("gap") keeps moving its symlink from
+    our path to ``side`` and back (RENAME_NOREPLACE), so that our path is now missing, now the
+    symlink. None of its moves destroys anything, so its object is always at one of the two
+    names; if after a pass it is at neither, the repair replaced it. What the exchanges move to
+    ``side`` is what a runtime could have read at our path."""
 
-    def __init__(self, cdi_dir: Path, target: Path) -> None:
-        self.path, self.side, self.target = cdi_dir / SPEC_FILE, cdi_dir / "intruder", target
+    def __init__(self, path: Path, side: Path) -> None:
+        self.path, self.side, self.kind, self.swaps = path, side, "", 0
         self.go, self.halt, self.halted = threading.Event(), threading.Event(), threading.Event()
-        self.identity: tuple[int, int] = (0, 0)
-        self.kind = ""
-        self.swaps = 0
-        self.stopped = False
         self.thread = threading.Thread(target=self._run, name="swapper", daemon=True)
         self.thread.start()
 
-    def start_round(self, kind: str) -> None:
-        """Our path holds a stale spec to repair and the object waits at the side name; or, for
-        "gap", the object is at our path."""
-        for path in (self.path, self.side):
-            if path.is_symlink() or path.exists():
-                _remove(path)
+    @contextlib.contextmanager
+    def racing(self, kind: str) -> Iterator[None]:
         self.kind = kind
-        if kind == "gap":
-            self.path.symlink_to(self.target)
-        else:
-            self.path.write_bytes(STALE)
-        if kind == "symlink":
-            self.side.symlink_to(self.target)
-        elif kind == "directory":
-            self.side.mkdir()
-            (self.side / "inside").write_bytes(b"x")
-        st = os.lstat(self.path if kind == "gap" else self.side)
-        self.identity = (st.st_dev, st.st_ino)
         self.halt.clear()
         self.halted.clear()
         self.go.set()
-
-    def end_round(self) -> None:
-        self.halt.set()
-        assert self.halted.wait(GUARD), "the swapper hung"
+        try:
+            yield
+        finally:
+            self.halt.set()
+            assert self.halted.wait(GUARD), "the swapper hung"
 
     def _run(self) -> None:
-        while True:
-            self.go.wait()
+        while self.go.wait() and self.kind:
             self.go.clear()
-            if self.stopped:
-                return
             while not self.halt.is_set():
                 if self.kind == "gap":  # never over anything: nothing is lost by its doing
-                    with contextlib.suppress(FileNotFoundError, FileExistsError):
-                        exchange(self.path, self.side, RENAME_NOREPLACE)
-                    with contextlib.suppress(FileNotFoundError, FileExistsError):
-                        exchange(self.side, self.path, RENAME_NOREPLACE)
+                    for a, b in ((self.path, self.side), (self.side, self.path)):
+                        with contextlib.suppress(FileNotFoundError, FileExistsError):
+                            exchange(a, b, RENAME_NOREPLACE)
                 else:
                     exchange(self.side, self.path)
                 self.swaps += 1
             self.halted.set()
 
     def stop(self) -> None:
-        self.stopped = True
+        self.kind = ""
         self.go.set()
         self.thread.join(GUARD)
 
@@ -674,41 +613,54 @@ async def test_a_symlink_or_directory_swapped_in_during_repairs_is_never_replace
     target = tmp_path / "victim.txt"
     target.write_bytes(b"not yours\n")
     rig = Rig(cdi_dir, interval=60.0)
-    swapper = Swapper(cdi_dir, target)
+    side = cdi_dir / "intruder"
+    swapper = Swapper(rig.path, side)
     tally = {"rounds": 0, "replaced": 0, "ours_seen": 0}
     outcomes: dict[str, int] = {}
 
-    try:
-        start = time.monotonic()
-        for i in range(rounds):
-            if time.monotonic() - start > budget:
-                break
-            kind = ("symlink", "directory", "gap")[i % 3]
-            swapper.start_round(kind)
+    start = time.monotonic()
+    for i in range(rounds):
+        if time.monotonic() - start > budget:
+            break
+        # Our path holds a stale spec to repair and the object waits at the side name; or, for
+        # "gap", the object is at our path.
+        kind = ("symlink", "directory", "gap")[i % 3]
+        for path in (rig.path, side):
+            if path.is_symlink() or path.exists():
+                _remove(path)
+        if kind == "gap":
+            rig.path.symlink_to(target)
+        else:
+            rig.path.write_bytes(STALE)
+        if kind == "symlink":
+            side.symlink_to(target)
+        elif kind == "directory":
+            side.mkdir()
+            (side / "inside").write_bytes(b"x")
+        identity = _identity(rig.path if kind == "gap" else side)
+        with swapper.racing(kind):  # halts it however the pass ends
             condition = await rig.rec.reconcile("race")
-            swapper.end_round()
-            tally["rounds"] += 1
-            key = "ok" if condition.ok else condition.reason.split(" is ", 1)[-1].split(";")[0]
-            outcomes[key] = outcomes.get(key, 0) + 1
-            if swapper.identity not in (_identity(rig.path), _identity(swapper.side)):
-                tally["replaced"] += 1
+        tally["rounds"] += 1
+        key = "ok" if condition.ok else condition.reason.split(" is ", 1)[-1].split(";")[0]
+        outcomes[key] = outcomes.get(key, 0) + 1
+        if identity not in (_identity(rig.path), _identity(side)):
+            tally["replaced"] += 1
+            continue
+        if kind == "directory":
+            directory = next(p for p in (rig.path, side) if p.is_dir())
+            assert os.listdir(directory) == ["inside"]
+        assert temp_files(cdi_dir) == []
+        for path in (rig.path, side):
+            if _identity(path) is None:  # "gap": the side name is empty
                 continue
-            if kind == "directory":
-                directory = next(p for p in (rig.path, swapper.side) if p.is_dir())
-                assert os.listdir(directory) == ["inside"]
-            assert temp_files(cdi_dir) == []
-            for path in (rig.path, swapper.side):
-                if _identity(path) is None:  # "gap": the side name is empty
-                    continue
-                st = os.lstat(path)
-                if stat.S_ISREG(st.st_mode):
-                    data = path.read_bytes()
-                    assert data in (STALE, DESIRED), data
-                    if data == DESIRED:
-                        tally["ours_seen"] += 1
-                        assert stat.S_IMODE(st.st_mode) == 0o644
-    finally:
-        swapper.stop()
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):
+                data = path.read_bytes()
+                assert data in (STALE, DESIRED), data
+                if data == DESIRED:
+                    tally["ours_seen"] += 1
+                    assert stat.S_IMODE(st.st_mode) == 0o644
+    swapper.stop()
     print("race:", tally, "swaps:", swapper.swaps, "outcomes:", outcomes)
     assert tally["replaced"] == 0, f"the swapped-in object was replaced: {tally}, {outcomes}"
     assert target.read_bytes() == b"not yours\n"
@@ -717,8 +669,19 @@ async def test_a_symlink_or_directory_swapped_in_during_repairs_is_never_replace
     assert tally["rounds"] >= 200 and tally["ours_seen"] > 0, tally
 
 
-async def test_crash_leftovers_are_removed_at_start_and_nothing_else(cdi_dir: Path,
-                                                               tmp_path: Path) -> None:
+# --- the run() loop ------------------------------------------------------------------------------
+
+
+async def test_run_removes_crash_leftovers_repairs_promptly_and_touches_nothing_else(
+        cdi_dir: Path, tmp_path: Path) -> None:
+    sibling = cdi_dir / "vendor.example.json"
+    sibling.write_bytes(b'{"cdiVersion": "0.3.0", "kind": "example.com/x", "devices": []}\n')
+    os.chmod(sibling, 0o600)
+    lookalikes = [cdi_dir / "hyperlight.json.bak", cdi_dir / ".hyperlight.json.swp",
+                  cdi_dir / ".other.json.tmp-1", cdi_dir / "other.json", cdi_dir / "hyperlight.json.tmp-x"]
+    for path in lookalikes:
+        path.write_bytes(STALE)
+    # A crash's leftovers: regular files with our prefix; a symlink or a directory with it is not.
     leftovers = [cdi_dir / f"{TEMP_PREFIX}deadbeef", cdi_dir / f"{TEMP_PREFIX}0123"]
     for path in leftovers:
         path.write_bytes(DESIRED[:10])
@@ -728,46 +691,17 @@ async def test_crash_leftovers_are_removed_at_start_and_nothing_else(cdi_dir: Pa
     link.symlink_to(target)
     temp_dir = cdi_dir / f"{TEMP_PREFIX}dir"
     temp_dir.mkdir()
-    others = [cdi_dir / "other.json", cdi_dir / ".other.json.tmp-1",
-              cdi_dir / "hyperlight.json.tmp-x"]
-    for path in others:
-        path.write_bytes(b"other")
-
-    rig = Rig(cdi_dir)
+    neighbours = {p: (fingerprint(p), p.read_bytes()) for p in [sibling, *lookalikes, target]}
+    rig = Rig(cdi_dir, interval=60.0)
     assert rig.rec.cleanup_leftovers() == 2
     assert not any(p.exists() for p in leftovers)
-    assert link.is_symlink() and target.read_bytes() == b"keep" and temp_dir.is_dir()
-    assert all(p.read_bytes() == b"other" for p in others)
-
-    # run() does it at start.
-    leftovers[0].write_bytes(b"partial")
-
-    async with running(rig.rec):
-        await wait_until(lambda: rig.cdi.ok)
-    assert not leftovers[0].exists()
-    assert temp_files(cdi_dir) == sorted([link.name, temp_dir.name])
-    assert_desired(rig.path)
-
-
-# --- the run() loop ------------------------------------------------------------------------------
-
-
-async def test_run_repairs_deletion_and_tampering_promptly_and_nothing_else(
-        cdi_dir: Path) -> None:
-    # With a 60 s interval, only the watcher can explain a repair within the guard.
-    sibling = cdi_dir / "vendor.example.json"
-    sibling.write_bytes(b'{"cdiVersion": "0.3.0", "kind": "example.com/x", "devices": []}\n')
-    os.chmod(sibling, 0o600)
-    lookalikes = [cdi_dir / "hyperlight.json.bak", cdi_dir / ".hyperlight.json.swp",
-                  cdi_dir / ".other.json.tmp-1"]
-    for path in lookalikes:
-        path.write_bytes(STALE)
-    neighbours = {p: (fingerprint(p), p.read_bytes()) for p in [sibling, *lookalikes]}
-    rig = Rig(cdi_dir, interval=60.0)
+    leftovers[0].write_bytes(b"partial")  # run() removes it at start
     timings: dict[str, float] = {}
 
+    # With a 60 s interval, only the watcher can explain a repair within the guard.
     async with running(rig.rec):
         await wait_until(lambda: rig.cdi.ok)
+        assert not leftovers[0].exists()
         assert_desired(rig.path)
         rig.path.unlink()
         timings["deleted"] = await wait_until(lambda: content(rig.path) == DESIRED)
@@ -785,56 +719,23 @@ async def test_run_repairs_deletion_and_tampering_promptly_and_nothing_else(
     assert rig.repairs("stale") + rig.repairs("malformed") == 5
     assert rig.cdi.ok
     assert {p: (fingerprint(p), p.read_bytes()) for p in neighbours} == neighbours
+    assert os.readlink(link) == str(target) and temp_dir.is_dir()
+    assert temp_files(cdi_dir) == sorted([link.name, temp_dir.name])
     print("repair latency (s):", {k: round(v, 4) for k, v in timings.items()})
 
 
-async def test_run_repairs_periodically_what_the_watcher_cannot_see(cdi_dir: Path,
-                                                              tmp_path: Path) -> None:
-    # A write through a hard link in another directory raises no event in the CDI directory.
-    rig = Rig(cdi_dir, interval=0.2)
-    alias = tmp_path / "alias.json"
-
-    async with running(rig.rec):
-        await wait_until(lambda: rig.cdi.ok)
-        os.link(rig.path, alias)
-        overwrite(alias, STALE)
-        await wait_until(lambda: content(rig.path) == DESIRED)
-    assert alias.read_bytes() == STALE  # the old inode, no longer our spec
-    assert_desired(rig.path)
-    # A pass may land between the overwrite's truncate and its write (an empty or partial file),
-    # so how many repairs and which causes depend on timing; at least one happened.
-    assert sum(rig.repairs(c) for c in CAUSES) >= 1
-
-
-def _become_nobody() -> None:
-    os.setgroups([])
-    os.setegid(65534)
-    os.seteuid(65534)
-
-
-def _as_nobody(task: Callable[[], object]) -> object:
-    """Run ``task`` in a forked child with euid/egid 65534 (DAC applies there); its result back."""
-    return _forked(_become_nobody, task)
-
-
-def in_child(scenario: Coroutine[Any, Any, object]) -> object:
-    """Run a forked child's async scenario on its own loop, with a guard (the fork is no test)."""
-    return asyncio.run(asyncio.wait_for(scenario, 60))
-
-
-def _forked(prepare: Callable[[], None], task: Callable[[], object]) -> object:
-    """Run ``prepare`` then ``task`` in a forked child; the repr of the task's result back."""
-    import concurrent.futures.thread  # noqa: F401  (imported lazily by to_thread)
-    import traceback
-
+def _forked(prepare: Callable[[], None],
+            scenario: Callable[[], Coroutine[Any, Any, object]]) -> str:
+    """Run ``prepare``, then ``scenario()`` on its own loop with a guard, in a forked child (the
+    fork is no test: it never returns into pytest); the repr of its result back."""
     read_end, write_end = os.pipe()
     pid = os.fork()
-    if pid == 0:  # child: never return into pytest
+    if pid == 0:
         code = 0
         try:
             os.close(read_end)
             prepare()
-            payload = repr(task()).encode()
+            payload = repr(asyncio.run(asyncio.wait_for(scenario(), 60))).encode()
         except BaseException:
             payload, code = traceback.format_exc().encode(), 1
         os.write(write_end, payload)
@@ -845,6 +746,12 @@ def _forked(prepare: Callable[[], None], task: Callable[[], object]) -> object:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, payload.decode()
     return payload.decode()
+
+
+def _become_nobody() -> None:
+    os.setgroups([])
+    os.setegid(65534)
+    os.seteuid(65534)
 
 
 def _kernel_without_renameat2_flags() -> None:
@@ -910,7 +817,7 @@ def test_without_renameat2_flags_it_falls_back_to_check_and_rename_and_says_so_o
         return (exchange_error, first, right, second, third.reason, len(warnings),
                 rig.repairs("stale"), rig.repairs("missing"), temp_files(cdi_dir))
 
-    assert _forked(_kernel_without_renameat2_flags, lambda: in_child(scenario())) == repr((
+    assert _forked(_kernel_without_renameat2_flags, scenario) == repr((
         "EINVAL", Condition(True), 0o644, Condition(True),
         f"{cdi_dir / SPEC_FILE} is a symlink; refusing to replace what we do not own", 1,
         1.0, 1.0, []))
@@ -923,31 +830,28 @@ def test_permission_denied_fails_and_recovers_as_a_non_root_daemon() -> None:
     # pytest's tmp_path lies under a 0700 directory that user 65534 cannot walk.
     with tempfile.TemporaryDirectory(prefix="hlplugin-cdi-") as base:
         os.chmod(base, 0o755)
-        _permission_denied_scenario(Path(base) / "cdi")
+        cdi_dir = Path(base) / "cdi"
+        cdi_dir.mkdir()
+        os.chown(cdi_dir, 65534, 65534)
+        os.chmod(cdi_dir, 0o555)
 
+        async def scenario() -> object:
+            rig = Rig(cdi_dir)
+            first = await rig.rec.reconcile("start")
+            os.chmod(cdi_dir, 0o755)  # storage works again
+            second = await rig.rec.reconcile("retry")
+            os.chmod(rig.path, 0o000)  # our own file, unreadable to us
+            third = await rig.rec.reconcile("periodic")
+            return (first, second, third, rig.refusals("write_failed"), rig.repairs("missing"),
+                    rig.repairs("metadata"))
 
-def _permission_denied_scenario(cdi_dir: Path) -> None:
-    cdi_dir.mkdir()
-    os.chown(cdi_dir, 65534, 65534)
-    os.chmod(cdi_dir, 0o555)
-
-    async def scenario() -> object:
-        rig = Rig(cdi_dir)
-        first = await rig.rec.reconcile("start")
-        os.chmod(cdi_dir, 0o755)  # storage works again
-        second = await rig.rec.reconcile("retry")
-        os.chmod(rig.path, 0o000)  # our own file, unreadable to us
-        third = await rig.rec.reconcile("periodic")
-        return (first, second, third, rig.refusals("write_failed"), rig.repairs("missing"),
-                rig.repairs("metadata"))
-
-    path = cdi_dir / SPEC_FILE
-    assert _as_nobody(lambda: in_child(scenario())) == repr((
-        Condition(False, f"cannot write {path}: Permission denied (EACCES)"),
-        Condition(True), Condition(True), 1.0, 1.0, 1.0))
-    st = os.lstat(path)
-    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o644, 65534, 65534)
-    assert path.read_bytes() == DESIRED
+        path = cdi_dir / SPEC_FILE
+        assert _forked(_become_nobody, scenario) == repr((
+            Condition(False, f"cannot write {path}: Permission denied (EACCES)"),
+            Condition(True), Condition(True), 1.0, 1.0, 1.0))
+        st = os.lstat(path)
+        assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o644, 65534, 65534)
+        assert path.read_bytes() == DESIRED
 
 
 def _unwritable(kind: str, tmp_path: Path,
@@ -958,14 +862,16 @@ def _unwritable(kind: str, tmp_path: Path,
         blocker = tmp_path / "blocker"
         blocker.write_bytes(b"a file where a directory should be")
         return blocker / "cdi", blocker.unlink, "Not a directory (ENOTDIR)"
-    size = "1m" if kind == "read-only" else "16k"
-    mnt = stack.enter_context(tmpfs(tmp_path / "mnt", f"size={size},mode=0755"))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mount("-t", "tmpfs", "-o", f"size={'1m' if kind == 'read-only' else '16k'},mode=0755", "tmpfs", str(mnt))
+    stack.callback(subprocess.run, ["umount", str(mnt)], check=False)
     cdi_dir = mnt / "cdi"
     cdi_dir.mkdir()
     (cdi_dir / SPEC_FILE).write_bytes(STALE)
     if kind == "read-only":
-        remount(mnt, "ro")
-        return cdi_dir, lambda: remount(mnt, "rw"), "Read-only file system (EROFS)"
+        mount("-o", "remount,ro", str(mnt))
+        return cdi_dir, lambda: mount("-o", "remount,rw", str(mnt)), "Read-only file system (EROFS)"
     filler = cdi_dir / "filler"
     with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
         while True:
@@ -999,10 +905,10 @@ async def test_unwritable_storage_fails_keeps_the_old_spec_retries_and_recovers(
         assert temp_files(cdi_dir) == []
 
 
-async def test_run_never_passes_more_often_than_the_floor(cdi_dir: Path) -> None:
-    """An interval of 0 (an in-process caller; the CLI refuses it) is not a busy loop."""
-    from hlplugin.deviceplugin.conditions import MIN_PERIOD
-
+async def test_run_repairs_periodically_but_never_more_often_than_the_floor(
+        cdi_dir: Path, tmp_path: Path) -> None:
+    """An interval of 0 (an in-process caller; the CLI refuses it) is not a busy loop; and the
+    periodic pass repairs what the watcher cannot see."""
     passes: list[float] = []
 
     def clock() -> float:  # called once at the end of every pass
@@ -1010,10 +916,20 @@ async def test_run_never_passes_more_often_than_the_floor(cdi_dir: Path) -> None
         return passes[-1]
 
     rig = Rig(cdi_dir, interval=0, clock=clock)
+    alias = tmp_path / "alias.json"
 
     async with running(rig.rec):
         await wait_until(lambda: len(passes) >= 5)
-    assert rig.cdi.ok
+        assert rig.cdi.ok
+        # A write through a hard link in another directory raises no event in the CDI directory.
+        os.link(rig.path, alias)
+        overwrite(alias, STALE)
+        await wait_until(lambda: content(rig.path) == DESIRED)
     # The first pass's own write may wake the watcher once; the passes after it are periodic.
     gaps = [b - a for a, b in itertools.pairwise(passes[1:5])]
     assert min(gaps) >= MIN_PERIOD * 0.9, gaps
+    assert alias.read_bytes() == STALE  # the old inode, no longer our spec
+    assert_desired(rig.path)
+    # A pass may land between the overwrite's truncate and its write (an empty or partial file),
+    # so how many repairs and which causes depend on timing; at least one happened.
+    assert sum(rig.repairs(c) for c in CAUSES) >= 1
