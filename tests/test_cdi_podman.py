@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import operator
 import os
 import shutil
 import stat
@@ -28,13 +29,12 @@ MOUNTPOINT = Path("/var/run/cdi")
 UID = GID = 65534
 TOOLS = ("podman", "runc", "unshare", "mount")
 SYSTEM_DIRS = ("usr", "lib", "lib64", "bin")
+node_of = operator.attrgetter("st_mode", "st_uid", "st_gid", "st_rdev")
 
 pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0,
-                       reason="podman in a private mount namespace needs root"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="podman in a private mount namespace needs root"),
     pytest.mark.skipif(not KVM.exists(), reason="no /dev/kvm on this machine"),
-    pytest.mark.skipif(not all(shutil.which(t) for t in TOOLS),
-                       reason=f"needs all of {', '.join(TOOLS)} on PATH"),
+    pytest.mark.skipif(not all(map(shutil.which, TOOLS)), reason=f"needs all of {', '.join(TOOLS)} on PATH"),
 ]
 
 # Runs inside the container; prints one JSON line.
@@ -96,10 +96,9 @@ def mountpoint() -> Iterator[Path]:
 @pytest.mark.usefixtures("mountpoint")
 def test_the_cdi_device_lets_workloads_create_a_vm_as_its_spec_says(tmp_path: Path) -> None:
     rootfs = tmp_path / "rootfs"
-    rootfs.mkdir()
-    rootfs.chmod(0o755)  # the container's "/", walked by a non-root user
     for name in SYSTEM_DIRS:
-        (rootfs / name).mkdir()
+        (rootfs / name).mkdir(parents=True)
+    rootfs.chmod(0o755)  # the container's "/", walked by a non-root user
     spec_dir, owner_only_dir = tmp_path / "cdi", tmp_path / "cdi-0600"
     desired = render_spec("kvm", UID, GID)
     assert asyncio.run(CdiReconciler(spec_dir, desired).reconcile("start")).ok
@@ -109,7 +108,7 @@ def test_the_cdi_device_lets_workloads_create_a_vm_as_its_spec_says(tmp_path: Pa
     spec["devices"][0]["containerEdits"]["deviceNodes"][0]["fileMode"] = 0o600
     owner_only = (json.dumps(spec, indent=2) + "\n").encode()
     assert asyncio.run(CdiReconciler(owner_only_dir, owner_only).reconcile("start")).ok
-    host = os.stat(KVM)
+    host = node_of(os.stat(KVM))
     device = ("--device", qualified_name("kvm"))
     env = {"HYPERLIGHT_HYPERVISOR": "kvm", "HYPERLIGHT_DEVICE_PATH": "/dev/kvm"}
 
@@ -120,8 +119,7 @@ def test_the_cdi_device_lets_workloads_create_a_vm_as_its_spec_says(tmp_path: Pa
         assert out.get("open_error") is None, out
         assert (out["uid"], out["gid"]) == ids
         assert out["api_version"] == 12 and out["vm_created"] is True
-        assert out["node"] == [True, oct(0o666), UID, GID, os.major(host.st_rdev),
-                               os.minor(host.st_rdev)]
+        assert out["node"] == [True, oct(0o666), UID, GID, os.major(host[3]), os.minor(host[3])]
         assert out["env"] == env
 
     # The same container without the device cannot open it.
@@ -134,7 +132,5 @@ def test_the_cdi_device_lets_workloads_create_a_vm_as_its_spec_says(tmp_path: Pa
     denied = run_container(owner_only_dir, rootfs, *device, user="1000:1000")
     assert denied.get("open_error") == "EACCES", denied
 
-    now = os.stat(KVM)
-    assert stat.S_ISCHR(host.st_mode)
-    assert (now.st_mode, now.st_uid, now.st_gid, now.st_rdev) == (
-        host.st_mode, host.st_uid, host.st_gid, host.st_rdev)  # the host's node is not changed
+    assert stat.S_ISCHR(host[0])
+    assert node_of(os.stat(KVM)) == host  # the host's node is not changed
