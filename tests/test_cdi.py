@@ -664,11 +664,10 @@ async def test_run_removes_crash_leftovers_repairs_promptly_and_touches_nothing_
         await wait_until(lambda: rig.cdi.ok)
         assert not leftovers[0].exists()
         assert_desired(rig.path)
-        thread = threading.Thread(target=reader)
+        tamper, thread = cdi_dir / "tamper.json.new", threading.Thread(target=reader)
         thread.start()
         try:
             for i in range(300):
-                tamper = cdi_dir / "tamper.json.new"
                 tamper.write_bytes(STALE)  # replaced atomically, so any torn read would be ours
                 if i % 2:
                     os.chmod(tamper, 0o600)

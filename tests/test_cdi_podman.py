@@ -108,7 +108,7 @@ def test_the_cdi_device_lets_workloads_create_a_vm_as_its_spec_says(tmp_path: Pa
     spec["devices"][0]["containerEdits"]["deviceNodes"][0]["fileMode"] = 0o600
     owner_only = (json.dumps(spec, indent=2) + "\n").encode()
     assert asyncio.run(CdiReconciler(owner_only_dir, owner_only).reconcile("start")).ok
-    host = node_of(os.stat(KVM))
+    host = node_of(os.stat(KVM))  # (mode, uid, gid, rdev)
     device = ("--device", qualified_name("kvm"))
     env = {"HYPERLIGHT_HYPERVISOR": "kvm", "HYPERLIGHT_DEVICE_PATH": "/dev/kvm"}
 
