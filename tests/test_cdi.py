@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures.thread  # noqa: F401  (to_thread's, imported before any fork)
 import contextlib
 import ctypes
 import errno
@@ -14,58 +15,47 @@ import platform
 import shutil
 import socket
 import stat
+import struct
 import subprocess
 import tempfile
 import threading
 import time
+import traceback
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
-from harness import needs_root, wait_until
+from harness import needs_root, spec_is_exact, wait_until
 
-from hlplugin.cdi import (
-    CDI_VERSION,
-    KIND,
-    SPEC_FILE,
-    TEMP_PREFIX,
-    CdiReconciler,
-    check_file,
-    desired_spec,
-    qualified_name,
-    render_spec,
-)
-from hlplugin.deviceplugin.conditions import Condition, HealthTracker
+import hlplugin.cdi
+from hlplugin.cdi import SPEC_FILE, TEMP_PREFIX, CdiReconciler, check_file, desired_spec, render_spec
+from hlplugin.deviceplugin.conditions import MIN_PERIOD, Condition, HealthTracker
 from hlplugin.metrics import Metrics
 
 SCHEMA_DIR = Path(__file__).parent / "data" / "cdi-schema"
 DESIRED = render_spec("kvm", 65534, 65534)
 STALE = render_spec("kvm", 1000, 1000)  # well-formed, another uid/gid
-GUARD = 5.0  # seconds; a guard against hangs, not a benchmark
-
-T = TypeVar("T")
 
 
 class Rig:
     """A reconciler wired to a real tracker and metrics registry."""
 
-    def __init__(self, cdi_dir: Path, desired: bytes = DESIRED, **kwargs: Any) -> None:
+    def __init__(self, cdi_dir: Path, **kwargs: Any) -> None:
         self.tracker = HealthTracker(required=("cdi",))
         self.metrics = Metrics()
-        self.rec = CdiReconciler(cdi_dir, desired, tracker=self.tracker, metrics=self.metrics,
-                                 **kwargs)
+        self.rec = CdiReconciler(cdi_dir, DESIRED, tracker=self.tracker, metrics=self.metrics, **kwargs)
         self.path = cdi_dir / SPEC_FILE
 
     def repairs(self, cause: str) -> float:
-        value = self.metrics.registry.get_sample_value(
-            "hyperlight_cdi_repairs_total", {"cause": cause})
-        return value or 0.0
+        return self._count("repairs", cause=cause)
 
     def refusals(self, reason: str) -> float:
-        value = self.metrics.registry.get_sample_value(
-            "hyperlight_cdi_refusals_total", {"reason": reason})
-        return value or 0.0
+        return self._count("refusals", reason=reason)
+
+    def _count(self, name: str, **labels: str) -> float:
+        return self.metrics.registry.get_sample_value(f"hyperlight_cdi_{name}_total", labels) or 0.0
 
     @property
     def cdi(self) -> Condition:
@@ -90,80 +80,41 @@ async def running(rec: CdiReconciler) -> AsyncIterator[asyncio.Task[None]]:
             await task
 
 
-def content(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return None
-
-
-def schema_validator() -> Any | None:
-    if not (SCHEMA_DIR / "schema.json").is_file():
-        return None
-    from jsonschema import Draft7Validator
-    from referencing import Registry, Resource
-    from referencing.jsonschema import DRAFT7
-
-    defs = json.loads((SCHEMA_DIR / "defs.json").read_text())
-    registry: Registry[Any] = Registry().with_resource(
-        "defs.json", Resource.from_contents(defs, default_specification=DRAFT7))
-    schema = json.loads((SCHEMA_DIR / "schema.json").read_text())
-    return Draft7Validator(schema, registry=registry)
-
-
-VALIDATOR = schema_validator()
-
-
-def assert_desired(path: Path, desired: bytes = DESIRED) -> None:
-    """Our spec, as we own it; and (when the reference schema is present) valid CDI."""
+def assert_desired(path: Path) -> None:
+    """Our spec, as we own it (valid CDI: test_rendered_spec_validates_against_the_cdi_schema)."""
+    assert spec_is_exact(path, DESIRED)
     st = os.lstat(path)
-    assert stat.S_ISREG(st.st_mode)
-    assert stat.S_IMODE(st.st_mode) == 0o644
     assert (st.st_uid, st.st_gid) == (os.geteuid(), os.getegid())
-    data = path.read_bytes()
-    assert data == desired
-    if VALIDATOR is not None:
-        VALIDATOR.validate(json.loads(data))
 
 
 def temp_files(directory: Path) -> list[str]:
-    return sorted(n for n in os.listdir(directory) if n.startswith(TEMP_PREFIX))
+    names = os.listdir(directory) if directory.is_dir() else []
+    return sorted(n for n in names if n.startswith(TEMP_PREFIX))
 
 
-def fingerprint(path: Path) -> tuple[Any, ...]:
-    st = os.lstat(path)
-    return st.st_ino, st.st_mode, st.st_mtime_ns, st.st_size
-
-
-@contextlib.contextmanager
-def tmpfs(mountpoint: Path, options: str) -> Iterator[Path]:
-    mountpoint.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mountpoint)], check=True)
+def state(path: Path) -> object:
+    """What is at ``path``, not followed: identity, and its bytes, target, entries or device."""
     try:
-        yield mountpoint
-    finally:
-        subprocess.run(["umount", str(mountpoint)], check=False)
+        st = os.lstat(path)
+    except OSError:  # nothing there (or no directory for it)
+        return None
+    identity = st.st_ino, st.st_mode, st.st_mtime_ns, st.st_size
+    if stat.S_ISLNK(st.st_mode):
+        return identity, os.readlink(path)
+    if stat.S_ISDIR(st.st_mode):
+        return identity, {name: state(path / name) for name in os.listdir(path)}
+    return identity, path.read_bytes() if stat.S_ISREG(st.st_mode) else st.st_rdev
 
 
-def overwrite(path: Path, data: bytes) -> None:
-    """Rewrite in place (same inode), as an editor or a careless script would."""
-    with open(path, "r+b") as f:
-        f.truncate()
-        f.write(data)
+def sh(*argv: str) -> None:
+    subprocess.run(argv, check=True)
 
 
-def remount(mountpoint: Path, mode: str) -> None:
-    subprocess.run(["mount", "-o", f"remount,{mode}", str(mountpoint)], check=True)
-
-
-# --- desired content and versions ----------------------------------------------------------------
-
-
-def test_desired_spec_is_exactly_the_documented_content() -> None:
-    assert qualified_name("kvm") == "hyperlight.dev/hypervisor=kvm"
+def test_desired_spec_is_exactly_the_documented_content_rendered_deterministically() -> None:
+    assert hlplugin.cdi.qualified_name("kvm") == "hyperlight.dev/hypervisor=kvm"
     assert desired_spec("kvm", 65534, 65533) == {
         "cdiVersion": "0.3.0",
-        "kind": KIND,
+        "kind": hlplugin.cdi.KIND,
         "devices": [{
             "name": "kvm",
             "containerEdits": {
@@ -176,9 +127,7 @@ def test_desired_spec_is_exactly_the_documented_content() -> None:
     mshv = desired_spec("mshv", 0, 0)["devices"][0]["containerEdits"]
     assert mshv["deviceNodes"][0]["path"] == "/dev/mshv"
     assert mshv["env"] == ["HYPERLIGHT_HYPERVISOR=mshv", "HYPERLIGHT_DEVICE_PATH=/dev/mshv"]
-
-
-def test_rendered_bytes_are_deterministic_with_a_decimal_file_mode() -> None:
+    # Rendered deterministically, with a decimal fileMode.
     first = render_spec("kvm", 65534, 65534)
     assert first == render_spec("kvm", 65534, 65534)
     assert first.endswith(b"}\n") and not first.endswith(b"\n\n")
@@ -206,7 +155,7 @@ FIELDS_0_3_0 = {
 @pytest.mark.parametrize("hypervisor", ["kvm", "mshv"])
 def test_cdi_version_covers_every_field_we_write(hypervisor: str) -> None:
     spec = desired_spec(hypervisor, 65534, 65534)
-    assert spec["cdiVersion"] == CDI_VERSION == "0.3.0"
+    assert spec["cdiVersion"] == hlplugin.cdi.CDI_VERSION == "0.3.0"
     assert set(spec) <= FIELDS_0_3_0["spec"]
     vendor, _, name = spec["kind"].partition("/")
     assert vendor and "." not in name  # a dot in the name segment needs 0.6.0
@@ -219,85 +168,49 @@ def test_cdi_version_covers_every_field_we_write(hypervisor: str) -> None:
             assert set(node) <= FIELDS_0_3_0["node"]  # hostPath would need 0.5.0
 
 
-@pytest.mark.skipif(VALIDATOR is None, reason=f"CDI reference schema not found at {SCHEMA_DIR}")
+@pytest.mark.skipif(not (SCHEMA_DIR / "schema.json").is_file(),
+                    reason=f"CDI reference schema not found at {SCHEMA_DIR}")
 @pytest.mark.parametrize(("hypervisor", "uid", "gid"),
                          [("kvm", 65534, 65534), ("mshv", 0, 4_294_967_295)])
-def test_rendered_spec_validates_against_the_cdi_schema(hypervisor: str, uid: int,
-                                                        gid: int) -> None:
-    from jsonschema import ValidationError
+def test_rendered_spec_validates_against_the_cdi_schema(hypervisor: str, uid: int, gid: int) -> None:
+    from jsonschema import Draft7Validator, ValidationError
+    from referencing import Registry, Resource
+    from referencing.jsonschema import DRAFT7
 
-    assert VALIDATOR is not None
-    VALIDATOR.validate(json.loads(render_spec(hypervisor, uid, gid)))
+    defs = Resource.from_contents(json.loads((SCHEMA_DIR / "defs.json").read_text()),
+                                  default_specification=DRAFT7)
+    registry: Registry[Any] = Registry().with_resource("defs.json", defs)
+    validator = Draft7Validator(json.loads((SCHEMA_DIR / "schema.json").read_text()), registry=registry)
+    validator.validate(json.loads(render_spec(hypervisor, uid, gid)))
     with pytest.raises(ValidationError):  # the validator does check what we rely on
-        VALIDATOR.validate(desired_spec("kvm", -1, 0))
+        validator.validate(desired_spec("kvm", -1, 0))
 
 
-# --- check_file ----------------------------------------------------------------------------------
-
-
-def test_check_file_reports_equal_missing_and_differences(tmp_path: Path) -> None:
-    path = tmp_path / SPEC_FILE
-    assert check_file(path, DESIRED) == (False, f"{path} is missing")
-    path.write_bytes(DESIRED)
-    assert check_file(path, DESIRED) == (True, "")
-    path.write_bytes(STALE)
-    ok, diff = check_file(path, DESIRED)
-    assert not ok
-    assert '-            "uid": 65534,' in diff and '+            "uid": 1000,' in diff
-    assert diff.startswith("--- desired\n")
-
-
-@pytest.mark.timeout(20)
-def test_check_file_never_follows_or_blocks(tmp_path: Path) -> None:
-    copy = tmp_path / "copy.json"
-    copy.write_bytes(DESIRED)
-    link = tmp_path / "link.json"
-    link.symlink_to(copy)
-    assert check_file(link, DESIRED) == (False, f"{link} is not a regular file (a symlink)")
-    fifo = tmp_path / "fifo.json"
-    os.mkfifo(fifo)
-    assert check_file(fifo, DESIRED) == (False, f"{fifo} is not a regular file (a FIFO)")
-    assert check_file(tmp_path, DESIRED) == (False, f"{tmp_path} is not a regular file "
-                                                    "(a directory)")
-
-
-# --- repairs -------------------------------------------------------------------------------------
-
-
-def _mutate(change: Callable[[dict[str, Any]], None]) -> bytes:
+def _mutate(change: Callable[[dict[str, Any], dict[str, Any], dict[str, Any]], object]) -> bytes:
+    """Our spec, rendered as we do, after ``change(spec, its edits, its device node)``."""
     spec = desired_spec("kvm", 65534, 65534)
-    change(spec)
+    edits = spec["devices"][0]["containerEdits"]
+    change(spec, edits, edits["deviceNodes"][0])
     return (json.dumps(spec, indent=2) + "\n").encode()
 
 
-def _node(spec: dict[str, Any]) -> dict[str, Any]:
-    node: dict[str, Any] = spec["devices"][0]["containerEdits"]["deviceNodes"][0]
-    return node
-
-
-def _edits(spec: dict[str, Any]) -> dict[str, Any]:
-    edits: dict[str, Any] = spec["devices"][0]["containerEdits"]
-    return edits
-
-
 STALE_CASES = {
-    "kind": _mutate(lambda s: s.update(kind="example.com/other")),
-    "name": _mutate(lambda s: s["devices"][0].update(name="mshv")),
-    "path": _mutate(lambda s: _node(s).update(path="/dev/mshv")),
-    "type": _mutate(lambda s: _node(s).update(type="b")),
-    "permissions": _mutate(lambda s: _node(s).update(permissions="rwm")),
-    "uid": _mutate(lambda s: _node(s).update(uid=0)),
-    "fileMode": _mutate(lambda s: _node(s).update(fileMode=0o600)),
-    "no-fileMode": _mutate(lambda s: _node(s).pop("fileMode")),
-    "gid": _mutate(lambda s: _node(s).update(gid=0)),
-    "env": _mutate(lambda s: _edits(s)["env"].append("EXTRA=1")),
-    "cdiVersion": _mutate(lambda s: s.update(cdiVersion="0.6.0")),
-    "extra-device": _mutate(lambda s: s["devices"].append(
+    "kind": _mutate(lambda s, e, n: s.update(kind="example.com/other")),
+    "name": _mutate(lambda s, e, n: s["devices"][0].update(name="mshv")),
+    "path": _mutate(lambda s, e, n: n.update(path="/dev/mshv")),
+    "type": _mutate(lambda s, e, n: n.update(type="b")),
+    "permissions": _mutate(lambda s, e, n: n.update(permissions="rwm")),
+    "uid": _mutate(lambda s, e, n: n.update(uid=0)),
+    "fileMode": _mutate(lambda s, e, n: n.update(fileMode=0o600)),
+    "no-fileMode": _mutate(lambda s, e, n: n.pop("fileMode")),
+    "gid": _mutate(lambda s, e, n: n.update(gid=0)),
+    "env": _mutate(lambda s, e, n: e["env"].append("EXTRA=1")),
+    "cdiVersion": _mutate(lambda s, e, n: s.update(cdiVersion="0.6.0")),
+    "extra-device": _mutate(lambda s, e, n: s["devices"].append(
         {"name": "other", "containerEdits": {"env": ["A=1"]}})),
-    "extra-edit": _mutate(lambda s: _edits(s).update(
-        mounts=[{"hostPath": "/", "containerPath": "/host"}])),
-    "spec-level-edit": _mutate(lambda s: s.update(containerEdits={"env": ["A=1"]})),
-    "missing-edit": _mutate(lambda s: _edits(s).pop("env")),
+    "extra-edit": _mutate(lambda s, e, n: e.update(mounts=[{"hostPath": "/", "containerPath": "/host"}])),
+    "spec-level-edit": _mutate(lambda s, e, n: s.update(containerEdits={"env": ["A=1"]})),
+    "missing-edit": _mutate(lambda s, e, n: e.pop("env")),
     "reformatted": json.dumps(desired_spec("kvm", 65534, 65534)).encode(),
 }
 
@@ -307,17 +220,16 @@ MALFORMED_CASES = {
     "empty": b"",
     "array": b"[]\n",
     "binary": b"\xff\xfe\x00garbage",
-    "devices-not-list": _mutate(lambda s: s.update(devices="kvm")),
-    "uid-string": _mutate(lambda s: _node(s).update(uid="65534")),
-    "fileMode-octal-string": _mutate(lambda s: _node(s).update(fileMode="0666")),
-    "env-not-strings": _mutate(lambda s: _edits(s).update(env=[1])),
-    "edits-not-object": _mutate(lambda s: s["devices"][0].update(containerEdits=[])),
-    "no-kind": _mutate(lambda s: s.pop("kind")),
+    "devices-not-list": _mutate(lambda s, e, n: s.update(devices="kvm")),
+    "uid-string": _mutate(lambda s, e, n: n.update(uid="65534")),
+    "fileMode-octal-string": _mutate(lambda s, e, n: n.update(fileMode="0666")),
+    "env-not-strings": _mutate(lambda s, e, n: e.update(env=[1])),
+    "edits-not-object": _mutate(lambda s, e, n: s["devices"][0].update(containerEdits=[])),
+    "no-kind": _mutate(lambda s, e, n: s.pop("kind")),
 }
 
 
-def _written(data: bytes, mode: int = 0o644,
-             owner: tuple[int, int] | None = None) -> Callable[[Path], None]:
+def _written(data: bytes, mode: int = 0o644, owner: tuple[int, int] | None = None) -> Callable[[Path], None]:
     def put(path: Path) -> None:
         path.write_bytes(data)
         os.chmod(path, mode)
@@ -334,13 +246,10 @@ def _setgid_directory(path: Path) -> None:
 REPAIRS = [
     pytest.param(None, "missing", 0o022, id="missing-directory-with-parents"),
     pytest.param(lambda path: None, "missing", 0o022, id="missing"),
-    pytest.param(_setgid_directory, "missing", 0o022, id="missing-in-a-setgid-directory",
-                 marks=needs_root),
+    pytest.param(_setgid_directory, "missing", 0o022, id="missing-in-a-setgid-directory", marks=needs_root),
     pytest.param(_written(DESIRED, 0o600), "metadata", 0o077, id="mode-also-against-the-umask"),
-    pytest.param(_written(DESIRED, owner=(12345, 12345)), "metadata", 0o022, id="owner",
-                 marks=needs_root),
-    *(pytest.param(_written(bad), "stale", 0o022, id=f"stale-{name}")
-      for name, bad in STALE_CASES.items()),
+    pytest.param(_written(DESIRED, owner=(12345, 12345)), "metadata", 0o022, id="owner", marks=needs_root),
+    *(pytest.param(_written(bad), "stale", 0o022, id=f"stale-{name}") for name, bad in STALE_CASES.items()),
     *(pytest.param(_written(bad), "malformed", 0o022, id=f"malformed-{name}")
       for name, bad in MALFORMED_CASES.items()),
 ]
@@ -360,10 +269,12 @@ async def test_a_wrong_or_missing_spec_is_repaired_once_and_reported(
     old = os.umask(umask)
     try:
         with caplog.at_level(logging.INFO, logger="hlplugin.cdi"):
-            condition = await rig.rec.reconcile("start")
+            # Twenty callers at once: one reconcile at a time, so one repair, and all see it.
+            conditions = await asyncio.gather(*(rig.rec.reconcile(f"c{i}") for i in range(20)))
     finally:
         os.umask(old)
-    assert condition == Condition(True) == rig.rec.condition == rig.cdi
+    assert conditions == [Condition(True)] * 20
+    assert rig.rec.condition == Condition(True) == rig.cdi
     assert_desired(rig.path)  # our euid and egid: a setgid directory's group is not inherited
     if damage is None:
         assert stat.S_IMODE(os.stat(cdi_dir).st_mode) == 0o755
@@ -371,104 +282,96 @@ async def test_a_wrong_or_missing_spec_is_repaired_once_and_reported(
     assert sum(rig.repairs(c) for c in CAUSES) == 1
     assert any("repaired" in r.getMessage() and cause in r.getMessage() for r in caplog.records)
     # Nothing to do the second time.
-    before = fingerprint(rig.path)
+    before = state(rig.path)
     assert (await rig.rec.reconcile("periodic")).ok
-    assert fingerprint(rig.path) == before
+    assert state(rig.path) == before
     assert sum(rig.repairs(c) for c in CAUSES) == 1
 
 
-async def test_one_reconcile_at_a_time(cdi_dir: Path) -> None:
-    rig = Rig(cdi_dir)
-    conditions = await asyncio.gather(*(rig.rec.reconcile(f"caller-{i}") for i in range(20)))
-    assert all(c.ok for c in conditions)
-    assert rig.repairs("missing") == 1
-    assert_desired(rig.path)
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("flags", [True, pytest.param(False, marks=pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="the seccomp filter is x86_64 only"))],
+    ids=["renameat2", "without-renameat2-flags"])
+def test_ensure_is_cheap_when_right_repairs_what_it_can_reports_what_it_cannot(
+        cdi_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, flags: bool) -> None:
+    """Also where renameat2 has no flags (a filesystem without them, as some FUSE ones): the
+    repairs fall back to check-and-rename, and say so once."""
+    async def scenario() -> None:  # in the child, caplog's handler collects the child's records
+        rig = Rig(cdi_dir)
+        assert check_file(rig.path, DESIRED) == (False, f"{rig.path} is missing")
+        rig.path.write_bytes(STALE)
+        ok, diff = check_file(rig.path, DESIRED)
+        assert not ok and diff.startswith("--- desired\n")
+        assert '-            "uid": 65534,' in diff and '+            "uid": 1000,' in diff
 
+        assert (await rig.rec.reconcile("start")).ok
+        assert check_file(rig.path, DESIRED) == (True, "")
+        assert_desired(rig.path)
+        before = state(rig.path)
+        for _ in range(100):
+            assert (await rig.rec.ensure()).ok
+        assert state(rig.path) == before  # never rewritten
+        assert rig.repairs("stale") == 1
 
-# --- ensure(): the check before every Allocate ---------------------------------------------------
-
-
-async def test_ensure_is_cheap_when_right_and_catches_a_same_size_rewrite(cdi_dir: Path) -> None:
-    rig = Rig(cdi_dir)
-
-    assert (await rig.rec.reconcile("start")).ok
-    before = fingerprint(rig.path)
-    for _ in range(100):
+        # Same size, same mtime: only the bytes tell.
+        st = os.stat(rig.path)
+        tampered = DESIRED.replace(b'"rw"', b'"rx"')
+        assert len(tampered) == len(DESIRED)
+        rig.path.write_bytes(tampered)  # in place, the same inode
+        os.utime(rig.path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert os.stat(rig.path).st_mtime_ns == st.st_mtime_ns
         assert (await rig.rec.ensure()).ok
-    assert fingerprint(rig.path) == before  # never rewritten
-    assert rig.repairs("missing") == 1
+        assert_desired(rig.path)
+        assert rig.repairs("stale") == 2
 
-    # Same size, same mtime: only the bytes tell.
-    st = os.stat(rig.path)
-    tampered = DESIRED.replace(b'"rw"', b'"rx"')
-    assert len(tampered) == len(DESIRED)
-    overwrite(rig.path, tampered)
-    os.utime(rig.path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert os.stat(rig.path).st_mtime_ns == st.st_mtime_ns
-    assert (await rig.rec.ensure()).ok
-    assert_desired(rig.path)
-    assert rig.repairs("stale") == 1
+        os.chmod(rig.path, 0o666)
+        assert (await rig.rec.ensure()).ok
+        assert_desired(rig.path)
+        assert rig.repairs("metadata") == 1
 
-    os.chmod(rig.path, 0o666)
-    assert (await rig.rec.ensure()).ok
-    assert_desired(rig.path)
-    assert rig.repairs("metadata") == 1
+        rig.path.unlink()
+        assert (await rig.rec.ensure()).ok
+        assert_desired(rig.path)
+        assert rig.repairs("missing") == 1
 
-    rig.path.unlink()
-    assert (await rig.rec.ensure()).ok
-    assert_desired(rig.path)
-    assert rig.repairs("missing") == 2
+        # What it cannot repair (a symlink) it reports, and leaves alone.
+        rig.path.unlink()
+        rig.path.symlink_to(tmp_path / "nowhere")
+        reason = f"{rig.path} is a symlink; refusing to replace what we do not own"
+        assert await rig.rec.ensure() == Condition(False, reason) == rig.cdi
+        assert rig.path.is_symlink() and not (tmp_path / "nowhere").exists()
+        assert temp_files(cdi_dir) == []
+        warnings = [r for r in caplog.records if "does not support renameat2" in r.getMessage()]
+        assert len(warnings) == (0 if flags else 1)
 
-
-async def test_ensure_reports_a_failure_it_cannot_repair(cdi_dir: Path, tmp_path: Path) -> None:
-    rig = Rig(cdi_dir)
-    assert (await rig.rec.reconcile("start")).ok
-    rig.path.unlink()
-    rig.path.symlink_to(tmp_path / "nowhere")
-    condition = await rig.rec.ensure()
-    assert not condition.ok and "symlink" in condition.reason
-    assert not rig.cdi.ok
-    assert rig.path.is_symlink() and not (tmp_path / "nowhere").exists()
+    _forked(lambda: None if flags else _kernel_without_renameat2_flags(), scenario)
 
 
-# --- what is not ours ----------------------------------------------------------------------------
+def _forked(prepare: Callable[[], None], scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run ``prepare``, then ``scenario()`` on its own loop with a guard, in a forked child (the
+    fork is no test: it never returns into pytest); a failure there fails the test, traceback and
+    all."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        try:
+            prepare()
+            asyncio.run(asyncio.wait_for(scenario(), 60))
+        except BaseException:
+            os.write(write_end, traceback.format_exc().encode())
+            os._exit(1)
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        failure = f.read().decode()
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, failure
 
 
-def _obstruct(kind: str, path: Path, tmp_path: Path) -> Callable[[], object]:
-    """Put something not ours at ``path``; return a snapshot of it and of what it points to."""
-    if kind.startswith("symlink"):
-        target = tmp_path / "elsewhere" / "copy.json" if kind == "symlink-to-desired-copy" \
-            else tmp_path / "victim.txt"
-        target.parent.mkdir(exist_ok=True)
-        target.write_bytes(DESIRED if kind == "symlink-to-desired-copy" else b"not yours\n")
-        os.chmod(target, 0o644)
-        path.symlink_to(target)
-        return lambda: (os.readlink(path), fingerprint(target), target.read_bytes())
-    if kind == "dangling-symlink":
-        path.symlink_to(tmp_path / "does-not-exist")
-        return lambda: (os.readlink(path), (tmp_path / "does-not-exist").exists())
-    if kind == "directory":
-        path.mkdir()
-        (path / "inside").write_bytes(b"x")
-        return lambda: (fingerprint(path), os.listdir(path), (path / "inside").read_bytes())
-    if kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "socket":
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.bind(str(path))
-    else:
-        os.mknod(path, stat.S_IFCHR | 0o644, os.makedev(1, 3))
-    return lambda: (fingerprint(path), os.lstat(path).st_rdev)
-
-
-OBSTRUCTIONS = [
-    *(pytest.param(kind, "a symlink", id=kind)
-      for kind in ("symlink-to-desired-copy", "symlink-outside", "dangling-symlink")),
-    pytest.param("directory", "a directory", id="directory"),
-    pytest.param("fifo", "a FIFO", id="fifo"),
-    pytest.param("socket", "a socket", id="socket"),
-    pytest.param("device-node", "a character device", id="device-node", marks=needs_root),
-]
+def _become_nobody() -> None:
+    os.setgroups([])
+    os.setegid(65534)
+    os.seteuid(65534)
 
 
 def _remove(path: Path) -> None:
@@ -478,100 +381,130 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def _hostile(kind: str, tmp_path: Path,
+             stack: contextlib.ExitStack) -> tuple[Path, Callable[[], object], str]:
+    """A CDI dir with something not ours at our path, or on storage where writes fail: the dir,
+    what undoes the harm, and the cause of the repair that follows. What an obstruction points
+    to lies in ``tmp_path/outside``."""
+    outside, cdi_dir = tmp_path / "outside", tmp_path / "cdi"
+    outside.mkdir()
+    cdi_dir.mkdir()
+    path = cdi_dir / SPEC_FILE
+    if "symlink" in kind:
+        target = outside / kind  # a dangling symlink's is never created
+        if kind != "dangling-symlink":
+            target.write_bytes(DESIRED if kind == "symlink-to-desired-copy" else b"not yours\n")
+            os.chmod(target, 0o644)
+        path.symlink_to(target)
+    elif kind == "directory":
+        path.mkdir()
+        (path / "inside").write_bytes(b"x")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(str(path))
+    elif kind == "device-node":
+        os.mknod(path, stat.S_IFCHR | 0o644, os.makedev(1, 3))
+    elif kind == "mount-point":
+        (outside / "mounted.json").write_bytes(STALE)
+        path.write_bytes(b"")
+        sh("mount", "--bind", str(outside / "mounted.json"), str(path))
+        stack.callback(subprocess.run, ["umount", str(path)], check=False)
+        # Unmounting raises no inotify event in the directory: a retry finds the empty file.
+        return cdi_dir, lambda: sh("umount", str(path)), "malformed"
+    elif kind == "not-creatable":  # a file where the directory belongs
+        blocker = tmp_path / "blocker"
+        blocker.write_bytes(b"a file where a directory should be")
+        return blocker / "cdi", blocker.unlink, "missing"
+    elif kind == "permission-denied":
+        # pytest's tmp_path lies under a 0700 directory that user 65534 cannot walk.
+        base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hlplugin-cdi-")))
+        os.chmod(base, 0o755)
+        cdi_dir = base / "cdi"
+        cdi_dir.mkdir()
+        os.chown(cdi_dir, 65534, 65534)
+        os.chmod(cdi_dir, 0o555)
+        return cdi_dir, lambda: os.chmod(cdi_dir, 0o755), "missing"
+    else:  # read-only or full storage, holding a stale spec
+        mnt = tmp_path / "mnt"
+        mnt.mkdir()
+        size = "1m" if kind == "read-only" else "16k"
+        sh("mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(mnt))
+        stack.callback(subprocess.run, ["umount", str(mnt)], check=False)
+        cdi_dir = mnt / "cdi"
+        cdi_dir.mkdir()
+        (cdi_dir / SPEC_FILE).write_bytes(STALE)
+        if kind == "read-only":
+            sh("mount", "-o", "remount,ro", str(mnt))
+            return cdi_dir, lambda: sh("mount", "-o", "remount,rw", str(mnt)), "stale"
+        filler = cdi_dir / "filler"
+        with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        assert os.statvfs(mnt).f_bavail == 0
+        return cdi_dir, filler.unlink, "stale"
+    return cdi_dir, lambda: _remove(path), "missing"
+
+
+def _row(kind: str, refusal: str, detail: str, root: bool = False) -> Any:
+    return pytest.param(kind, refusal, detail, id=kind, marks=needs_root if root else ())
+
+
+HOSTILE = [
+    *(_row(kind, "not_regular", "a symlink")
+      for kind in ("symlink-to-desired-copy", "symlink-outside", "dangling-symlink")),
+    _row("directory", "not_regular", "a directory"),
+    _row("fifo", "not_regular", "a FIFO"),
+    _row("socket", "not_regular", "a socket"),
+    _row("device-node", "not_regular", "a character device", root=True),
+    _row("mount-point", "not_regular", "a mount point", root=True),
+    _row("not-creatable", "write_failed", "Not a directory (ENOTDIR)"),  # a file where it belongs
+    _row("permission-denied", "write_failed", "Permission denied (EACCES)", root=True),
+    _row("read-only", "write_failed", "Read-only file system (EROFS)", root=True),
+    _row("full", "write_failed", "No space left on device (ENOSPC)", root=True),
+]
+
+
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("kind", "what"), OBSTRUCTIONS)
-async def test_non_regular_path_is_refused_untouched_and_recovers(
-    cdi_dir: Path, tmp_path: Path, kind: str, what: str,
-) -> None:
-    rig = Rig(cdi_dir, interval=60.0)
-    snapshot = _obstruct(kind, rig.path, tmp_path)
-    before = snapshot()
+@pytest.mark.parametrize(("kind", "refusal", "detail"), HOSTILE)
+def test_hostile_path_or_storage_is_refused_left_alone_retried_and_recovers(
+        tmp_path: Path, kind: str, refusal: str, detail: str) -> None:
+    with contextlib.ExitStack() as stack:
+        cdi_dir, fix, cause = _hostile(kind, tmp_path, stack)
+        path, outside = cdi_dir / SPEC_FILE, tmp_path / "outside"
+        before, kept = state(path), {p: state(p) for p in outside.iterdir()}
+        if refusal == "not_regular" and kind != "mount-point":  # it neither follows nor blocks
+            assert check_file(path, DESIRED) == (False, f"{path} is not a regular file ({detail})")
+        reason = (f"{path} is {detail}; refusing to replace what we do not own"
+                  if refusal == "not_regular" else f"cannot write {path}: {detail}")
 
-    condition = await rig.rec.reconcile("start")
-    reason = f"{rig.path} is {what}; refusing to replace what we do not own"
-    assert condition == Condition(False, reason) == rig.cdi
-    assert not (await rig.rec.ensure()).ok
-    assert snapshot() == before
-    assert rig.refusals("not_regular") == 2
-    assert temp_files(cdi_dir) == []
+        async def scenario() -> None:
+            rig = Rig(cdi_dir, max_backoff=0.01)
+            assert await rig.rec.reconcile("start") == Condition(False, reason) == rig.cdi
+            assert rig.refusals(refusal) == 1
+            assert not (await rig.rec.ensure()).ok
+            assert rig.refusals(refusal) == 2 == rig.refusals("not_regular") + rig.refusals("write_failed")
+            assert state(path) == before
+            assert temp_files(cdi_dir) == []  # a temp file made for a failed write is removed
+            async with running(rig.rec):
+                await wait_until(lambda: rig.refusals(refusal) >= 5)  # retrying
+                assert state(path) == before and not rig.cdi.ok  # never replaced, never deleted
+                fix()
+                await wait_until(lambda: rig.cdi.ok)
+            assert_desired(path)  # owned by whoever we run as
+            assert check_file(path, DESIRED) == (True, "")
+            assert rig.repairs(cause) == 1 == sum(rig.repairs(c) for c in CAUSES)
+            assert temp_files(cdi_dir) == []
+            # Our own file made unreadable to us (to root, merely of the wrong mode).
+            os.chmod(path, 0o000)
+            assert (await rig.rec.reconcile("periodic")).ok
+            assert_desired(path)
+            assert rig.repairs("metadata") == 1
 
-    async with running(rig.rec):
-        # A bounded watch, 50 ms: run() starts with a pass, which would touch the obstruction
-        # within a millisecond or two; later ones come only from the watcher (interval 60 s).
-        await asyncio.sleep(0.05)
-        assert snapshot() == before and not rig.cdi.ok
-        _remove(rig.path)  # the watcher sees the obstruction go
-        await wait_until(lambda: rig.cdi.ok)
-    assert_desired(rig.path)
-    assert check_file(rig.path, DESIRED) == (True, "")
-
-
-@needs_root
-@pytest.mark.timeout(30)
-async def test_a_file_mounted_at_our_path_is_refused_untouched_and_recovers(cdi_dir: Path,
-                                                                       tmp_path: Path) -> None:
-    source = tmp_path / "mounted.json"
-    source.write_bytes(STALE)
-    rig = Rig(cdi_dir, interval=60.0)
-    rig.path.write_bytes(b"")
-    subprocess.run(["mount", "--bind", str(source), str(rig.path)], check=True)  # noqa: ASYNC221 (the loop runs nothing else here)
-    try:
-        condition = await rig.rec.reconcile("start")
-        reason = f"{rig.path} is a mount point; refusing to replace what we do not own"
-        assert condition == Condition(False, reason) == rig.cdi
-        assert rig.refusals("not_regular") == 1 and rig.refusals("write_failed") == 0
-        assert rig.path.read_bytes() == STALE == source.read_bytes()
-        assert temp_files(cdi_dir) == []
-    finally:
-        subprocess.run(["umount", str(rig.path)], check=True)  # noqa: ASYNC221 (the loop runs nothing else here)
-    assert (await rig.rec.reconcile("retry")).ok
-    assert_desired(rig.path)
-    assert source.read_bytes() == STALE
-
-
-# --- atomicity and neighbours --------------------------------------------------------------------
-
-
-@pytest.mark.timeout(60)
-async def test_readers_never_see_a_torn_empty_or_missing_spec(cdi_dir: Path) -> None:
-    rig = Rig(cdi_dir)
-    tamper = cdi_dir / "tamper.json.new"
-    await rig.rec.reconcile("start")
-    seen = {"desired": 0, "stale": 0, "missing": 0, "torn": 0}
-    stop = threading.Event()
-
-    def reader() -> None:
-        while not stop.is_set():
-            try:
-                with open(rig.path, "rb") as f:
-                    data = f.read()
-            except FileNotFoundError:
-                seen["missing"] += 1
-                continue
-            seen["desired" if data == DESIRED else "stale" if data == STALE else "torn"] += 1
-
-    thread = threading.Thread(target=reader)
-    thread.start()
-    try:
-        for i in range(300):
-            tamper.write_bytes(STALE)  # replaced atomically, so any torn read would be ours
-            if i % 2:
-                os.chmod(tamper, 0o600)
-            os.rename(tamper, rig.path)
-            assert (await rig.rec.reconcile("test")).ok
-        await wait_until(lambda: sum(seen.values()) >= 3000, 30, "3000 reads")
-    finally:
-        stop.set()
-        thread.join()
-    print("reads:", seen)
-    assert seen["torn"] == 0 and seen["missing"] == 0, seen
-    assert seen["desired"] > 0 and seen["stale"] > 0, seen
-    assert rig.repairs("stale") == 300
-    assert_desired(rig.path)
-    assert temp_files(cdi_dir) == []
-
-
-# --- an intruder racing the repair ---------------------------------------------------------------
+        # In a forked child, as root or (permission-denied) as user 65534, a non-root daemon.
+        _forked(_become_nobody if kind == "permission-denied" else lambda: None, scenario)
+    assert {p: state(p) for p in outside.iterdir()} == kept
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -587,138 +520,117 @@ def exchange(a: Path, b: Path, flags: int = 2) -> None:
 
 
 class Swapper:
-    """Someone with write access to the CDI directory (a fake of the world) who, while repairs
-    run, keeps exchanging its own object, a symlink or a directory, with whatever is at our path
-    (renameat2 RENAME_EXCHANGE, as fast as it can); or ("gap") keeps moving its symlink from our
-    path to its side name and back (RENAME_NOREPLACE), so that our path is now missing, now the
-    symlink. None of its moves destroys anything, so its object is always either at our path or
-    at its side name; if after a pass it is at neither, the repair replaced it. What the
-    exchanges move to the side name is what a runtime could have read at our path.
-    """
+    """Someone with write access to the CDI directory (a fake of the world) who, while a repair
+    runs, keeps exchanging its object at ``side`` (a symlink or a directory) with whatever is at
+    our ``path``; or ("gap") keeps moving its symlink from our path to ``side`` and back, so our
+    path is now missing, now the symlink. None of its moves destroys anything: if after a pass
+    its object is at neither name, the repair replaced it. What the exchanges move to ``side`` is
+    what a runtime could have read at our path."""
 
-    def __init__(self, cdi_dir: Path, target: Path) -> None:
-        self.path, self.side, self.target = cdi_dir / SPEC_FILE, cdi_dir / "intruder", target
+    def __init__(self, path: Path, side: Path) -> None:
+        self.path, self.side, self.kind, self.swaps = path, side, "", 0
         self.go, self.halt, self.halted = threading.Event(), threading.Event(), threading.Event()
-        self.identity: tuple[int, int] = (0, 0)
-        self.kind = ""
-        self.swaps = 0
-        self.stopped = False
         self.thread = threading.Thread(target=self._run, name="swapper", daemon=True)
         self.thread.start()
 
-    def start_round(self, kind: str) -> None:
-        """Our path holds a stale spec to repair and the object waits at the side name; or, for
-        "gap", the object is at our path."""
-        for path in (self.path, self.side):
-            if path.is_symlink() or path.exists():
-                _remove(path)
+    @contextlib.contextmanager
+    def racing(self, kind: str) -> Iterator[None]:
         self.kind = kind
-        if kind == "gap":
-            self.path.symlink_to(self.target)
-        else:
-            self.path.write_bytes(STALE)
-        if kind == "symlink":
-            self.side.symlink_to(self.target)
-        elif kind == "directory":
-            self.side.mkdir()
-            (self.side / "inside").write_bytes(b"x")
-        st = os.lstat(self.path if kind == "gap" else self.side)
-        self.identity = (st.st_dev, st.st_ino)
         self.halt.clear()
         self.halted.clear()
         self.go.set()
-
-    def end_round(self) -> None:
-        self.halt.set()
-        assert self.halted.wait(GUARD), "the swapper hung"
+        try:
+            yield
+        finally:
+            self.halt.set()
+            assert self.halted.wait(5.0), "the swapper hung"  # a guard
 
     def _run(self) -> None:
-        while True:
-            self.go.wait()
+        while self.go.wait() and self.kind:
             self.go.clear()
-            if self.stopped:
-                return
             while not self.halt.is_set():
                 if self.kind == "gap":  # never over anything: nothing is lost by its doing
-                    with contextlib.suppress(FileNotFoundError, FileExistsError):
-                        exchange(self.path, self.side, RENAME_NOREPLACE)
-                    with contextlib.suppress(FileNotFoundError, FileExistsError):
-                        exchange(self.side, self.path, RENAME_NOREPLACE)
+                    for a, b in ((self.path, self.side), (self.side, self.path)):
+                        with contextlib.suppress(FileNotFoundError, FileExistsError):
+                            exchange(a, b, RENAME_NOREPLACE)
                 else:
                     exchange(self.side, self.path)
                 self.swaps += 1
             self.halted.set()
 
     def stop(self) -> None:
-        self.stopped = True
+        self.kind = ""
         self.go.set()
-        self.thread.join(GUARD)
-
-
-def _identity(path: Path) -> tuple[int, int] | None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino
+        self.thread.join(5.0)
 
 
 @pytest.mark.timeout(120)
 async def test_a_symlink_or_directory_swapped_in_during_repairs_is_never_replaced(
     cdi_dir: Path, tmp_path: Path,
 ) -> None:
-    """Thousands of repairs, each raced by a Swapper. Whatever the interleaving, its object
-    survives, its symlink's target is never written, and every regular file that was at our
-    path is the stale spec or exactly ours (never torn, never the wrong mode)."""
+    """Thousands of repairs, each raced by a Swapper: its object survives, its symlink's target is
+    never written, and every regular file at either name is the stale spec or exactly ours."""
     rounds, budget = 3000, 20.0
     target = tmp_path / "victim.txt"
     target.write_bytes(b"not yours\n")
     rig = Rig(cdi_dir, interval=60.0)
-    swapper = Swapper(cdi_dir, target)
-    tally = {"rounds": 0, "replaced": 0, "ours_seen": 0}
-    outcomes: dict[str, int] = {}
+    side = cdi_dir / "intruder"
+    swapper = Swapper(rig.path, side)
+    tally = {"rounds": 0, "ours_seen": 0}
+    outcomes: Counter[str] = Counter()
 
-    try:
-        start = time.monotonic()
-        for i in range(rounds):
-            if time.monotonic() - start > budget:
-                break
-            kind = ("symlink", "directory", "gap")[i % 3]
-            swapper.start_round(kind)
+    start = time.monotonic()
+    for i in range(rounds):
+        if time.monotonic() - start > budget:
+            break
+        # Our path holds a stale spec to repair and the object waits at the side name; or, for
+        # "gap", the object is at our path.
+        kind = ("symlink", "directory", "gap")[i % 3]
+        for path in (rig.path, side):
+            if path.is_symlink() or path.exists():
+                _remove(path)
+        if kind == "gap":
+            rig.path.symlink_to(target)
+        else:
+            rig.path.write_bytes(STALE)
+        if kind == "symlink":
+            side.symlink_to(target)
+        elif kind == "directory":
+            side.mkdir()
+            (side / "inside").write_bytes(b"x")
+        its = state(rig.path if kind == "gap" else side)  # its object, and what is in it
+        with swapper.racing(kind):  # halts it however the pass ends
             condition = await rig.rec.reconcile("race")
-            swapper.end_round()
-            tally["rounds"] += 1
-            key = "ok" if condition.ok else condition.reason.split(" is ", 1)[-1].split(";")[0]
-            outcomes[key] = outcomes.get(key, 0) + 1
-            if swapper.identity not in (_identity(rig.path), _identity(swapper.side)):
-                tally["replaced"] += 1
-                continue
-            if kind == "directory":
-                directory = next(p for p in (rig.path, swapper.side) if p.is_dir())
-                assert os.listdir(directory) == ["inside"]
-            assert temp_files(cdi_dir) == []
-            for path in (rig.path, swapper.side):
-                if _identity(path) is None:  # "gap": the side name is empty
-                    continue
-                st = os.lstat(path)
-                if stat.S_ISREG(st.st_mode):
-                    data = path.read_bytes()
-                    assert data in (STALE, DESIRED), data
-                    if data == DESIRED:
-                        tally["ours_seen"] += 1
-                        assert stat.S_IMODE(st.st_mode) == 0o644
-    finally:
-        swapper.stop()
+        tally["rounds"] += 1
+        key = "ok" if condition.ok else condition.reason.split(" is ", 1)[-1].split(";")[0]
+        outcomes[key] += 1
+        assert its in (state(rig.path), state(side)), f"replaced in round {i}: {tally}, {outcomes}"
+        assert temp_files(cdi_dir) == []
+        for path in (rig.path, side):  # a regular file there is the stale spec or exactly ours
+            if path.is_file() and not path.is_symlink():
+                ours = spec_is_exact(path, DESIRED)
+                assert ours or path.read_bytes() == STALE, path.read_bytes()
+                tally["ours_seen"] += ours
+    swapper.stop()
     print("race:", tally, "swaps:", swapper.swaps, "outcomes:", outcomes)
-    assert tally["replaced"] == 0, f"the swapped-in object was replaced: {tally}, {outcomes}"
     assert target.read_bytes() == b"not yours\n"
     assert rig.refusals("write_failed") == 0, outcomes
     # At least 200 rounds even on a loaded machine; the old code lost the object in 4-6 % of them.
     assert tally["rounds"] >= 200 and tally["ours_seen"] > 0, tally
 
 
-async def test_crash_leftovers_are_removed_at_start_and_nothing_else(cdi_dir: Path,
-                                                               tmp_path: Path) -> None:
+@pytest.mark.timeout(60)
+async def test_run_removes_crash_leftovers_repairs_promptly_and_touches_nothing_else(
+        cdi_dir: Path, tmp_path: Path) -> None:
+    """Also: a reader never sees the spec torn, empty or missing while the repairs replace it."""
+    sibling = cdi_dir / "vendor.example.json"
+    sibling.write_bytes(b'{"cdiVersion": "0.3.0", "kind": "example.com/x", "devices": []}\n')
+    os.chmod(sibling, 0o600)
+    lookalikes = [cdi_dir / "hyperlight.json.bak", cdi_dir / ".hyperlight.json.swp",
+                  cdi_dir / ".other.json.tmp-1", cdi_dir / "other.json", cdi_dir / "hyperlight.json.tmp-x"]
+    for path in lookalikes:
+        path.write_bytes(STALE)
+    # A crash's leftovers: regular files with our prefix; a symlink or a directory with it is not.
     leftovers = [cdi_dir / f"{TEMP_PREFIX}deadbeef", cdi_dir / f"{TEMP_PREFIX}0123"]
     for path in leftovers:
         path.write_bytes(DESIRED[:10])
@@ -728,123 +640,64 @@ async def test_crash_leftovers_are_removed_at_start_and_nothing_else(cdi_dir: Pa
     link.symlink_to(target)
     temp_dir = cdi_dir / f"{TEMP_PREFIX}dir"
     temp_dir.mkdir()
-    others = [cdi_dir / "other.json", cdi_dir / ".other.json.tmp-1",
-              cdi_dir / "hyperlight.json.tmp-x"]
-    for path in others:
-        path.write_bytes(b"other")
-
-    rig = Rig(cdi_dir)
+    neighbours = {p: state(p) for p in [sibling, *lookalikes, target, link, temp_dir]}
+    rig = Rig(cdi_dir, interval=60.0)
     assert rig.rec.cleanup_leftovers() == 2
     assert not any(p.exists() for p in leftovers)
-    assert link.is_symlink() and target.read_bytes() == b"keep" and temp_dir.is_dir()
-    assert all(p.read_bytes() == b"other" for p in others)
-
-    # run() does it at start.
-    leftovers[0].write_bytes(b"partial")
-
-    async with running(rig.rec):
-        await wait_until(lambda: rig.cdi.ok)
-    assert not leftovers[0].exists()
-    assert temp_files(cdi_dir) == sorted([link.name, temp_dir.name])
-    assert_desired(rig.path)
-
-
-# --- the run() loop ------------------------------------------------------------------------------
-
-
-async def test_run_repairs_deletion_and_tampering_promptly_and_nothing_else(
-        cdi_dir: Path) -> None:
-    # With a 60 s interval, only the watcher can explain a repair within the guard.
-    sibling = cdi_dir / "vendor.example.json"
-    sibling.write_bytes(b'{"cdiVersion": "0.3.0", "kind": "example.com/x", "devices": []}\n')
-    os.chmod(sibling, 0o600)
-    lookalikes = [cdi_dir / "hyperlight.json.bak", cdi_dir / ".hyperlight.json.swp",
-                  cdi_dir / ".other.json.tmp-1"]
-    for path in lookalikes:
-        path.write_bytes(STALE)
-    neighbours = {p: (fingerprint(p), p.read_bytes()) for p in [sibling, *lookalikes]}
-    rig = Rig(cdi_dir, interval=60.0)
+    leftovers[0].write_bytes(b"partial")  # run() removes it at start
     timings: dict[str, float] = {}
+    seen = {"desired": 0, "stale": 0, "missing": 0, "torn": 0}
+    stop = threading.Event()
 
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                with open(rig.path, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                seen["missing"] += 1
+                continue
+            seen["desired" if data == DESIRED else "stale" if data == STALE else "torn"] += 1
+
+    # With a 60 s interval, only the watcher can explain a repair within the guard.
     async with running(rig.rec):
         await wait_until(lambda: rig.cdi.ok)
+        assert not leftovers[0].exists()
         assert_desired(rig.path)
+        tamper, thread = cdi_dir / "tamper.json.new", threading.Thread(target=reader)
+        thread.start()
+        try:
+            for i in range(300):
+                tamper.write_bytes(STALE)  # replaced atomically, so any torn read would be ours
+                if i % 2:
+                    os.chmod(tamper, 0o600)
+                os.rename(tamper, rig.path)
+                await wait_until(lambda: spec_is_exact(rig.path, DESIRED), step=0.001)
+            await wait_until(lambda: sum(seen.values()) >= 3000, 30, "3000 reads")
+        finally:
+            stop.set()
+            thread.join()
+        print("reads:", seen)
+        assert seen["torn"] == 0 and seen["missing"] == 0, seen
+        assert seen["desired"] > 0 and seen["stale"] > 0, seen
+        await wait_until(lambda: rig.repairs("stale") == 300)  # counted just after the rename
         rig.path.unlink()
-        timings["deleted"] = await wait_until(lambda: content(rig.path) == DESIRED)
+        timings["deleted"] = await wait_until(lambda: spec_is_exact(rig.path, DESIRED))
         for _ in range(5):
             rig.path.write_bytes(STALE)  # in place
-            timings["rewritten"] = await wait_until(lambda: content(rig.path) == DESIRED)
+            timings["rewritten"] = await wait_until(lambda: spec_is_exact(rig.path, DESIRED))
         os.chmod(rig.path, 0o600)
-        timings["chmod"] = await wait_until(
-            lambda: stat.S_IMODE(os.stat(rig.path).st_mode) == 0o644)
+        timings["chmod"] = await wait_until(lambda: spec_is_exact(rig.path, DESIRED))
         # A bounded watch, 50 ms: the inotify events of our own repairs arrive within a
         # millisecond or two, and a repair they caused would show in the counts below.
         await asyncio.sleep(0.05)
     assert_desired(rig.path)
     assert rig.repairs("missing") == 2 and rig.repairs("metadata") == 1
-    assert rig.repairs("stale") + rig.repairs("malformed") == 5
+    assert rig.repairs("stale") + rig.repairs("malformed") == 300 + 5
     assert rig.cdi.ok
-    assert {p: (fingerprint(p), p.read_bytes()) for p in neighbours} == neighbours
+    assert {p: state(p) for p in neighbours} == neighbours
+    assert temp_files(cdi_dir) == sorted([link.name, temp_dir.name])
     print("repair latency (s):", {k: round(v, 4) for k, v in timings.items()})
-
-
-async def test_run_repairs_periodically_what_the_watcher_cannot_see(cdi_dir: Path,
-                                                              tmp_path: Path) -> None:
-    # A write through a hard link in another directory raises no event in the CDI directory.
-    rig = Rig(cdi_dir, interval=0.2)
-    alias = tmp_path / "alias.json"
-
-    async with running(rig.rec):
-        await wait_until(lambda: rig.cdi.ok)
-        os.link(rig.path, alias)
-        overwrite(alias, STALE)
-        await wait_until(lambda: content(rig.path) == DESIRED)
-    assert alias.read_bytes() == STALE  # the old inode, no longer our spec
-    assert_desired(rig.path)
-    # A pass may land between the overwrite's truncate and its write (an empty or partial file),
-    # so how many repairs and which causes depend on timing; at least one happened.
-    assert sum(rig.repairs(c) for c in CAUSES) >= 1
-
-
-def _become_nobody() -> None:
-    os.setgroups([])
-    os.setegid(65534)
-    os.seteuid(65534)
-
-
-def _as_nobody(task: Callable[[], object]) -> object:
-    """Run ``task`` in a forked child with euid/egid 65534 (DAC applies there); its result back."""
-    return _forked(_become_nobody, task)
-
-
-def in_child(scenario: Coroutine[Any, Any, object]) -> object:
-    """Run a forked child's async scenario on its own loop, with a guard (the fork is no test)."""
-    return asyncio.run(asyncio.wait_for(scenario, 60))
-
-
-def _forked(prepare: Callable[[], None], task: Callable[[], object]) -> object:
-    """Run ``prepare`` then ``task`` in a forked child; the repr of the task's result back."""
-    import concurrent.futures.thread  # noqa: F401  (imported lazily by to_thread)
-    import traceback
-
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never return into pytest
-        code = 0
-        try:
-            os.close(read_end)
-            prepare()
-            payload = repr(task()).encode()
-        except BaseException:
-            payload, code = traceback.format_exc().encode(), 1
-        os.write(write_end, payload)
-        os._exit(code)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as f:
-        payload = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, payload.decode()
-    return payload.decode()
 
 
 def _kernel_without_renameat2_flags() -> None:
@@ -852,157 +705,30 @@ def _kernel_without_renameat2_flags() -> None:
     RENAME_EXCHANGE/RENAME_NOREPLACE does (FUSE without rename2, ...): a seccomp filter, inherited
     by the threads started afterwards. x86_64 only (the system call number and argument offset).
     """
-    class SockFilter(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
-                    ("k", ctypes.c_uint)]
-
-    class SockFprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
-
     ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
     allow, einval = 0x7FFF0000, 0x00050000 | errno.EINVAL
-    program = [
-        SockFilter(ld, 0, 0, 4), SockFilter(jeq, 0, 5, 0xC000003E),  # arch == x86_64
-        SockFilter(ld, 0, 0, 0), SockFilter(jeq, 0, 3, 316),  # nr == renameat2
-        SockFilter(ld, 0, 0, 48), SockFilter(jeq, 1, 0, 0),  # args[4] (flags) == 0
-        SockFilter(ret, 0, 0, einval), SockFilter(ret, 0, 0, allow),
+    program = [  # struct sock_filter: u16 code, u8 jt, u8 jf, u32 k
+        (ld, 0, 0, 4), (jeq, 0, 5, 0xC000003E),  # arch == x86_64
+        (ld, 0, 0, 0), (jeq, 0, 3, 316),  # nr == renameat2
+        (ld, 0, 0, 48), (jeq, 1, 0, 0),  # args[4] (flags) == 0
+        (ret, 0, 0, einval), (ret, 0, 0, allow),
     ]
-    filters = (SockFilter * len(program))(*program)
-    prog = SockFprog(len(program), filters)
+    filters = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *op) for op in program))
+    prog = struct.pack("=H6xQ", len(program), ctypes.addressof(filters))  # struct sock_fprog
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
-                           ctypes.c_ulong]
+    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
     if libc.prctl(38, 1, None, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
         raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
-    if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    if libc.prctl(22, 2, prog, 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
         raise OSError(ctypes.get_errno(), "PR_SET_SECCOMP")
+    with pytest.raises(OSError, match=r"\[Errno 22\]"):  # ENOENT, were it not for the filter
+        exchange(Path("/nonexistent-a"), Path("/nonexistent-b"))
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="the seccomp filter is x86_64 only")
-@pytest.mark.timeout(30)
-def test_without_renameat2_flags_it_falls_back_to_check_and_rename_and_says_so_once(
-    cdi_dir: Path, tmp_path: Path,
-) -> None:
-    async def scenario() -> object:
-        records: list[str] = []
-        handler = logging.Handler()
-        handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-        logging.getLogger("hlplugin.cdi").addHandler(handler)
-        logging.getLogger("hlplugin.cdi").setLevel(logging.INFO)
-        probe = cdi_dir / "probe"
-        probe.write_bytes(b"")
-        exchange_error = ""
-        try:
-            exchange(probe, cdi_dir / "probe2")
-        except OSError as exc:
-            exchange_error = errno.errorcode[exc.errno or 0]
-        probe.unlink()
-        rig = Rig(cdi_dir)
-        rig.path.write_bytes(STALE)
-        first = await rig.rec.reconcile("start")
-        right = rig.path.read_bytes() == DESIRED and stat.S_IMODE(os.lstat(rig.path).st_mode)
-        rig.path.unlink()
-        second = await rig.rec.reconcile("watch")
-        rig.path.unlink()
-        rig.path.symlink_to(tmp_path / "nowhere")
-        third = await rig.rec.reconcile("watch")
-        warnings = [m for m in records if "does not support renameat2" in m]
-        return (exchange_error, first, right, second, third.reason, len(warnings),
-                rig.repairs("stale"), rig.repairs("missing"), temp_files(cdi_dir))
-
-    assert _forked(_kernel_without_renameat2_flags, lambda: in_child(scenario())) == repr((
-        "EINVAL", Condition(True), 0o644, Condition(True),
-        f"{cdi_dir / SPEC_FILE} is a symlink; refusing to replace what we do not own", 1,
-        1.0, 1.0, []))
-    assert os.readlink(cdi_dir / SPEC_FILE) == str(tmp_path / "nowhere")
-
-
-@needs_root
-@pytest.mark.timeout(30)
-def test_permission_denied_fails_and_recovers_as_a_non_root_daemon() -> None:
-    # pytest's tmp_path lies under a 0700 directory that user 65534 cannot walk.
-    with tempfile.TemporaryDirectory(prefix="hlplugin-cdi-") as base:
-        os.chmod(base, 0o755)
-        _permission_denied_scenario(Path(base) / "cdi")
-
-
-def _permission_denied_scenario(cdi_dir: Path) -> None:
-    cdi_dir.mkdir()
-    os.chown(cdi_dir, 65534, 65534)
-    os.chmod(cdi_dir, 0o555)
-
-    async def scenario() -> object:
-        rig = Rig(cdi_dir)
-        first = await rig.rec.reconcile("start")
-        os.chmod(cdi_dir, 0o755)  # storage works again
-        second = await rig.rec.reconcile("retry")
-        os.chmod(rig.path, 0o000)  # our own file, unreadable to us
-        third = await rig.rec.reconcile("periodic")
-        return (first, second, third, rig.refusals("write_failed"), rig.repairs("missing"),
-                rig.repairs("metadata"))
-
-    path = cdi_dir / SPEC_FILE
-    assert _as_nobody(lambda: in_child(scenario())) == repr((
-        Condition(False, f"cannot write {path}: Permission denied (EACCES)"),
-        Condition(True), Condition(True), 1.0, 1.0, 1.0))
-    st = os.lstat(path)
-    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o644, 65534, 65534)
-    assert path.read_bytes() == DESIRED
-
-
-def _unwritable(kind: str, tmp_path: Path,
-                stack: contextlib.ExitStack) -> tuple[Path, Callable[[], object], str]:
-    """A CDI dir where writes fail (a file where it belongs; read-only or full storage holding a
-    stale spec): the dir, what fixes the storage, and the error a write gets."""
-    if kind == "not-creatable":
-        blocker = tmp_path / "blocker"
-        blocker.write_bytes(b"a file where a directory should be")
-        return blocker / "cdi", blocker.unlink, "Not a directory (ENOTDIR)"
-    size = "1m" if kind == "read-only" else "16k"
-    mnt = stack.enter_context(tmpfs(tmp_path / "mnt", f"size={size},mode=0755"))
-    cdi_dir = mnt / "cdi"
-    cdi_dir.mkdir()
-    (cdi_dir / SPEC_FILE).write_bytes(STALE)
-    if kind == "read-only":
-        remount(mnt, "ro")
-        return cdi_dir, lambda: remount(mnt, "rw"), "Read-only file system (EROFS)"
-    filler = cdi_dir / "filler"
-    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
-        while True:
-            f.write(b"\0" * 4096)
-    assert os.statvfs(mnt).f_bavail == 0
-    return cdi_dir, filler.unlink, "No space left on device (ENOSPC)"
-
-
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("kind", ["not-creatable", pytest.param("read-only", marks=needs_root),
-                                  pytest.param("full", marks=needs_root)])
-async def test_unwritable_storage_fails_keeps_the_old_spec_retries_and_recovers(
-        tmp_path: Path, kind: str) -> None:
-    with contextlib.ExitStack() as stack:
-        cdi_dir, fix, error = _unwritable(kind, tmp_path, stack)
-        rig = Rig(cdi_dir, max_backoff=0.2)
-        old = content(rig.path)  # the stale spec, or nothing where no directory can be made
-        condition = await rig.rec.reconcile("start")
-        assert condition == Condition(False, f"cannot write {rig.path}: {error}") == rig.cdi
-        assert rig.refusals("write_failed") == 1
-        assert not (await rig.rec.ensure()).ok
-        if old is not None:
-            assert temp_files(cdi_dir) == []  # created, failed, removed
-        async with running(rig.rec):
-            await wait_until(lambda: rig.refusals("write_failed") >= 5)  # retrying
-            assert content(rig.path) == old  # never deleted
-            fix()
-            await wait_until(lambda: rig.cdi.ok)
-        assert_desired(rig.path)
-        assert rig.repairs("missing" if old is None else "stale") == 1
-        assert temp_files(cdi_dir) == []
-
-
-async def test_run_never_passes_more_often_than_the_floor(cdi_dir: Path) -> None:
-    """An interval of 0 (an in-process caller; the CLI refuses it) is not a busy loop."""
-    from hlplugin.deviceplugin.conditions import MIN_PERIOD
-
+async def test_run_repairs_periodically_but_never_more_often_than_the_floor(
+        cdi_dir: Path, tmp_path: Path) -> None:
+    """An interval of 0 (an in-process caller; the CLI refuses it) is not a busy loop; and the
+    periodic pass repairs what the watcher cannot see."""
     passes: list[float] = []
 
     def clock() -> float:  # called once at the end of every pass
@@ -1010,10 +736,20 @@ async def test_run_never_passes_more_often_than_the_floor(cdi_dir: Path) -> None
         return passes[-1]
 
     rig = Rig(cdi_dir, interval=0, clock=clock)
+    alias = tmp_path / "alias.json"
 
     async with running(rig.rec):
         await wait_until(lambda: len(passes) >= 5)
-    assert rig.cdi.ok
+        assert rig.cdi.ok
+        # A write through a hard link in another directory raises no event in the CDI directory.
+        os.link(rig.path, alias)
+        alias.write_bytes(STALE)  # in place, the same inode
+        await wait_until(lambda: spec_is_exact(rig.path, DESIRED))
     # The first pass's own write may wake the watcher once; the passes after it are periodic.
     gaps = [b - a for a, b in itertools.pairwise(passes[1:5])]
     assert min(gaps) >= MIN_PERIOD * 0.9, gaps
+    assert alias.read_bytes() == STALE  # the old inode, no longer our spec
+    assert_desired(rig.path)
+    # A pass may land between the overwrite's truncate and its write (an empty or partial file),
+    # so how many repairs and which causes depend on timing; at least one happened.
+    assert sum(rig.repairs(c) for c in CAUSES) >= 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import operator
 import os
 import shutil
 import stat
@@ -27,13 +28,13 @@ KVM = Path("/dev/kvm")
 MOUNTPOINT = Path("/var/run/cdi")
 UID = GID = 65534
 TOOLS = ("podman", "runc", "unshare", "mount")
+SYSTEM_DIRS = ("usr", "lib", "lib64", "bin")
+node_of = operator.attrgetter("st_mode", "st_uid", "st_gid", "st_rdev")
 
 pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0,
-                       reason="podman in a private mount namespace needs root"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="podman in a private mount namespace needs root"),
     pytest.mark.skipif(not KVM.exists(), reason="no /dev/kvm on this machine"),
-    pytest.mark.skipif(not all(shutil.which(t) for t in TOOLS),
-                       reason=f"needs all of {', '.join(TOOLS)} on PATH"),
+    pytest.mark.skipif(not all(map(shutil.which, TOOLS)), reason=f"needs all of {', '.join(TOOLS)} on PATH"),
 ]
 
 # Runs inside the container; prints one JSON line.
@@ -58,43 +59,8 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def mountpoint() -> Iterator[Path]:
-    """/var/run/cdi must exist to be bound over. If missing, an empty one is made (on /run, a
-    tmpfs) and removed afterwards; we never write into it."""
-    created = not MOUNTPOINT.exists()
-    if created:
-        MOUNTPOINT.mkdir(mode=0o755)
-    try:
-        yield MOUNTPOINT
-    finally:
-        if created:
-            with contextlib.suppress(OSError):
-                MOUNTPOINT.rmdir()
-
-
-@pytest.fixture(scope="module")
-def spec_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("cdi")
-    desired = render_spec("kvm", UID, GID)
-    reconciler = CdiReconciler(directory, desired)
-    assert asyncio.run(reconciler.reconcile("start")).ok
-    assert check_file(directory / "hyperlight.json", desired) == (True, "")
-    return directory
-
-
-@pytest.fixture(scope="module")
-def rootfs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("rootfs")
-    root.chmod(0o755)  # the container's "/", walked by a non-root user
-    for name in ("usr", "lib", "lib64", "bin"):
-        (root / name).mkdir()
-    return root
-
-
-def run_container(spec_dir: Path, rootfs: Path, *extra: str,
-                  user: str = f"{UID}:{GID}") -> dict[str, Any]:
-    volumes = [arg for name in ("usr", "lib", "lib64", "bin") if Path("/", name).exists()
+def run_container(spec_dir: Path, rootfs: Path, *extra: str, user: str) -> dict[str, Any]:
+    volumes = [arg for name in SYSTEM_DIRS if Path("/", name).exists()
                for arg in ("-v", f"/{name}:/{name}:ro")]
     podman = ["podman", "--runtime", "runc", "--cgroup-manager=cgroupfs",
               "--events-backend=file", "run", "--rm", "--network=none",
@@ -114,61 +80,57 @@ def run_container(spec_dir: Path, rootfs: Path, *extra: str,
     return out
 
 
-def host_kvm() -> tuple[int, int, int, int]:
-    st = os.stat(KVM)
-    return st.st_mode, st.st_uid, st.st_gid, st.st_rdev
+@pytest.fixture
+def mountpoint() -> Iterator[Path]:
+    """/var/run/cdi must exist to be bound over. If missing, an empty one is made (on /run, a
+    tmpfs) and removed afterwards; we never write into it."""
+    created = not MOUNTPOINT.exists()
+    if created:
+        MOUNTPOINT.mkdir(mode=0o755)
+    yield MOUNTPOINT
+    if created:
+        with contextlib.suppress(OSError):
+            MOUNTPOINT.rmdir()
 
 
 @pytest.mark.usefixtures("mountpoint")
-def test_non_root_container_with_the_cdi_device_creates_a_vm(spec_dir: Path,
-                                                             rootfs: Path) -> None:
-    before = host_kvm()
-    out = run_container(spec_dir, rootfs, "--device", qualified_name("kvm"))
-    assert out.get("open_error") is None, out
-    assert (out["uid"], out["gid"]) == (UID, GID)
-    assert out["api_version"] == 12
-    assert out["vm_created"] is True
-    is_chr, _mode, uid, gid, major, minor = out["node"]
-    host = os.stat(KVM)
-    assert is_chr and (uid, gid) == (UID, GID)
-    assert (major, minor) == (os.major(host.st_rdev), os.minor(host.st_rdev))
-    assert out["env"] == {"HYPERLIGHT_HYPERVISOR": "kvm", "HYPERLIGHT_DEVICE_PATH": "/dev/kvm"}
-    assert host_kvm() == before  # the host's device node is not changed
-    assert stat.S_ISCHR(before[0])
+def test_the_cdi_device_lets_workloads_create_a_vm_as_its_spec_says(tmp_path: Path) -> None:
+    rootfs = tmp_path / "rootfs"
+    for name in SYSTEM_DIRS:
+        (rootfs / name).mkdir(parents=True)
+    rootfs.chmod(0o755)  # the container's "/", walked by a non-root user
+    spec_dir, owner_only_dir = tmp_path / "cdi", tmp_path / "cdi-0600"
+    desired = render_spec("kvm", UID, GID)
+    assert asyncio.run(CdiReconciler(spec_dir, desired).reconcile("start")).ok
+    assert check_file(spec_dir / "hyperlight.json", desired) == (True, "")
+    # Our spec but for the node's mode, 0600: what containerd 2.x gives when none is stated.
+    spec = json.loads(desired)
+    spec["devices"][0]["containerEdits"]["deviceNodes"][0]["fileMode"] = 0o600
+    owner_only = (json.dumps(spec, indent=2) + "\n").encode()
+    assert asyncio.run(CdiReconciler(owner_only_dir, owner_only).reconcile("start")).ok
+    host = node_of(os.stat(KVM))  # (mode, uid, gid, rdev)
+    device = ("--device", qualified_name("kvm"))
+    env = {"HYPERLIGHT_HYPERVISOR": "kvm", "HYPERLIGHT_DEVICE_PATH": "/dev/kvm"}
 
+    # A non-root workload as the spec's node owner, and one with another uid (1000, as most
+    # are), get the host's device as a node of mode 0666 owned by 65534, and create a VM.
+    for user, ids in ((f"{UID}:{GID}", (UID, GID)), ("1000:1000", (1000, 1000))):
+        out = run_container(spec_dir, rootfs, *device, user=user)
+        assert out.get("open_error") is None, out
+        assert (out["uid"], out["gid"]) == ids
+        assert out["api_version"] == 12 and out["vm_created"] is True
+        assert out["node"] == [True, oct(0o666), UID, GID, os.major(host[3]), os.minor(host[3])]
+        assert out["env"] == env
 
-@pytest.mark.usefixtures("mountpoint")
-def test_the_same_container_without_the_device_cannot_open_kvm(spec_dir: Path,
-                                                                rootfs: Path) -> None:
-    out = run_container(spec_dir, rootfs)
+    # The same container without the device cannot open it.
+    out = run_container(spec_dir, rootfs, user=f"{UID}:{GID}")
     assert out.get("open_error") == "ENOENT", out
     assert out["env"] == {}
 
-
-@pytest.fixture(scope="module")
-def owner_only_spec_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Our spec but for the node's mode, 0600: what containerd 2.x gives when none is stated."""
-    directory = tmp_path_factory.mktemp("cdi-0600")
-    spec = json.loads(render_spec("kvm", UID, GID))
-    spec["devices"][0]["containerEdits"]["deviceNodes"][0]["fileMode"] = 0o600
-    desired = (json.dumps(spec, indent=2) + "\n").encode()
-    assert asyncio.run(CdiReconciler(directory, desired).reconcile("start")).ok
-    return directory
-
-
-@pytest.mark.usefixtures("mountpoint")
-def test_a_workload_with_another_uid_opens_the_device_and_creates_a_vm(
-    spec_dir: Path, owner_only_spec_dir: Path, rootfs: Path,
-) -> None:
-    # The spec's nodes are owned by 65534; this workload runs as 1000:1000, as most do.
-    out = run_container(spec_dir, rootfs, "--device", qualified_name("kvm"), user="1000:1000")
-    assert out.get("open_error") is None, out
-    assert (out["uid"], out["gid"]) == (1000, 1000)
-    assert out["api_version"] == 12 and out["vm_created"] is True
-    is_chr, mode, uid, gid, _major, _minor = out["node"]
-    assert is_chr and mode == oct(0o666) and (uid, gid) == (UID, GID)
     # The runtime does apply fileMode: with the mode containerd copies from this host (0600),
-    # the same workload could not open the device. So the spec's 0666 is what lets it in.
-    denied = run_container(owner_only_spec_dir, rootfs, "--device", qualified_name("kvm"),
-                           user="1000:1000")
+    # the workload with another uid could not open the device. So the spec's 0666 lets it in.
+    denied = run_container(owner_only_dir, rootfs, *device, user="1000:1000")
     assert denied.get("open_error") == "EACCES", denied
+
+    assert stat.S_ISCHR(host[0])
+    assert node_of(os.stat(KVM)) == host  # the host's node is not changed
