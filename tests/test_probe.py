@@ -81,50 +81,49 @@ def _char(rdev: int) -> Callable[[Path], object]:
     return lambda path: mknod_char(path, rdev)
 
 
+def _host_twin(path: Path) -> None:
+    check_host_identity(SELF, path)
+
+
+def _device_itself(path: Path) -> None:
+    """The identity check also requires the device itself to be a character device."""
+    check_host_identity(path, Path("/dev/null"))
+
+
 SELF_NUMBERS = f"{os.major(os.stat(SELF).st_rdev)}:{os.minor(os.stat(SELF).st_rdev)}"
-NO_ENTRY = "[Errno 2] No such file or directory"
+MISSING = "is missing: [Errno 2] No such file or directory"
+REGULAR, SYMLINK = "is not a character device (a regular file)", "is not a character device (a symlink)"
 ENOTTY = f"KVM_GET_API_VERSION on {{path}} failed: [Errno {errno.ENOTTY}] {os.strerror(errno.ENOTTY)}"
 NOT_KVM = {"step": "KVM_GET_API_VERSION", "errno": errno.ENOTTY, "path": "{path}", "reason": "api_version"}
+NOT_CHAR = {"reason": "not_char_device"}
 Make = Callable[[Path], object] | None
-REFUSALS: dict[str, tuple[str, Make, Callable[[Path], None], dict[str, Any], str]] = {
-    "kvm-missing": ("kvm", None, lambda p: probe_kvm(p),
-                    {"step": "open", "errno": errno.ENOENT, "reason": "open"},
-                    f"open on {{path}} failed: {NO_ENTRY}"),
-    "kvm-regular-file": ("kvm", _regular, lambda p: probe_kvm(p, guest=False), NOT_KVM, ENOTTY),
-    "kvm-char-device-not-kvm": ("kvm", _char(NULL_NUMBERS), lambda p: probe_kvm(p), NOT_KVM, ENOTTY),
-    "kvm-char-device-not-kvm-by-dir": ("kvm", _char(NULL_NUMBERS),
-                                       lambda p: probe_device("kvm", p.parent), NOT_KVM, ENOTTY),
-    "mshv-regular-file": ("mshv", _regular, lambda p: probe_mshv(p), {"reason": "not_char_device"},
-                          "device {path} is not a character device (a regular file)"),
-    "mshv-symlink": ("mshv", _symlink("/dev/null"), lambda p: probe_device("mshv", p.parent),
-                     {"reason": "not_char_device"}, "device {path} is not a character device (a symlink)"),
-    "mshv-missing": ("mshv", None, lambda p: probe_mshv(p), {"errno": errno.ENOENT},
-                     f"device {{path}} is missing: {NO_ENTRY}"),
-    "identity-missing": ("kvm", None, lambda p: check_host_identity(SELF, p),
-                         {"reason": "identity_missing", "errno": errno.ENOENT, "path": "{path}"},
-                         f"host device node {{path}} is missing: {NO_ENTRY}"),
-    "identity-regular-file": ("kvm", _regular, lambda p: check_host_identity(SELF, p),
-                              {"reason": "not_char_device"},
-                              "host device node {path} is not a character device (a regular file)"),
-    "identity-symlink-to-the-real-node": ("kvm", _symlink(SELF), lambda p: check_host_identity(SELF, p),
-                                          {"reason": "not_char_device"},
-                                          "host device node {path} is not a character device (a symlink)"),
-    "identity-other-numbers": ("kvm", _char(os.makedev(1, 5)), lambda p: check_host_identity(SELF, p),
-                               {"reason": "identity_mismatch"},
-                               f"host device node {{path}} is 1:5, but {SELF} is {SELF_NUMBERS}"),
-    # The identity check also requires the device itself to be a character device.
-    "identity-device-missing": ("kvm", None, lambda p: check_host_identity(p, Path("/dev/null")),
-                                {"errno": errno.ENOENT}, f"device {{path}} is missing: {NO_ENTRY}"),
-    "identity-device-regular-file": ("kvm", _regular, lambda p: check_host_identity(p, Path("/dev/null")),
-                                     {"reason": "not_char_device"},
-                                     "device {path} is not a character device (a regular file)"),
-}
+REFUSALS: list[tuple[str, str, Make, Callable[[Path], None], dict[str, Any], str]] = [
+    ("kvm-missing", "kvm", None, probe_kvm, {"step": "open", "errno": errno.ENOENT, "reason": "open"},
+     "open on {path} failed: [Errno 2] No such file or directory"),
+    ("kvm-regular-file", "kvm", _regular, lambda p: probe_kvm(p, guest=False), NOT_KVM, ENOTTY),
+    ("kvm-char-device-not-kvm", "kvm", _char(NULL_NUMBERS), probe_kvm, NOT_KVM, ENOTTY),
+    ("kvm-char-device-not-kvm-by-dir", "kvm", _char(NULL_NUMBERS), lambda p: probe_device("kvm", p.parent),
+     NOT_KVM, ENOTTY),
+    ("mshv-regular-file", "mshv", _regular, probe_mshv, NOT_CHAR, f"device {{path}} {REGULAR}"),
+    ("mshv-symlink", "mshv", _symlink("/dev/null"), lambda p: probe_device("mshv", p.parent), NOT_CHAR,
+     f"device {{path}} {SYMLINK}"),
+    ("mshv-missing", "mshv", None, probe_mshv, {"errno": errno.ENOENT}, f"device {{path}} {MISSING}"),
+    ("identity-missing", "kvm", None, _host_twin, {"reason": "identity_missing", "errno": errno.ENOENT,
+                                                   "path": "{path}"}, f"host device node {{path}} {MISSING}"),
+    ("identity-regular-file", "kvm", _regular, _host_twin, NOT_CHAR, f"host device node {{path}} {REGULAR}"),
+    ("identity-symlink-to-the-real-node", "kvm", _symlink(SELF), _host_twin, NOT_CHAR,
+     f"host device node {{path}} {SYMLINK}"),
+    ("identity-other-numbers", "kvm", _char(os.makedev(1, 5)), _host_twin, {"reason": "identity_mismatch"},
+     f"host device node {{path}} is 1:5, but {SELF} is {SELF_NUMBERS}"),
+    ("identity-device-missing", "kvm", None, _device_itself, {"errno": errno.ENOENT},
+     f"device {{path}} {MISSING}"),
+    ("identity-device-regular-file", "kvm", _regular, _device_itself, NOT_CHAR, f"device {{path}} {REGULAR}"),
+]
 ROOT_ONLY = {"kvm-char-device-not-kvm", "kvm-char-device-not-kvm-by-dir", "identity-other-numbers"}
 
 
 @pytest.mark.parametrize(("name", "make", "check", "attributes", "message"), [
-    pytest.param(*row, id=key, marks=[needs_root] if key in ROOT_ONLY else [])
-    for key, row in REFUSALS.items()])
+    pytest.param(*row, id=key, marks=[needs_root] if key in ROOT_ONLY else []) for key, *row in REFUSALS])
 def test_what_is_not_the_device_is_refused_saying_why(
         tmp_path: Path, name: str, make: Make, check: Callable[[Path], None],
         attributes: dict[str, Any], message: str) -> None:
