@@ -16,19 +16,15 @@ from typing import Any
 
 import pytest
 from harness import needs_kvm, needs_root, wait_until
+from test_probe import GUARD, Gate  # the BoundedRunner tests' blocking probe and guard
 
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
 from hlplugin.health import DeviceMonitor
 from hlplugin.metrics import Metrics
 from hlplugin.probe import ProbeError
 
-GUARD = 10.0  # seconds; only ever reached when a test is broken
 KVM = Path("/dev/kvm")
 REQUIRED = ("device", "host_identity")
-
-
-def ok() -> None:
-    pass
 
 
 async def wait_state(mon: DeviceMonitor, predicate: Callable[[HealthState], bool]) -> HealthState:
@@ -45,38 +41,11 @@ def sample(mon: DeviceMonitor, name: str, **labels: str) -> float:
     return mon.metrics.registry.get_sample_value(f"hyperlight_probe_{name}", labels) or 0.0
 
 
-class Gate:
-    """An injected probe that blocks until released (or the guard), counting its calls."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.started = threading.Event()
-        self.calls = 0
-
-    def __call__(self) -> None:
-        self.calls += 1
-        self.started.set()
-        self.release.wait(GUARD)
-
-
 @pytest.fixture
 def gate() -> Iterator[Gate]:
     g = Gate()
     yield g
     g.release.set()
-
-
-class Switch:
-    """An injected probe that fails with ``error`` while it is set, counting its calls."""
-
-    def __init__(self) -> None:
-        self.error: Exception | None = None
-        self.calls = 0
-
-    def __call__(self) -> None:
-        self.calls += 1
-        if self.error is not None:
-            raise self.error
 
 
 @contextlib.asynccontextmanager
@@ -95,8 +64,8 @@ def monitor(dev: Path = Path("/nonexistent-dev"), host: Path | None = Path("/non
             **kwargs: Any) -> DeviceMonitor:
     """A monitor with its own tracker and metrics; probes that pass unless given (the identity
     probe only with a host dev dir; ``identity_probe=None`` is the real check)."""
-    kwargs.setdefault("device_probe", ok)
-    kwargs.setdefault("identity_probe", ok if host else None)
+    kwargs.setdefault("device_probe", lambda: None)
+    kwargs.setdefault("identity_probe", (lambda: None) if host else None)
     return DeviceMonitor(HealthTracker(REQUIRED), "kvm", dev, host, metrics=Metrics(), **kwargs)
 
 
@@ -112,7 +81,7 @@ async def test_healthy_probes_set_both_conditions_and_metrics(host_dev_dir: Path
 
 
 async def test_failing_probes_set_their_reasons_and_metrics_and_every_change_wakes_waiters() -> None:
-    probe, identity = Switch(), Switch()
+    probe, identity = Gate(released=True), Gate(released=True)
     mon = monitor(device_probe=probe, identity_probe=identity)
     seen: asyncio.Queue[HealthState] = asyncio.Queue()
 
@@ -165,7 +134,7 @@ async def test_failing_probes_set_their_reasons_and_metrics_and_every_change_wak
 async def test_ensure_fresh_burst_probes_once_and_reprobes_after_max_age() -> None:
     now = [100.0]
 
-    probe = Switch()
+    probe = Gate(released=True)
     mon = monitor(device_probe=probe, clock=lambda: now[0])
     states = await asyncio.gather(*(mon.ensure_fresh() for _ in range(50)))
     assert probe.calls == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import gc
 import logging
 import os
@@ -69,10 +70,6 @@ def test_substitute_nodes_that_are_the_device_pass(tmp_path: Path) -> None:
 # --- refusals: (what is at the path, the check, the error's attributes, its whole message) -------
 
 
-def _regular(path: Path) -> None:
-    path.write_bytes(b"")
-
-
 def _symlink(target: str | Path) -> Callable[[Path], None]:
     return lambda path: path.symlink_to(target)
 
@@ -81,15 +78,9 @@ def _char(rdev: int) -> Callable[[Path], object]:
     return lambda path: mknod_char(path, rdev)
 
 
-def _host_twin(path: Path) -> None:
-    check_host_identity(SELF, path)
-
-
-def _device_itself(path: Path) -> None:
-    """The identity check also requires the device itself to be a character device."""
-    check_host_identity(path, Path("/dev/null"))
-
-
+HOST_TWIN = functools.partial(check_host_identity, SELF)
+# The identity check also requires the device itself to be a character device.
+ITSELF = functools.partial(check_host_identity, host_path=Path("/dev/null"))
 SELF_NUMBERS = f"{os.major(os.stat(SELF).st_rdev)}:{os.minor(os.stat(SELF).st_rdev)}"
 MISSING = "is missing: [Errno 2] No such file or directory"
 REGULAR, SYMLINK = "is not a character device (a regular file)", "is not a character device (a symlink)"
@@ -100,24 +91,23 @@ Make = Callable[[Path], object] | None
 REFUSALS: list[tuple[str, str, Make, Callable[[Path], None], dict[str, Any], str]] = [
     ("kvm-missing", "kvm", None, probe_kvm, {"step": "open", "errno": errno.ENOENT, "reason": "open"},
      "open on {path} failed: [Errno 2] No such file or directory"),
-    ("kvm-regular-file", "kvm", _regular, lambda p: probe_kvm(p, guest=False), NOT_KVM, ENOTTY),
+    ("kvm-regular-file", "kvm", Path.touch, lambda p: probe_kvm(p, guest=False), NOT_KVM, ENOTTY),
     ("kvm-char-device-not-kvm", "kvm", _char(NULL_NUMBERS), probe_kvm, NOT_KVM, ENOTTY),
     ("kvm-char-device-not-kvm-by-dir", "kvm", _char(NULL_NUMBERS), lambda p: probe_device("kvm", p.parent),
      NOT_KVM, ENOTTY),
-    ("mshv-regular-file", "mshv", _regular, probe_mshv, NOT_CHAR, f"device {{path}} {REGULAR}"),
+    ("mshv-regular-file", "mshv", Path.touch, probe_mshv, NOT_CHAR, f"device {{path}} {REGULAR}"),
     ("mshv-symlink", "mshv", _symlink("/dev/null"), lambda p: probe_device("mshv", p.parent), NOT_CHAR,
      f"device {{path}} {SYMLINK}"),
     ("mshv-missing", "mshv", None, probe_mshv, {"errno": errno.ENOENT}, f"device {{path}} {MISSING}"),
-    ("identity-missing", "kvm", None, _host_twin, {"reason": "identity_missing", "errno": errno.ENOENT,
+    ("identity-missing", "kvm", None, HOST_TWIN, {"reason": "identity_missing", "errno": errno.ENOENT,
                                                    "path": "{path}"}, f"host device node {{path}} {MISSING}"),
-    ("identity-regular-file", "kvm", _regular, _host_twin, NOT_CHAR, f"host device node {{path}} {REGULAR}"),
-    ("identity-symlink-to-the-real-node", "kvm", _symlink(SELF), _host_twin, NOT_CHAR,
+    ("identity-regular-file", "kvm", Path.touch, HOST_TWIN, NOT_CHAR, f"host device node {{path}} {REGULAR}"),
+    ("identity-symlink-to-the-real-node", "kvm", _symlink(SELF), HOST_TWIN, NOT_CHAR,
      f"host device node {{path}} {SYMLINK}"),
-    ("identity-other-numbers", "kvm", _char(os.makedev(1, 5)), _host_twin, {"reason": "identity_mismatch"},
+    ("identity-other-numbers", "kvm", _char(os.makedev(1, 5)), HOST_TWIN, {"reason": "identity_mismatch"},
      f"host device node {{path}} is 1:5, but {SELF} is {SELF_NUMBERS}"),
-    ("identity-device-missing", "kvm", None, _device_itself, {"errno": errno.ENOENT},
-     f"device {{path}} {MISSING}"),
-    ("identity-device-regular-file", "kvm", _regular, _device_itself, NOT_CHAR, f"device {{path}} {REGULAR}"),
+    ("identity-device-missing", "kvm", None, ITSELF, {"errno": errno.ENOENT}, f"device {{path}} {MISSING}"),
+    ("identity-device-regular-file", "kvm", Path.touch, ITSELF, NOT_CHAR, f"device {{path}} {REGULAR}"),
 ]
 ROOT_ONLY = {"kvm-char-device-not-kvm", "kvm-char-device-not-kvm-by-dir", "identity-other-numbers"}
 
@@ -150,19 +140,25 @@ GUARD = 10.0  # seconds; only ever reached when a test is broken
 
 
 class Gate:
-    """A blocking fn for the runner: counts calls, blocks until released (or the guard)."""
+    """A blocking fn for the runner (an injected probe in test_health): counts calls, blocks until
+    released (or the guard), then raises ``error`` while one is set."""
 
-    def __init__(self) -> None:
+    def __init__(self, released: bool = False) -> None:
         self.release = threading.Event()
         self.started = threading.Event()
         self.finished = threading.Event()
         self.calls = 0
+        self.error: Exception | None = None
+        if released:
+            self.release.set()
 
     def __call__(self) -> None:
         self.calls += 1
         self.started.set()
         self.release.wait(GUARD)
         self.finished.set()
+        if self.error is not None:
+            raise self.error
 
 
 @pytest.fixture
@@ -179,15 +175,12 @@ def test_results_errors_and_late_helpers_reach_the_caller_only(
     closed. Sync on purpose: a helper must outlive its loop (one loop per phase), and the check
     below also covers what is logged as each loop closes."""
     boom = ValueError("boom")
-    release = threading.Event()
+    late = Gate()
+    late.error = ValueError("late")
 
     def fail() -> None:
         time.sleep(0.05)  # still running when the caller starts waiting
         raise boom
-
-    def fail_late() -> None:
-        release.wait(GUARD)
-        raise ValueError("late")
 
     async def scenario() -> None:
         runner = BoundedRunner(budget=GUARD)
@@ -196,8 +189,8 @@ def test_results_errors_and_late_helpers_reach_the_caller_only(
             await runner.run(fail)
         assert info.value is boom
         with pytest.raises(CheckFailed, match="timed out"):
-            await runner.run(fail_late, budget=0.05)
-        release.set()
+            await runner.run(late, budget=0.05)
+        late.release.set()
         await wait_until(lambda r=runner: not r.busy)  # type: ignore[misc]
         # A bounded watch, 50 ms: the helper is done, so a late callback is already queued on
         # this loop; a few turns deliver it.
@@ -217,13 +210,13 @@ def test_results_errors_and_late_helpers_reach_the_caller_only(
             # loop has failed (and would have logged) by now.
             time.sleep(0.05)
     finally:
-        release.set()
+        late.release.set()
     assert not outliving.busy
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert asyncio.run(outliving.run(lambda: 8)) == 8  # a new loop reuses the runner
 
 
-async def test_stuck_helper_times_out_blocks_a_second_one_and_is_waited_for(gate: Gate) -> None:
+async def test_one_helper_at_a_time_stuck_waited_for_or_cancelled(gate: Gate) -> None:
     # Timed out: a 0.25 s budget is "0.25s" in the reason, never rounded to "0.2s" or "0.0s".
     runner = BoundedRunner(budget=0.25, name="stuck-test")
     with pytest.raises(CheckFailed) as info:
@@ -233,11 +226,18 @@ async def test_stuck_helper_times_out_blocks_a_second_one_and_is_waited_for(gate
     assert runner.busy
 
     # Stuck: the next calls fail within their own budgets without starting a helper.
-    count = 0
+    count = running = peak = 0
+    lock = threading.Lock()
 
     def other() -> int:
-        nonlocal count
-        count += 1
+        nonlocal count, running, peak
+        with lock:
+            count += 1
+            running += 1
+            peak = max(peak, running)
+        time.sleep(0.01)
+        with lock:
+            running -= 1
         return 2
 
     for budget in (None, 0.04, 0.04):
@@ -265,37 +265,22 @@ async def test_stuck_helper_times_out_blocks_a_second_one_and_is_waited_for(gate
     assert gate.calls == 1
     assert count == 1
 
-
-async def test_cancelled_caller_leaves_the_helper_running_and_the_next_call_clean(gate: Gate) -> None:
-    runner = BoundedRunner(budget=GUARD)
-    task = asyncio.create_task(runner.run(gate))
+    # A caller cancelled while its own helper runs leaves the helper undisturbed, the next call clean.
+    for event in (gate.release, gate.started, gate.finished):
+        event.clear()
+    task = asyncio.create_task(runner.run(gate, budget=GUARD))
     await wait_until(gate.started.is_set)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert runner.busy and not gate.finished.is_set()  # the helper was not disturbed
+    assert runner.busy and not gate.finished.is_set()
     gate.release.set()
     await wait_until(gate.finished.is_set)
     assert await runner.run(lambda: 5) == 5
-    assert runner.threads_started == 2
+    assert runner.threads_started == 4
 
-
-async def test_concurrent_callers_never_run_two_helpers_at_once() -> None:
-    runner = BoundedRunner(budget=GUARD)
-    running = 0
-    peak = 0
-    lock = threading.Lock()
-
-    def work() -> int:
-        nonlocal running, peak
-        with lock:
-            running += 1
-            peak = max(peak, running)
-        time.sleep(0.01)
-        with lock:
-            running -= 1
-        return 1
-
-    assert await asyncio.gather(*(runner.run(work) for _ in range(10))) == [1] * 10
+    # Concurrent callers queue: never two helpers at once.
+    runner.budget = GUARD
+    assert await asyncio.gather(*(runner.run(other) for _ in range(10))) == [2] * 10
     assert peak == 1
-    assert runner.threads_started == 10
+    assert runner.threads_started == 14
