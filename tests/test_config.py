@@ -1,5 +1,5 @@
 """Flags, environment twins and defaults; the command line in-process (`hlplugin cdi`, usage
-errors, --help and --version), which needs no daemon and so no subprocess."""
+errors, --help; --version is test_packaging's), which needs no daemon and so no subprocess."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hlplugin import __version__, cdi, config
+from hlplugin import cdi, config
 from hlplugin.cli import build_parser, main
 
 Cli = Callable[..., tuple[int, str, str]]
@@ -40,11 +40,8 @@ def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> 
     root.setLevel(level)
 
 
-def resolve(argv: list[str], env: dict[str, str],
-            command: str = "serve") -> tuple[config.Settings, list[str]]:
-    args = build_parser().parse_args([command, *argv])
-    names = {"serve": config.SERVE_OPTIONS, "bootstrap": config.BOOTSTRAP_OPTIONS}[command]
-    return config.resolve(args, names, command, env)
+def resolve(argv: list[str], env: dict[str, str]) -> tuple[config.Settings, list[str]]:
+    return config.resolve(build_parser().parse_args(["serve", *argv]), config.SERVE_OPTIONS, "serve", env)
 
 
 MAX = config.MAX_DEVICE_COUNT
@@ -54,15 +51,13 @@ DURATIONS = {name: config.INTERVAL_RANGE for name in ("cdi_interval", "health_in
 
 
 @pytest.mark.parametrize(("name", "value", "says"), [
-    ("DEVICE_COUNT", "abc", COUNT_RANGE), ("DEVICE_COUNT", "-1", COUNT_RANGE),
-    ("DEVICE_COUNT", "0", COUNT_RANGE),
     ("DEVICE_UID", "-1", ""), ("DEVICE_UID", "4294967296", ""), ("DEVICE_UID", "x", ""),
     ("DEVICE_GID", "-5", ""), ("DEVICE_GID", "99999999999", ""),
+    ("DEVICE_UID", "\u0661", ""), ("DEVICE_GID", "1_0", ""),
     # ASCII digits only, and up to the ceiling
     *(("DEVICE_COUNT", value, COUNT_RANGE) for value in (
-        "1_000", "\u0661\u0662", "\uff11\uff12", "99999999999999999999", "+5", "5.0", "0x10", "",
-        str(MAX + 1))),
-    ("DEVICE_UID", "\u0661", ""), ("DEVICE_GID", "1_0", ""),
+        "abc", "-1", "0", "1_000", "\u0661\u0662", "\uff11\uff12", "99999999999999999999", "+5", "5.0",
+        "0x10", "", str(MAX + 1))),
     ("HYPERLIGHT_HTTP_ADDRESS", "0.0.0.0:\uff18\uff10", ""),
     # every duration, each out of its range in every way; the warning names the range
     *((config.OPTIONS[name].env, {"below": f"{low * 0.99:g}", "above": f"{high * 1.01:g}"}.get(value, value),
@@ -95,23 +90,21 @@ def test_invalid_env_falls_back_to_default_with_warning(name: str, value: str, s
     (["--cdi-annotations"], {}, {"cdi_annotations": True}, ""),
     (["--host-dev-dir", ""], {}, {"host_dev_dir": None}, "identity"),  # the identity check is off
     ([], {"HYPERLIGHT_HOST_DEV_DIR": ""}, {"host_dev_dir": None}, "identity"),
+    # relative dirs are taken from the working directory (tmp_path below)
+    (["--plugin-dir", "plugins", "--cdi-dir", "cdi"], {"HYPERLIGHT_DEV_DIR": "dev"},
+     {"plugin_dir": Path("plugins"), "cdi_dir": Path("cdi"), "dev_dir": Path("dev")}, ""),
     # every duration's range is inclusive, and "s" may follow the number
     *(([config.OPTIONS[name].flag, f"{value:g}{unit}"], {}, {name: value}, "")
       for name, (low, high) in DURATIONS.items() for value, unit in ((low, ""), (high, ""), (low, "s"))),
 ])
-def test_valid_values_are_taken(argv: list[str], env: dict[str, str], want: dict[str, Any],
-                                warns: str) -> None:
+def test_valid_values_are_taken(argv: list[str], env: dict[str, str], want: dict[str, Any], warns: str,
+                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
     settings, warnings = resolve(argv, env)
+    # An absolute path stays itself under tmp_path (``/`` discards what comes before it).
+    want = {name: tmp_path / value if isinstance(value, Path) else value for name, value in want.items()}
     assert {name: getattr(settings, name) for name in want} == want
     assert any(warns in w for w in warnings) if warns else warnings == [], warnings
-
-
-def test_relative_dirs_become_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    settings, _ = resolve(["--plugin-dir", "plugins", "--cdi-dir", "cdi"], {"HYPERLIGHT_DEV_DIR": "dev"})
-    assert settings.plugin_dir == tmp_path / "plugins"
-    assert settings.cdi_dir == tmp_path / "cdi"
-    assert settings.dev_dir == tmp_path / "dev"
 
 
 def test_device_list_at_the_ceiling_fits_the_kubelet_message_limit_twice_over() -> None:
@@ -180,18 +173,16 @@ def test_usage_errors_exit_2_with_the_subcommands_usage_naming_the_flag(
     assert re.fullmatch(f"hlplugin {argv[0]}: error: {error}", err.splitlines()[-1]), err
 
 
-def test_version_and_help(cli: Cli) -> None:
-    code, out, _ = cli("--version")
-    assert code == 0 and __version__ in out
+def test_help_names_every_flag_and_its_twin(cli: Cli) -> None:
     code, help_text, _ = cli("serve", "--help")
     assert code == 0
-    for flag, twin in [("--plugin-dir", "HYPERLIGHT_PLUGIN_DIR"), ("--cdi-dir", "HYPERLIGHT_CDI_DIR"),
-                       ("--dev-dir", "HYPERLIGHT_DEV_DIR"), ("--host-dev-dir", "HYPERLIGHT_HOST_DEV_DIR"),
-                       ("--hypervisor", "HYPERLIGHT_HYPERVISOR"), ("--device-count", "DEVICE_COUNT"),
-                       ("--device-uid", "DEVICE_UID"), ("--device-gid", "DEVICE_GID"),
-                       ("--http-address", "HYPERLIGHT_HTTP_ADDRESS"),
-                       ("--log-format", "HYPERLIGHT_LOG_FORMAT"), ("--log-level", "HYPERLIGHT_LOG_LEVEL"),
-                       ("--cdi-annotations", "HYPERLIGHT_CDI_ANNOTATIONS")]:
+    for flag, twin in [
+            ("--plugin-dir", "HYPERLIGHT_PLUGIN_DIR"), ("--cdi-dir", "HYPERLIGHT_CDI_DIR"),
+            ("--dev-dir", "HYPERLIGHT_DEV_DIR"), ("--host-dev-dir", "HYPERLIGHT_HOST_DEV_DIR"),
+            ("--hypervisor", "HYPERLIGHT_HYPERVISOR"), ("--device-count", "DEVICE_COUNT"),
+            ("--device-uid", "DEVICE_UID"), ("--device-gid", "DEVICE_GID"),
+            ("--http-address", "HYPERLIGHT_HTTP_ADDRESS"), ("--log-format", "HYPERLIGHT_LOG_FORMAT"),
+            ("--log-level", "HYPERLIGHT_LOG_LEVEL"), ("--cdi-annotations", "HYPERLIGHT_CDI_ANNOTATIONS")]:
         assert flag in help_text and twin in help_text, flag
     code, out, _ = cli("bootstrap", "--help")
     assert code == 0 and "0.0.0.0:8081" in out
