@@ -4,25 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import os
-import stat
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import test_probe
 from harness import needs_kvm, needs_root, wait_until
-from test_probe import GUARD, Gate  # the BoundedRunner tests' blocking probe and guard
+from test_probe import GUARD, Gate, mknod_char  # shared with the prober and BoundedRunner tests
 
-from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.conditions import MIN_PERIOD, HealthState, HealthTracker
 from hlplugin.health import DeviceMonitor
 from hlplugin.metrics import Metrics
 from hlplugin.probe import ProbeError
 
+gate = test_probe.gate  # the same fixture: a Gate, released after the test
 KVM = Path("/dev/kvm")
 REQUIRED = ("device", "host_identity")
 
@@ -39,13 +39,6 @@ async def wait_state(mon: DeviceMonitor, predicate: Callable[[HealthState], bool
 def sample(mon: DeviceMonitor, name: str, **labels: str) -> float:
     assert mon.metrics is not None
     return mon.metrics.registry.get_sample_value(f"hyperlight_probe_{name}", labels) or 0.0
-
-
-@pytest.fixture
-def gate() -> Iterator[Gate]:
-    g = Gate()
-    yield g
-    g.release.set()
 
 
 @contextlib.asynccontextmanager
@@ -83,52 +76,44 @@ async def test_healthy_probes_set_both_conditions_and_metrics(host_dev_dir: Path
 async def test_failing_probes_set_their_reasons_and_metrics_and_every_change_wakes_waiters() -> None:
     probe, identity = Gate(released=True), Gate(released=True)
     mon = monitor(device_probe=probe, identity_probe=identity)
-    seen: asyncio.Queue[HealthState] = asyncio.Queue()
-
-    async def waiter() -> None:
-        state = mon.tracker.state
-        while True:
-            state = await mon.tracker.wait_for_change(state.generation)
-            await seen.put(state)
 
     async def check() -> HealthState:
-        """A check that changes the state, and the waiter woken with that state."""
+        """A check that changes the state, and a waiter woken with that very state."""
+        woken = asyncio.create_task(mon.tracker.wait_for_change(mon.tracker.state.generation))
         state = await mon.check()
         async with asyncio.timeout(GUARD):
-            assert await seen.get() == state
+            assert await woken == state
         return state
 
-    task = asyncio.create_task(waiter())
-    try:
-        assert (await check()).healthy
-        probe.error = ProbeError("KVM_CREATE_VM on /dev/kvm failed: [Errno 25] Inappropriate",
-                                 step="KVM_CREATE_VM", path=KVM, errno=25, reason="create_vm")
-        state = await check()
-        assert not state.healthy
-        assert state.reasons == {"device": str(probe.error)}
-        assert sample(mon, "failures_total", reason="create_vm") == 1
+    assert (await check()).healthy
+    probe.error = ProbeError("KVM_CREATE_VM on /dev/kvm failed: [Errno 25] Inappropriate",
+                             step="KVM_CREATE_VM", path=KVM, errno=25, reason="create_vm")
+    state = await check()
+    assert not state.healthy
+    assert state.reasons == {"device": str(probe.error)}
+    assert sample(mon, "failures_total", reason="create_vm") == 1
 
-        probe.error = None
-        assert (await check()).healthy
+    probe.error = None
+    assert (await check()).healthy
 
-        probe.error = RuntimeError("surprise")
-        assert (await check()).reasons == {"device": "RuntimeError: surprise"}
-        assert sample(mon, "failures_total", reason="error") == 1
+    probe.error = RuntimeError("surprise")
+    assert (await check()).reasons == {"device": "RuntimeError: surprise"}
+    assert sample(mon, "failures_total", reason="error") == 1
 
-        # The identity probe fails while the device is fine.
-        probe.error = None
-        identity.error = ProbeError("host device node /host-dev/kvm is missing",
-                                    step="lstat", reason="identity_missing")
-        state = await check()
-        assert state.reasons == {"host_identity": "host device node /host-dev/kvm is missing"}
-        assert state.conditions["device"].ok
-        assert sample(mon, "failures_total", reason="identity_missing") == 1
+    # The identity probe fails while the device is fine.
+    probe.error = None
+    identity.error = ProbeError("host device node /host-dev/kvm is missing",
+                                step="lstat", reason="identity_missing")
+    state = await check()
+    assert state.reasons == {"host_identity": "host device node /host-dev/kvm is missing"}
+    assert state.conditions["device"].ok
+    assert sample(mon, "failures_total", reason="identity_missing") == 1
 
-        await mon.check()  # no transition: no wake-up
-        await asyncio.sleep(0.05)
-        assert seen.empty()
-    finally:
-        task.cancel()
+    woken = asyncio.create_task(mon.tracker.wait_for_change(mon.tracker.state.generation))
+    await mon.check()  # no transition: no wake-up
+    await asyncio.sleep(0.05)  # a bounded watch: a wake-up would be one loop turn away
+    assert not woken.done()
+    woken.cancel()
 
 
 async def test_ensure_fresh_burst_probes_once_and_reprobes_after_max_age() -> None:
@@ -242,29 +227,22 @@ async def test_run_reacts_to_node_events_without_waiting_for_the_interval(tmp_pa
 async def test_regression_host_node_disappearance_publishes_unhealthy(tmp_path: Path) -> None:
     """Regression 1 of the upstream Go plugin's review: our /dev/kvm keeps working, but the host
     node new pods get is gone."""
-    host = tmp_path / "host-dev"
-    host.mkdir()
-    if os.statvfs(host).f_flag & os.ST_NODEV:
-        pytest.skip(f"{host} is mounted nodev")
-    node = host / "kvm"
-    make_node = functools.partial(os.mknod, node, stat.S_IFCHR | 0o600, os.stat(KVM).st_rdev)
-    make_node()
+    (tmp_path / "host-dev").mkdir()
+    node = mknod_char(tmp_path / "host-dev" / "kvm", os.stat(KVM).st_rdev)
     # The real identity check; the device probe is injected so that only identity is at stake.
-    mon = monitor(KVM.parent, host, interval=3600, identity_probe=None)
+    mon = monitor(KVM.parent, node.parent, interval=3600, identity_probe=None)
     async with running(mon):
         await wait_state(mon, lambda s: s.healthy)
         node.unlink()
         state = await wait_state(mon, lambda s: not s.healthy)
         assert set(state.reasons) == {"host_identity"}
         assert f"host device node {node} is missing" in state.reasons["host_identity"]
-        make_node()
+        mknod_char(node, os.stat(KVM).st_rdev)
         await wait_state(mon, lambda s: s.healthy)
 
 
 async def test_run_never_checks_more_often_than_the_floor(tmp_path: Path) -> None:
     """An interval of 0 (an in-process caller; the CLI refuses it) is not a busy loop."""
-    from hlplugin.deviceplugin.conditions import MIN_PERIOD
-
     checks: list[float] = []
 
     def clock() -> float:  # called once at the end of every check
