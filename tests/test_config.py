@@ -32,8 +32,7 @@ def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> 
             code = main(argv)
         except SystemExit as exited:
             code = int(exited.code or 0)
-        out, err = capsys.readouterr()
-        return code, out, err
+        return (code, *capsys.readouterr())
 
     yield hlplugin
     root.handlers[:] = handlers
@@ -196,9 +195,8 @@ def test_cdi_prints_the_spec_the_daemon_writes_or_checks_a_file_against_it(cli: 
     code, out, _ = cli("cdi", "--hypervisor", "kvm", "--device-uid", "1000", "--device-gid", "1001")
     assert code == 0
     assert out.encode() == cdi.render_spec("kvm", 1000, 1001)
-    spec = json.loads(out)
-    assert spec["kind"] == "hyperlight.dev/hypervisor"
-    assert spec["cdiVersion"] == "0.3.0"
+    assert json.loads(out)["kind"] == "hyperlight.dev/hypervisor"
+    assert json.loads(out)["cdiVersion"] == "0.3.0"
     # It accepts the serve command line.
     code, out, err = cli("cdi", "--plugin-dir", str(tmp_path), "--cdi-dir", str(tmp_path),
                          "--hypervisor", "kvm", "--device-count", "5",

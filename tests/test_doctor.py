@@ -22,8 +22,7 @@ from hlplugin.emulator import KubeletEmulator
 
 
 def run_doctor(argv: list[str]) -> tuple[int, str]:
-    """`hlplugin doctor ARGV` in-process: (exit code, stdout). The root logger, which the command
-    configures, is put back."""
+    """`hlplugin doctor ARGV` in-process: (exit code, stdout), the root logger it configures put back."""
     out, root = io.StringIO(), logging.getLogger()
     handlers, level = root.handlers[:], root.level
     try:
@@ -37,8 +36,7 @@ def run_doctor(argv: list[str]) -> tuple[int, str]:
 async def doctor(node: Node, *extra: str, kubelet: bool = True) -> tuple[int, str, dict[str, Any]]:
     """Doctor on ``node`` as text and as --json, which must exit alike, in a thread so that the
     loop serves the kubelet emulator: (exit code, text, report with its checks by name)."""
-    argv = ["--plugin-dir", str(node.plugin_dir), "--cdi-dir", str(node.cdi_dir),
-            "--dev-dir", str(node.dev_dir), "--host-dev-dir", str(node.host_dev_dir), *extra]
+    argv = node.serve_args(*extra)[1:]  # serve's node flags are doctor's
     emulator = KubeletEmulator(node.plugin_dir)
     if kubelet:
         await emulator.start()
@@ -126,35 +124,30 @@ async def test_kubelet_socket_and_cdi_problems(tmp_path: Path) -> None:
     node = Node.make(tmp_path, dev_dir=tmp_path, host_dev_dir=tmp_path)
     sock, spec = node.plugin_dir / "kubelet.sock", node.cdi_dir / cdi.SPEC_FILE
 
-    async def checks() -> dict[str, dict[str, Any]]:
+    async def expect(want: dict[str, tuple[str, str]]) -> None:
+        """Doctor fails (no kubelet here); each named check has its status and says its part."""
         code, _, report = await doctor(node, "--hypervisor", "kvm", kubelet=False)
         assert code == 1
-        return report["checks"]
+        for name, (status, part) in want.items():
+            check = report["checks"][name]
+            assert check["status"] == status and part in check["detail"], check
 
     # No kubelet socket; a missing CDI dir under a writable parent: the daemon would create it.
-    found = await checks()
-    assert found["kubelet socket"]["status"] == "fail" and "is missing" in found["kubelet socket"]["detail"]
-    assert found["CDI dir"]["status"] == "ok" and "does not exist yet" in found["CDI dir"]["detail"]
+    await expect({"kubelet socket": ("fail", "is missing"), "CDI dir": ("ok", "does not exist yet")})
     # A socket bound but never listening (a dead kubelet); a spec the daemon rewrites.
     node.cdi_dir.mkdir()
     spec.write_text('{"cdiVersion": "0.3.0"}')
     with socket.socket(socket.AF_UNIX) as stale:
         stale.bind(str(sock))
-        found = await checks()
-        assert found["kubelet socket"]["status"] == "fail"
-        assert "stale socket" in found["kubelet socket"]["detail"]
-        assert found["CDI spec"]["status"] == "warn" and "rewrites" in found["CDI spec"]["detail"]
+        await expect({"kubelet socket": ("fail", "stale socket"), "CDI spec": ("warn", "rewrites")})
     # Not a socket; not a regular file.
     sock.unlink()
     sock.write_text("")
     spec.unlink()
     spec.mkdir()
-    found = await checks()
-    assert found["kubelet socket"]["status"] == "fail" and "not a socket" in found["kubelet socket"]["detail"]
-    assert found["CDI spec"]["status"] == "fail" and "not a regular file" in found["CDI spec"]["detail"]
+    await expect({"kubelet socket": ("fail", "not a socket"), "CDI spec": ("fail", "not a regular file")})
     # A file where the CDI dir belongs.
     spec.rmdir()
     node.cdi_dir.rmdir()
     node.cdi_dir.write_text("a file where the CDI dir belongs")
-    found = await checks()
-    assert found["CDI dir"]["status"] == "fail" and "not a directory" in found["CDI dir"]["detail"]
+    await expect({"CDI dir": ("fail", "not a directory")})
