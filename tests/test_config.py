@@ -1,17 +1,18 @@
 """Flags, environment twins and defaults; the command line in-process (`hlplugin cdi`, usage
-errors, --help and --version), which needs no daemon and so no subprocess."""
+errors, --help; --version is test_packaging's), which needs no daemon and so no subprocess."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hlplugin import __version__, cdi, config
+from hlplugin import cdi, config
 from hlplugin.cli import build_parser, main
 
 Cli = Callable[..., tuple[int, str, str]]
@@ -31,97 +32,78 @@ def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> 
             code = main(argv)
         except SystemExit as exited:
             code = int(exited.code or 0)
-        out, err = capsys.readouterr()
-        return code, out, err
+        return (code, *capsys.readouterr())
 
     yield hlplugin
     root.handlers[:] = handlers
     root.setLevel(level)
 
 
-def resolve(argv: list[str], env: dict[str, str],
-            command: str = "serve") -> tuple[config.Settings, list[str]]:
-    args = build_parser().parse_args([command, *argv])
-    names = {"serve": config.SERVE_OPTIONS, "bootstrap": config.BOOTSTRAP_OPTIONS}[command]
-    return config.resolve(args, names, command, env)
+def resolve(argv: list[str], env: dict[str, str]) -> tuple[config.Settings, list[str]]:
+    return config.resolve(build_parser().parse_args(["serve", *argv]), config.SERVE_OPTIONS, "serve", env)
 
 
-def test_defaults() -> None:
-    settings, warnings = resolve([], {})
-    assert settings.plugin_dir == Path("/var/lib/kubelet/device-plugins")
-    assert settings.cdi_dir == Path("/var/run/cdi")
-    assert settings.dev_dir == Path("/dev")
-    assert settings.host_dev_dir == Path("/host-dev")
-    assert (settings.hypervisor, settings.device_count) == ("auto", 2000)
-    assert (settings.device_uid, settings.device_gid) == (65534, 65534)
-    assert settings.http_address == ("0.0.0.0", 8080)
-    assert (settings.log_format, settings.log_level) == ("text", "info")
-    assert settings.cdi_annotations is False
-    assert warnings == []
-    assert resolve([], {}, "bootstrap")[0].http_address == ("0.0.0.0", 8081)
-
-
-COUNT_RANGE = f"from 1 to {config.MAX_DEVICE_COUNT}"
+MAX = config.MAX_DEVICE_COUNT
+COUNT_RANGE = f"from 1 to {MAX}"
+DURATIONS = {name: config.INTERVAL_RANGE for name in ("cdi_interval", "health_interval")} | {
+    name: config.TIMEOUT_RANGE for name in ("probe_timeout", "register_timeout")}
 
 
 @pytest.mark.parametrize(("name", "value", "says"), [
-    ("DEVICE_COUNT", "abc", COUNT_RANGE), ("DEVICE_COUNT", "-1", COUNT_RANGE),
-    ("DEVICE_COUNT", "0", COUNT_RANGE),
     ("DEVICE_UID", "-1", ""), ("DEVICE_UID", "4294967296", ""), ("DEVICE_UID", "x", ""),
     ("DEVICE_GID", "-5", ""), ("DEVICE_GID", "99999999999", ""),
+    ("DEVICE_UID", "\u0661", ""), ("DEVICE_GID", "1_0", ""),
     # ASCII digits only, and up to the ceiling
     *(("DEVICE_COUNT", value, COUNT_RANGE) for value in (
-        "1_000", "\u0661\u0662", "\uff11\uff12", "99999999999999999999", "+5", "5.0", "0x10", "",
-        str(config.MAX_DEVICE_COUNT + 1))),
-    ("DEVICE_UID", "\u0661", ""), ("DEVICE_GID", "1_0", ""),
+        "abc", "-1", "0", "1_000", "\u0661\u0662", "\uff11\uff12", "99999999999999999999", "+5", "5.0",
+        "0x10", "", str(MAX + 1))),
     ("HYPERLIGHT_HTTP_ADDRESS", "0.0.0.0:\uff18\uff10", ""),
+    # every duration, each out of its range in every way; the warning names the range
+    *((config.OPTIONS[name].env, {"below": f"{low * 0.99:g}", "above": f"{high * 1.01:g}"}.get(value, value),
+       f"must be a number of seconds from {low:g} to {high:g}")
+      for name, (low, high) in DURATIONS.items()
+      for value in ("nan", "inf", "-inf", "1e9", "0.000001", "-3", "0", "1_0", "\u0661", "below", "above")),
 ])
 def test_invalid_env_falls_back_to_default_with_warning(name: str, value: str, says: str) -> None:
     settings, warnings = resolve([], {name: value})
-    field = {"HYPERLIGHT_HTTP_ADDRESS": "http_address"}.get(name, name.lower())
+    field = next(field for field, option in config.OPTIONS.items() if option.env == name)
     assert getattr(settings, field) == config.OPTIONS[field].default
     assert len(warnings) == 1 and name in warnings[0], warnings
     assert "default" in warnings[0] or field == "http_address", warnings
     assert says in warnings[0]
 
 
-def test_uint32_bounds_are_inclusive() -> None:
-    settings, warnings = resolve([], {"DEVICE_UID": "4294967295", "DEVICE_GID": "0"})
-    assert (settings.device_uid, settings.device_gid) == (4294967295, 0)
-    assert warnings == []
-
-
-def test_flag_wins_over_twin() -> None:
-    settings, _ = resolve(["--device-count", "3", "--hypervisor", "mshv"],
-                          {"DEVICE_COUNT": "9", "HYPERLIGHT_HYPERVISOR": "kvm"})
-    assert (settings.device_count, settings.hypervisor) == (3, "mshv")
-
-
-def test_empty_host_dev_dir_turns_identity_off_with_warning() -> None:
-    settings, warnings = resolve(["--host-dev-dir", ""], {})
-    assert settings.host_dev_dir is None
-    assert any("identity" in w for w in warnings)
-    from_env, env_warnings = resolve([], {"HYPERLIGHT_HOST_DEV_DIR": ""})
-    assert from_env.host_dev_dir is None and any("identity" in w for w in env_warnings)
-
-
-def test_switch_twin() -> None:
-    assert resolve([], {"HYPERLIGHT_CDI_ANNOTATIONS": "true"})[0].cdi_annotations is True
-    assert resolve(["--cdi-annotations"], {})[0].cdi_annotations is True
-
-
-def test_relative_dirs_become_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("argv", "env", "want", "warns"), [
+    ([], {}, {  # the defaults
+        "plugin_dir": Path("/var/lib/kubelet/device-plugins"), "cdi_dir": Path("/var/run/cdi"),
+        "dev_dir": Path("/dev"), "host_dev_dir": Path("/host-dev"), "hypervisor": "auto",
+        "device_count": 2000, "device_uid": 65534, "device_gid": 65534,
+        "http_address": ("0.0.0.0", 8080), "log_format": "text", "log_level": "info",
+        "cdi_annotations": False}, ""),
+    ([], {"DEVICE_UID": "4294967295", "DEVICE_GID": "0"}, {"device_uid": 4294967295, "device_gid": 0}, ""),
+    ([], {"DEVICE_COUNT": f" {MAX} "}, {"device_count": MAX}, ""),  # the ceiling is inclusive
+    (["--device-count", "1"], {}, {"device_count": 1}, ""),
+    (["--device-count", "3", "--hypervisor", "mshv"], {"DEVICE_COUNT": "9", "HYPERLIGHT_HYPERVISOR": "kvm"},
+     {"device_count": 3, "hypervisor": "mshv"}, ""),  # a flag wins over its twin
+    ([], {"HYPERLIGHT_CDI_ANNOTATIONS": "true"}, {"cdi_annotations": True}, ""),
+    (["--cdi-annotations"], {}, {"cdi_annotations": True}, ""),
+    (["--host-dev-dir", ""], {}, {"host_dev_dir": None}, "identity"),  # the identity check is off
+    ([], {"HYPERLIGHT_HOST_DEV_DIR": ""}, {"host_dev_dir": None}, "identity"),
+    # relative dirs are taken from the working directory (tmp_path below)
+    (["--plugin-dir", "plugins", "--cdi-dir", "cdi"], {"HYPERLIGHT_DEV_DIR": "dev"},
+     {"plugin_dir": Path("plugins"), "cdi_dir": Path("cdi"), "dev_dir": Path("dev")}, ""),
+    # every duration's range is inclusive, and "s" may follow the number
+    *(([config.OPTIONS[name].flag, f"{value:g}{unit}"], {}, {name: value}, "")
+      for name, (low, high) in DURATIONS.items() for value, unit in ((low, ""), (high, ""), (low, "s"))),
+])
+def test_valid_values_are_taken(argv: list[str], env: dict[str, str], want: dict[str, Any], warns: str,
+                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    settings, _ = resolve(["--plugin-dir", "plugins", "--cdi-dir", "cdi"], {"HYPERLIGHT_DEV_DIR": "dev"})
-    assert settings.plugin_dir == tmp_path / "plugins"
-    assert settings.cdi_dir == tmp_path / "cdi"
-    assert settings.dev_dir == tmp_path / "dev"
-
-
-def test_device_count_ceiling_is_inclusive() -> None:
-    settings, warnings = resolve([], {"DEVICE_COUNT": f" {config.MAX_DEVICE_COUNT} "})
-    assert (settings.device_count, warnings) == (config.MAX_DEVICE_COUNT, [])
-    assert resolve(["--device-count", "1"], {})[0].device_count == 1
+    settings, warnings = resolve(argv, env)
+    # An absolute path stays itself under tmp_path (``/`` discards what comes before it).
+    want = {name: tmp_path / value if isinstance(value, Path) else value for name, value in want.items()}
+    assert {name: getattr(settings, name) for name in want} == want
+    assert any(warns in w for w in warnings) if warns else warnings == [], warnings
 
 
 def test_device_list_at_the_ceiling_fits_the_kubelet_message_limit_twice_over() -> None:
@@ -142,33 +124,6 @@ def test_device_list_at_the_ceiling_fits_the_kubelet_message_limit_twice_over() 
     assert bigger._lists[False].ByteSize() > config.KUBELET_MAX_MESSAGE
 
 
-INTERVALS = ("cdi_interval", "health_interval")
-TIMEOUTS = ("probe_timeout", "register_timeout")
-
-
-@pytest.mark.parametrize("name", INTERVALS + TIMEOUTS)
-def test_durations_accept_their_range_inclusive(name: str) -> None:
-    low, high = config.INTERVAL_RANGE if name in INTERVALS else config.TIMEOUT_RANGE
-    flag = config.OPTIONS[name].flag
-    for value in (low, high):
-        assert getattr(resolve([flag, f"{value:g}"], {})[0], name) == value
-    assert getattr(resolve([flag, f"{low:g}s"], {})[0], name) == low
-
-
-@pytest.mark.parametrize("name", INTERVALS + TIMEOUTS)
-@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e9", "0.000001", "-3", "0", "1_0",
-                                   "\u0661", "below", "above"])
-def test_durations_out_of_range_name_the_range(name: str, value: str) -> None:
-    low, high = config.INTERVAL_RANGE if name in INTERVALS else config.TIMEOUT_RANGE
-    value = {"below": f"{low * 0.99:g}", "above": f"{high * 1.01:g}"}.get(value, value)
-    option = config.OPTIONS[name]
-    assert option.env is not None
-    settings, warnings = resolve([], {option.env: value})
-    assert getattr(settings, name) == option.default
-    assert len(warnings) == 1
-    assert f"must be a number of seconds from {low:g} to {high:g}" in warnings[0], warnings
-
-
 def test_provenance_of_every_setting() -> None:
     args = build_parser().parse_args(["bootstrap", "--hypervisor", "kvm"])
     resolution = config.resolve_sources(
@@ -181,6 +136,7 @@ def test_provenance_of_every_setting() -> None:
         "register_timeout": "default",  # invalid in the environment: the default runs
     }
     assert resolution.settings.log_level == "debug" and resolution.settings.hypervisor == "kvm"
+    assert resolution.settings.http_address == ("0.0.0.0", 8081)
     assert len(resolution.warnings) == 1
     assert resolution.describe() == (
         "from flags: hypervisor=kvm; from the environment: log_level=debug; defaults: "
@@ -188,59 +144,44 @@ def test_provenance_of_every_setting() -> None:
         "log_format=text, register_timeout=5.0")
 
 
-@pytest.mark.parametrize("argv", [
-    ["serve", "--device-count", str(config.MAX_DEVICE_COUNT + 1)],
-    ["serve", "--cdi-interval", "1e9"],
-    ["bootstrap", "--register-timeout", "nan"],
-    ["bootstrap", "--plugin-dir", "/" + "p" * 100],
+@pytest.mark.parametrize(("argv", "error"), [
+    (["serve", "--device-count", str(MAX + 1)], "argument --device-count: .*"),
+    (["serve", "--device-count", "0"], "argument --device-count: .*"),
+    (["serve", "--device-count", "abc"], "argument --device-count: .*"),
+    (["serve", "--device-uid", "-1"], "argument --device-uid: .*"),
+    (["serve", "--device-gid", "4294967296"], "argument --device-gid: .*"),
+    (["serve", "--hypervisor", "xen"], "argument --hypervisor: .*"),
+    (["serve", "--http-address", "nonsense"], "argument --http-address: .*"),
+    (["serve", "--log-format", "xml"], "argument --log-format: .*"),
+    (["serve", "--log-level", "loud"], "argument --log-level: .*"),
+    (["serve", "--cdi-interval", "-3"], "argument --cdi-interval: .*"),
+    (["serve", "--cdi-interval", "1e9"], "argument --cdi-interval: .*"),
+    (["bootstrap", "--register-timeout", "nan"], "argument --register-timeout: .*"),
+    (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["doctor", "--no-such-flag", "extra"], "unrecognized arguments: --no-such-flag extra"),
+    # no room for a socket path in it
+    (["serve", "--plugin-dir", "/tmp/" + "d" * 100], r"argument --plugin-dir .* is too long .*"),
+    (["bootstrap", "--plugin-dir", "/" + "p" * 100], r"argument --plugin-dir .* is too long .*"),
 ])
-def test_argument_errors_print_the_subcommands_usage(argv: list[str], cli: Cli) -> None:
+def test_usage_errors_exit_2_with_the_subcommands_usage_naming_the_flag(
+        argv: list[str], error: str, cli: Cli) -> None:
     code, _, err = cli(*argv)
     assert code == 2
     assert err.startswith(f"usage: hlplugin {argv[0]} "), err
-    assert f"hlplugin {argv[0]}: error: argument {argv[1]}" in err
+    assert err.endswith("\n")
+    assert re.fullmatch(f"hlplugin {argv[0]}: error: {error}", err.splitlines()[-1]), err
 
 
-def test_unknown_arguments_print_the_subcommands_usage(cli: Cli) -> None:
-    code, _, err = cli("doctor", "--no-such-flag", "extra")
-    assert code == 2
-    assert err.startswith("usage: hlplugin doctor "), err
-    assert err.endswith("hlplugin doctor: error: unrecognized arguments: --no-such-flag extra\n")
-
-
-@pytest.mark.parametrize(("argv", "flag"), [
-    (["--device-count", "0"], "--device-count"),
-    (["--device-count", "abc"], "--device-count"),
-    (["--device-uid", "-1"], "--device-uid"),
-    (["--device-gid", "4294967296"], "--device-gid"),
-    (["--hypervisor", "xen"], "--hypervisor"),
-    (["--http-address", "nonsense"], "--http-address"),
-    (["--log-format", "xml"], "--log-format"),
-    (["--log-level", "loud"], "--log-level"),
-    (["--cdi-interval", "-3"], "--cdi-interval"),
-    (["--no-such-flag"], "--no-such-flag"),
-    (["--plugin-dir", "/tmp/" + "d" * 100], "too long"),  # no room for a socket path in it
-])
-def test_invalid_flags_exit_2_naming_the_flag(argv: list[str], flag: str, cli: Cli) -> None:
-    code, _, err = cli("serve", *argv)
-    assert code == 2
-    assert flag in err
-    if flag == "too long":
-        assert "--plugin-dir" in err
-
-
-def test_version_and_help(cli: Cli) -> None:
-    code, out, _ = cli("--version")
-    assert code == 0 and __version__ in out
+def test_help_names_every_flag_and_its_twin(cli: Cli) -> None:
     code, help_text, _ = cli("serve", "--help")
     assert code == 0
-    for flag, twin in [("--plugin-dir", "HYPERLIGHT_PLUGIN_DIR"), ("--cdi-dir", "HYPERLIGHT_CDI_DIR"),
-                       ("--dev-dir", "HYPERLIGHT_DEV_DIR"), ("--host-dev-dir", "HYPERLIGHT_HOST_DEV_DIR"),
-                       ("--hypervisor", "HYPERLIGHT_HYPERVISOR"), ("--device-count", "DEVICE_COUNT"),
-                       ("--device-uid", "DEVICE_UID"), ("--device-gid", "DEVICE_GID"),
-                       ("--http-address", "HYPERLIGHT_HTTP_ADDRESS"),
-                       ("--log-format", "HYPERLIGHT_LOG_FORMAT"), ("--log-level", "HYPERLIGHT_LOG_LEVEL"),
-                       ("--cdi-annotations", "HYPERLIGHT_CDI_ANNOTATIONS")]:
+    for flag, twin in [
+            ("--plugin-dir", "HYPERLIGHT_PLUGIN_DIR"), ("--cdi-dir", "HYPERLIGHT_CDI_DIR"),
+            ("--dev-dir", "HYPERLIGHT_DEV_DIR"), ("--host-dev-dir", "HYPERLIGHT_HOST_DEV_DIR"),
+            ("--hypervisor", "HYPERLIGHT_HYPERVISOR"), ("--device-count", "DEVICE_COUNT"),
+            ("--device-uid", "DEVICE_UID"), ("--device-gid", "DEVICE_GID"),
+            ("--http-address", "HYPERLIGHT_HTTP_ADDRESS"), ("--log-format", "HYPERLIGHT_LOG_FORMAT"),
+            ("--log-level", "HYPERLIGHT_LOG_LEVEL"), ("--cdi-annotations", "HYPERLIGHT_CDI_ANNOTATIONS")]:
         assert flag in help_text and twin in help_text, flag
     code, out, _ = cli("bootstrap", "--help")
     assert code == 0 and "0.0.0.0:8081" in out
@@ -250,34 +191,24 @@ def test_version_and_help(cli: Cli) -> None:
     assert "--cdi-dir" not in out
 
 
-# --- `hlplugin cdi`: print the desired spec, or --check a file against it ----------------------
-
-
-def test_cdi_prints_the_spec_the_daemon_writes(cli: Cli, tmp_path: Path) -> None:
+def test_cdi_prints_the_spec_the_daemon_writes_or_checks_a_file_against_it(cli: Cli, tmp_path: Path) -> None:
     code, out, _ = cli("cdi", "--hypervisor", "kvm", "--device-uid", "1000", "--device-gid", "1001")
     assert code == 0
     assert out.encode() == cdi.render_spec("kvm", 1000, 1001)
-    spec = json.loads(out)
-    assert spec["kind"] == "hyperlight.dev/hypervisor"
-    assert spec["cdiVersion"] == "0.3.0"
+    assert json.loads(out)["kind"] == "hyperlight.dev/hypervisor"
+    assert json.loads(out)["cdiVersion"] == "0.3.0"
     # It accepts the serve command line.
     code, out, err = cli("cdi", "--plugin-dir", str(tmp_path), "--cdi-dir", str(tmp_path),
                          "--hypervisor", "kvm", "--device-count", "5",
                          "--http-address", "127.0.0.1:0", "--cdi-annotations")
     assert code == 0, err
     assert out.encode() == cdi.render_spec("kvm", 65534, 65534)
-    # Environment twins apply.
-    code, out, _ = cli("cdi", env={"HYPERLIGHT_HYPERVISOR": "mshv", "DEVICE_UID": "7",
-                                   "DEVICE_GID": "8"})
-    assert out.encode() == cdi.render_spec("mshv", 7, 8)
-
-
-def test_cdi_check_exact_file_exits_0_and_differences_exit_1(cli: Cli, tmp_path: Path) -> None:
-    spec = tmp_path / "hyperlight.json"
-    spec.write_bytes(cdi.render_spec("kvm", 65534, 65534))
-    assert cli("cdi", "--hypervisor", "kvm", "--check", str(spec))[0] == 0
-    spec.write_bytes(cdi.render_spec("kvm", 0, 65534))
-    code, _, err = cli("cdi", "--hypervisor", "kvm", "--check", str(spec))
+    # --check: an exact file exits 0, differences exit 1.
+    written = tmp_path / "hyperlight.json"
+    written.write_bytes(cdi.render_spec("kvm", 65534, 65534))
+    assert cli("cdi", "--hypervisor", "kvm", "--check", str(written))[0] == 0
+    written.write_bytes(cdi.render_spec("kvm", 0, 65534))
+    code, _, err = cli("cdi", "--hypervisor", "kvm", "--check", str(written))
     assert code == 1
     assert '"uid": 0' in err and '"uid": 65534' in err
     code, _, err = cli("cdi", "--hypervisor", "kvm", "--check", str(tmp_path / "nope.json"))
@@ -285,3 +216,7 @@ def test_cdi_check_exact_file_exits_0_and_differences_exit_1(cli: Cli, tmp_path:
     code, _, err = cli("cdi", "--dev-dir", str(tmp_path))  # auto, and no device: explains
     assert code == 1
     assert "--hypervisor" in err
+    # Environment twins apply (last: they stay set for the rest of the test).
+    code, out, _ = cli("cdi", env={"HYPERLIGHT_HYPERVISOR": "mshv", "DEVICE_UID": "7",
+                                   "DEVICE_GID": "8"})
+    assert out.encode() == cdi.render_spec("mshv", 7, 8)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import gc
 import logging
 import os
@@ -15,23 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import wait_until
+from harness import needs_kvm, needs_root, wait_until
 
 from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
-from hlplugin.probe import (
-    ProbeError,
-    check_host_identity,
-    probe_device,
-    probe_kvm,
-    probe_mshv,
-)
+from hlplugin.probe import ProbeError, check_host_identity, probe_device, probe_kvm, probe_mshv
 
 KVM = Path("/dev/kvm")
-KVM_USABLE = KVM.exists() and os.access(KVM, os.R_OK | os.W_OK)
-needs_kvm = pytest.mark.skipif(not KVM_USABLE, reason="needs a read/write /dev/kvm")
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mknod of device nodes needs root")
+SELF = KVM if KVM.exists() else Path("/dev/null")  # the device whose host twin is checked
 NULL_NUMBERS = os.makedev(1, 3)  # /dev/null: a char device on which every KVM ioctl is ENOTTY
-ZERO_NUMBERS = os.makedev(1, 5)
 
 
 def mknod_char(path: Path, rdev: int) -> Path:
@@ -46,24 +38,15 @@ def open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-def vcpu_mappings() -> int:
-    return Path("/proc/self/maps").read_text().count("kvm-vcpu")
-
-
-# --- KVM -----------------------------------------------------------------------------------------
-
-
 @needs_kvm
-def test_real_kvm_passes_with_and_without_guest() -> None:
+def test_real_kvm_passes_with_and_without_guest_leaving_no_fd_or_mapping_behind() -> None:
+    def vcpu_mappings() -> int:
+        return Path("/proc/self/maps").read_text().count("kvm-vcpu")
+
+    before, maps_before = open_fds(), vcpu_mappings()
     probe_kvm(KVM, guest=False)
-    probe_kvm(KVM, guest=True)
     probe_device("kvm", KVM.parent)
     probe_device("kvm", KVM.parent, guest=False)
-
-
-@needs_kvm
-def test_real_kvm_probe_leaves_no_fd_or_mapping_behind() -> None:
-    before, maps_before = open_fds(), vcpu_mappings()
     for _ in range(20):
         probe_kvm(KVM, guest=True)
     assert open_fds() == before
@@ -71,127 +54,84 @@ def test_real_kvm_probe_leaves_no_fd_or_mapping_behind() -> None:
 
 
 @needs_root
-def test_non_kvm_char_device_fails_at_api_version_with_enotty(tmp_path: Path) -> None:
-    node = mknod_char(tmp_path / "kvm", NULL_NUMBERS)
-    before = open_fds()
+def test_substitute_nodes_that_are_the_device_pass(tmp_path: Path) -> None:
+    """MSHV (absent here) on a char node that opens; the host twin with the device's numbers."""
+    mknod_char(tmp_path / "mshv", NULL_NUMBERS)
+    probe_mshv(tmp_path / "mshv")
+    probe_device("mshv", tmp_path)
+    check_host_identity(SELF, mknod_char(tmp_path / "kvm", os.stat(SELF).st_rdev))
+    # No driver behind 511:511: the node is a char device, but open fails (ENXIO/ENODEV).
     with pytest.raises(ProbeError) as info:
-        probe_kvm(node)
-    err = info.value
-    assert err.step == "KVM_GET_API_VERSION"
-    assert err.errno == errno.ENOTTY
-    assert err.path == node
-    assert err.reason == "api_version"
-    assert str(err) == (f"KVM_GET_API_VERSION on {node} failed: "
-                        f"[Errno {errno.ENOTTY}] {os.strerror(errno.ENOTTY)}")
-    assert open_fds() == before  # the fd opened before the failing ioctl is closed
-    with pytest.raises(ProbeError, match="KVM_GET_API_VERSION"):
-        probe_device("kvm", tmp_path)
+        probe_mshv(mknod_char(tmp_path / "unbound", os.makedev(511, 511)))
+    assert info.value.step == "open"
+    assert info.value.errno in (errno.ENXIO, errno.ENODEV)
 
 
-# --- refusals without a device: (what is at the path, the check, what it must say) ---------------
-
-
-def _regular(path: Path) -> None:
-    path.write_bytes(b"")
+# --- refusals: (what is at the path, the check, the error's attributes, its whole message) -------
 
 
 def _symlink(target: str | Path) -> Callable[[Path], None]:
     return lambda path: path.symlink_to(target)
 
 
-SELF = KVM if KVM.exists() else Path("/dev/null")  # the device whose host twin is checked
-Make = Callable[[Path], None] | None
-REFUSALS: dict[str, tuple[str, Make, Callable[[Path], None], dict[str, Any], str]] = {
-    # id: (node name, what is put there, the check on it, the error's attributes, message text)
-    "kvm-missing": ("kvm", None, lambda p: probe_kvm(p),
-                    {"step": "open", "errno": errno.ENOENT, "reason": "open"},
-                    "open on {path} failed: [Errno 2]"),
-    "kvm-regular-file": ("kvm", _regular, lambda p: probe_kvm(p, guest=False),
-                         {"step": "KVM_GET_API_VERSION", "errno": errno.ENOTTY}, ""),
-    "mshv-regular-file": ("mshv", _regular, lambda p: probe_mshv(p),
-                          {"reason": "not_char_device"}, "not a character device (a regular file"),
-    "mshv-symlink": ("mshv", _symlink("/dev/null"), lambda p: probe_device("mshv", p.parent),
-                     {"reason": "not_char_device"}, "not a character device (a symlink"),
-    "mshv-missing": ("mshv", None, lambda p: probe_mshv(p), {"errno": errno.ENOENT}, "{path}"),
-    "identity-missing": ("kvm", None, lambda p: check_host_identity(SELF, p),
-                         {"reason": "identity_missing", "errno": errno.ENOENT, "path": "{path}"},
-                         "host device node {path} is missing"),
-    "identity-regular-file": ("kvm", _regular, lambda p: check_host_identity(SELF, p),
-                              {"reason": "not_char_device"},
-                              "not a character device (a regular file"),
-    "identity-symlink-to-the-real-node": ("kvm", _symlink(SELF),
-                                          lambda p: check_host_identity(SELF, p),
-                                          {"reason": "not_char_device"}, "a symlink"),
-}
+def _char(rdev: int) -> Callable[[Path], object]:
+    return lambda path: mknod_char(path, rdev)
 
 
-@pytest.mark.parametrize(("name", "make", "check", "attributes", "message"),
-                         list(REFUSALS.values()), ids=list(REFUSALS))
+HOST_TWIN = functools.partial(check_host_identity, SELF)
+# The identity check also requires the device itself to be a character device.
+ITSELF = functools.partial(check_host_identity, host_path=Path("/dev/null"))
+SELF_NUMBERS = f"{os.major(os.stat(SELF).st_rdev)}:{os.minor(os.stat(SELF).st_rdev)}"
+MISSING = "is missing: [Errno 2] No such file or directory"
+REGULAR, SYMLINK = "is not a character device (a regular file)", "is not a character device (a symlink)"
+ENOTTY = f"KVM_GET_API_VERSION on {{path}} failed: [Errno {errno.ENOTTY}] {os.strerror(errno.ENOTTY)}"
+NOT_KVM = {"step": "KVM_GET_API_VERSION", "errno": errno.ENOTTY, "path": "{path}", "reason": "api_version"}
+NOT_CHAR = {"reason": "not_char_device"}
+Make = Callable[[Path], object] | None
+REFUSALS: list[tuple[str, str, Make, Callable[[Path], None], dict[str, Any], str]] = [
+    ("kvm-missing", "kvm", None, probe_kvm, {"step": "open", "errno": errno.ENOENT, "reason": "open"},
+     "open on {path} failed: [Errno 2] No such file or directory"),
+    ("kvm-regular-file", "kvm", Path.touch, lambda p: probe_kvm(p, guest=False), NOT_KVM, ENOTTY),
+    ("kvm-char-device-not-kvm", "kvm", _char(NULL_NUMBERS), probe_kvm, NOT_KVM, ENOTTY),
+    ("kvm-char-device-not-kvm-by-dir", "kvm", _char(NULL_NUMBERS), lambda p: probe_device("kvm", p.parent),
+     NOT_KVM, ENOTTY),
+    ("mshv-regular-file", "mshv", Path.touch, probe_mshv, NOT_CHAR, f"device {{path}} {REGULAR}"),
+    ("mshv-symlink", "mshv", _symlink("/dev/null"), lambda p: probe_device("mshv", p.parent), NOT_CHAR,
+     f"device {{path}} {SYMLINK}"),
+    ("mshv-missing", "mshv", None, probe_mshv, {"errno": errno.ENOENT}, f"device {{path}} {MISSING}"),
+    ("identity-missing", "kvm", None, HOST_TWIN, {"reason": "identity_missing", "errno": errno.ENOENT,
+                                                   "path": "{path}"}, f"host device node {{path}} {MISSING}"),
+    ("identity-regular-file", "kvm", Path.touch, HOST_TWIN, NOT_CHAR, f"host device node {{path}} {REGULAR}"),
+    ("identity-symlink-to-the-real-node", "kvm", _symlink(SELF), HOST_TWIN, NOT_CHAR,
+     f"host device node {{path}} {SYMLINK}"),
+    ("identity-other-numbers", "kvm", _char(os.makedev(1, 5)), HOST_TWIN, {"reason": "identity_mismatch"},
+     f"host device node {{path}} is 1:5, but {SELF} is {SELF_NUMBERS}"),
+    ("identity-device-missing", "kvm", None, ITSELF, {"errno": errno.ENOENT}, f"device {{path}} {MISSING}"),
+    ("identity-device-regular-file", "kvm", Path.touch, ITSELF, NOT_CHAR, f"device {{path}} {REGULAR}"),
+]
+ROOT_ONLY = {"kvm-char-device-not-kvm", "kvm-char-device-not-kvm-by-dir", "identity-other-numbers"}
+
+
+@pytest.mark.parametrize(("name", "make", "check", "attributes", "message"), [
+    pytest.param(*row, id=key, marks=[needs_root] if key in ROOT_ONLY else []) for key, *row in REFUSALS])
 def test_what_is_not_the_device_is_refused_saying_why(
         tmp_path: Path, name: str, make: Make, check: Callable[[Path], None],
         attributes: dict[str, Any], message: str) -> None:
     path = tmp_path / name
     if make is not None:
         make(path)
+    before = open_fds()
     with pytest.raises(ProbeError) as info:
         check(path)
     for attribute, want in attributes.items():
         assert getattr(info.value, attribute) == (path if want == "{path}" else want), attribute
-    assert message.format(path=path) in str(info.value)
+    assert str(info.value) == message.format(path=path)
+    assert open_fds() == before  # a descriptor opened before the failing step is closed
 
 
 def test_unknown_hypervisor_is_a_programming_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="xen"):
         probe_device("xen", tmp_path)
-
-
-# --- MSHV (no /dev/mshv here: substitute nodes) ---------------------------------------------------
-
-
-@needs_root
-def test_mshv_char_device_that_opens_passes(tmp_path: Path) -> None:
-    mknod_char(tmp_path / "mshv", NULL_NUMBERS)
-    probe_mshv(tmp_path / "mshv")
-    probe_device("mshv", tmp_path)
-
-
-@needs_root
-def test_mshv_char_device_that_does_not_open_fails(tmp_path: Path) -> None:
-    # No driver behind 511:511: the node is a char device, but open fails (ENXIO/ENODEV).
-    node = mknod_char(tmp_path / "mshv", os.makedev(511, 511))
-    with pytest.raises(ProbeError) as info:
-        probe_mshv(node)
-    assert info.value.step == "open"
-    assert info.value.errno in (errno.ENXIO, errno.ENODEV)
-
-
-# --- host identity --------------------------------------------------------------------------------
-
-
-@needs_root
-def test_host_identity_matching_node_passes(tmp_path: Path) -> None:
-    host = mknod_char(tmp_path / "kvm", os.stat(SELF).st_rdev)
-    check_host_identity(SELF, host)
-
-
-@needs_root
-def test_host_identity_other_numbers_fail(tmp_path: Path) -> None:
-    host = mknod_char(tmp_path / "kvm", ZERO_NUMBERS)
-    rdev = os.stat(SELF).st_rdev
-    with pytest.raises(ProbeError) as info:
-        check_host_identity(SELF, host)
-    assert info.value.reason == "identity_mismatch"
-    assert f"is 1:5, but {SELF} is {os.major(rdev)}:{os.minor(rdev)}" in str(info.value)
-
-
-def test_host_identity_requires_the_device_itself(tmp_path: Path) -> None:
-    with pytest.raises(ProbeError, match=r"device .* is missing") as info:
-        check_host_identity(tmp_path / "kvm", Path("/dev/null"))
-    assert info.value.errno == errno.ENOENT
-    (tmp_path / "kvm").write_bytes(b"")
-    with pytest.raises(ProbeError, match="not a character device") as info:
-        check_host_identity(tmp_path / "kvm", Path("/dev/null"))
-    assert info.value.reason == "not_char_device"
 
 
 # --- BoundedRunner -------------------------------------------------------------------------------
@@ -200,21 +140,25 @@ GUARD = 10.0  # seconds; only ever reached when a test is broken
 
 
 class Gate:
-    """A blocking fn for the runner: records calls, blocks until released (or the guard)."""
+    """A blocking fn for the runner (an injected probe in test_health): counts calls, blocks until
+    released (or the guard), then raises ``error`` while one is set."""
 
-    def __init__(self, result: int = 1) -> None:
+    def __init__(self, released: bool = False) -> None:
         self.release = threading.Event()
         self.started = threading.Event()
         self.finished = threading.Event()
         self.calls = 0
-        self.result = result
+        self.error: Exception | None = None
+        if released:
+            self.release.set()
 
-    def __call__(self) -> int:
+    def __call__(self) -> None:
         self.calls += 1
         self.started.set()
         self.release.wait(GUARD)
         self.finished.set()
-        return self.result
+        if self.error is not None:
+            raise self.error
 
 
 @pytest.fixture
@@ -224,45 +168,29 @@ def gate() -> Iterator[Gate]:
     g.release.set()  # never leave a helper stuck past its test
 
 
-def helpers(runner: BoundedRunner) -> int:
-    return sum(t.name.startswith(runner.name + "-") for t in threading.enumerate())
-
-
-def test_runner_returns_the_result() -> None:
-    runner = BoundedRunner()
-    assert asyncio.run(runner.run(lambda: 42)) == 42
-
-
-def test_runner_propagates_the_exception() -> None:
+def test_results_errors_and_late_helpers_reach_the_caller_only(
+        gate: Gate, caplog: pytest.LogCaptureFixture) -> None:
+    """The result and the very exception reach the caller; neither a returned nor an abandoned
+    helper's error shows up as "never retrieved" noise, nor does a helper finishing after its loop
+    closed. Sync on purpose: a helper must outlive its loop (one loop per phase), and the check
+    below also covers what is logged as each loop closes."""
     boom = ValueError("boom")
-
-    def fail() -> None:
-        raise boom
-
-    with pytest.raises(ValueError) as info:
-        asyncio.run(BoundedRunner().run(fail))
-    assert info.value is boom
-
-
-def test_helper_errors_reach_the_caller_only(caplog: pytest.LogCaptureFixture) -> None:
-    """Neither a returned nor an abandoned helper's error shows up as "never retrieved" noise."""
-    release = threading.Event()
+    late = Gate()
+    late.error = ValueError("late")
 
     def fail() -> None:
         time.sleep(0.05)  # still running when the caller starts waiting
-        raise ValueError("boom")
-
-    def fail_late() -> None:
-        release.wait(GUARD)
-        raise ValueError("late")
+        raise boom
 
     async def scenario() -> None:
         runner = BoundedRunner(budget=GUARD)
-        with pytest.raises(ValueError, match="boom"):
+        assert await runner.run(lambda: 42) == 42
+        with pytest.raises(ValueError) as info:
             await runner.run(fail)
+        assert info.value is boom
         with pytest.raises(CheckFailed, match="timed out"):
-            await runner.run(fail_late, budget=0.05)
-        release.set()
+            await runner.run(late, budget=0.05)
+        late.release.set()
         await wait_until(lambda r=runner: not r.busy)  # type: ignore[misc]
         # A bounded watch, 50 ms: the helper is done, so a late callback is already queued on
         # this loop; a few turns deliver it.
@@ -270,130 +198,89 @@ def test_helper_errors_reach_the_caller_only(caplog: pytest.LogCaptureFixture) -
         del runner  # the helper's future holds whatever waited on it
         gc.collect()
 
-    try:  # sync on purpose: the check below also covers what is logged as the loop closes
+    outliving = BoundedRunner(budget=0.05)
+    try:
         with caplog.at_level(logging.DEBUG):
             asyncio.run(scenario())
+            with pytest.raises(CheckFailed, match="timed out"):
+                asyncio.run(outliving.run(gate))
+            gate.release.set()
+            asyncio.run(wait_until(lambda: not outliving.busy, GUARD, "the helper finishing"))
+            # A bounded watch, 50 ms: the helper is done; any callback it scheduled on the closed
+            # loop has failed (and would have logged) by now.
+            time.sleep(0.05)
     finally:
-        release.set()
+        late.release.set()
+    assert not outliving.busy
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert asyncio.run(outliving.run(lambda: 8)) == 8  # a new loop reuses the runner
 
 
-async def test_stuck_helper_times_out_and_blocks_a_second_helper(gate: Gate) -> None:
-    runner = BoundedRunner(budget=0.2, name="stuck-test")
-    with pytest.raises(CheckFailed, match=r"timed out after 0\.2s") as info:
-        await runner.run(gate)
-    assert (info.value.step, info.value.reason) == ("timeout", "timeout")
-    assert runner.busy
-
-    count = 0
-
-    def other() -> int:
-        nonlocal count
-        count += 1
-        return 2
-
-    for _ in range(3):
-        with pytest.raises(CheckFailed, match="previous check is still stuck") as info:
-            await runner.run(other)
-        assert info.value.step == "budget"
-    assert count == 0
-    assert runner.threads_started == 1
-    assert helpers(runner) == 1
-
-    gate.release.set()
-    assert await runner.run(other, budget=GUARD) == 2
-    assert runner.threads_started == 2
-    assert gate.calls == 1
-
-
-async def test_a_sub_second_budget_is_reported_as_it_is(gate: Gate) -> None:
-    """A 0.25 s budget is "0.25s" in the reason, never rounded to "0.2s" or "0.0s"."""
-    runner = BoundedRunner(budget=0.25, name="quarter-test")
-
+async def test_one_helper_at_a_time_stuck_waited_for_or_cancelled(gate: Gate) -> None:
+    # Timed out: a 0.25 s budget is "0.25s" in the reason, never rounded to "0.2s" or "0.0s".
+    runner = BoundedRunner(budget=0.25, name="stuck-test")
     with pytest.raises(CheckFailed) as info:
         await runner.run(gate)
     assert str(info.value).endswith("check timed out after 0.25s")
-    with pytest.raises(CheckFailed) as again:
-        await runner.run(gate, budget=0.04)
-    assert "still stuck after 0.04s" in str(again.value)
-
-
-async def test_next_call_waits_for_a_helper_that_finishes_within_its_budget(gate: Gate) -> None:
-    runner = BoundedRunner(budget=0.1)
-
-    with pytest.raises(CheckFailed, match="timed out"):
-        await runner.run(gate)
-    threading.Timer(0.2, gate.release.set).start()
-    # The previous helper is still running when this call starts; it waits and then runs.
+    assert (info.value.step, info.value.reason) == ("timeout", "timeout")
     assert runner.busy
-    assert await runner.run(lambda: 3, budget=GUARD) == 3
-    assert gate.finished.is_set()
 
-
-async def test_cancelled_caller_leaves_the_helper_running_and_the_next_call_clean(gate: Gate) -> None:
-    runner = BoundedRunner(budget=GUARD)
-
-    task = asyncio.create_task(runner.run(gate))
-    await wait_until(gate.started.is_set)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert runner.busy and not gate.finished.is_set()  # the helper was not disturbed
-    gate.release.set()
-    await wait_until(gate.finished.is_set)
-    assert await runner.run(lambda: 5) == 5
-    assert runner.threads_started == 2
-
-
-async def test_caller_cancelled_while_waiting_for_a_stuck_helper(gate: Gate) -> None:
-    runner = BoundedRunner(budget=0.1)
-
-    with pytest.raises(CheckFailed, match="timed out"):
-        await runner.run(gate)
-    waiting = asyncio.create_task(runner.run(lambda: 0, budget=GUARD))
-    await asyncio.sleep(0)  # one loop turn: it reaches its wait for the stuck helper
-    waiting.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await waiting
-    gate.release.set()
-    assert await runner.run(lambda: 6, budget=GUARD) == 6
-    assert runner.threads_started == 2
-
-
-async def test_concurrent_callers_never_run_two_helpers_at_once() -> None:
-    runner = BoundedRunner(budget=GUARD)
-    running = 0
-    peak = 0
+    # Stuck: the next calls fail within their own budgets without starting a helper.
+    count = running = peak = 0
     lock = threading.Lock()
 
-    def work() -> int:
-        nonlocal running, peak
+    def other() -> int:
+        nonlocal count, running, peak
         with lock:
+            count += 1
             running += 1
             peak = max(peak, running)
         time.sleep(0.01)
         with lock:
             running -= 1
-        return 1
+        return 2
 
-    assert await asyncio.gather(*(runner.run(work) for _ in range(10))) == [1] * 10
+    for budget in (None, 0.04, 0.04):
+        with pytest.raises(CheckFailed, match="previous check is still stuck") as info:
+            await runner.run(other, budget=budget)
+        assert info.value.step == "budget"
+    assert "still stuck after 0.04s" in str(info.value)
+    assert count == 0
+    assert runner.threads_started == 1
+    assert sum(t.name.startswith("stuck-test-") for t in threading.enumerate()) == 1
+
+    # A caller cancelled while it waits for the stuck helper leaves nothing behind.
+    waiting = asyncio.create_task(runner.run(other, budget=GUARD))
+    await asyncio.sleep(0)  # one loop turn: it reaches its wait for the stuck helper
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+
+    # The helper finishes while the next call waits for it, within that call's budget; then it runs.
+    threading.Timer(0.2, gate.release.set).start()
+    assert runner.busy
+    assert await runner.run(other, budget=GUARD) == 2
+    assert gate.finished.is_set()
+    assert runner.threads_started == 2
+    assert gate.calls == 1
+    assert count == 1
+
+    # A caller cancelled while its own helper runs leaves the helper undisturbed, the next call clean.
+    for event in (gate.release, gate.started, gate.finished):
+        event.clear()
+    task = asyncio.create_task(runner.run(gate, budget=GUARD))
+    await wait_until(gate.started.is_set)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert runner.busy and not gate.finished.is_set()
+    gate.release.set()
+    await wait_until(gate.finished.is_set)
+    assert await runner.run(lambda: 5) == 5
+    assert runner.threads_started == 4
+
+    # Concurrent callers queue: never two helpers at once.
+    runner.budget = GUARD
+    assert await asyncio.gather(*(runner.run(other) for _ in range(10))) == [2] * 10
     assert peak == 1
-    assert runner.threads_started == 10
-
-
-def test_helper_finishing_after_its_loop_closed_is_quiet(
-    gate: Gate, caplog: pytest.LogCaptureFixture
-) -> None:
-    # Sync on purpose: the helper must outlive the loop that started it, so one loop per step.
-    runner = BoundedRunner(budget=0.05)
-    with pytest.raises(CheckFailed, match="timed out"):
-        asyncio.run(runner.run(gate))
-    with caplog.at_level(logging.DEBUG):
-        gate.release.set()
-        asyncio.run(wait_until(lambda: not runner.busy, GUARD, "the helper finishing"))
-        # A bounded watch, 50 ms: the helper is done; any callback it scheduled on the closed
-        # loop has failed (and would have logged) by now.
-        time.sleep(0.05)
-    assert not runner.busy
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
-    assert asyncio.run(runner.run(lambda: 8)) == 8  # a new loop reuses the runner
+    assert runner.threads_started == 14
