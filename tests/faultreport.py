@@ -10,7 +10,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,13 +25,9 @@ ROWS: list[dict[str, Any]] = []
 @dataclass
 class Row:
     scenario: str
+    result: str = "pass"
     recovery_s: float | None = None
     facts: dict[str, Any] = field(default_factory=dict)
-    siblings: dict[Path, bytes] = field(default_factory=dict)
-
-    def keep(self, path: Path) -> None:
-        """A file that must be byte-identical when the scenario ends."""
-        self.siblings[path] = path.read_bytes()
 
 
 def _kvm_identity() -> tuple[int, int, int, int] | None:
@@ -42,27 +38,27 @@ def _kvm_identity() -> tuple[int, int, int, int] | None:
 
 
 @contextlib.contextmanager
-def scenario(name: str) -> Iterator[Row]:
-    """One row: FAIL with the error when the body raises; preservation checked on the way out."""
-    row, result = Row(name), "pass"
-    before = _kvm_identity()
+def scenario(name: str, keep: Iterable[Path] = ()) -> Iterator[Row]:
+    """One row: FAIL with the error when the body raises; on the way out the files ``keep`` and
+    /dev/kvm's mode, owner and numbers must be as they were."""
+    row, before = Row(name), _kvm_identity()
+    kept = {path: path.read_bytes() for path in keep}
     try:
         yield row
-        for path, content in row.siblings.items():
+        for path, content in kept.items():
             assert path.read_bytes() == content, f"sibling {path} changed"
         assert _kvm_identity() == before, f"{KVM} mode, owner or numbers changed"
-        row.facts["preserved"] = f"{len(row.siblings)} sibling(s), {KVM}"
+        row.facts["preserved"] = f"{len(kept)} sibling(s), {KVM}"
     except pytest.skip.Exception as exc:
-        result, row.facts["why"] = "skipped", str(exc)
+        row.result, row.facts["why"] = "skipped", str(exc)
         raise
     except BaseException as exc:
-        result, row.facts["error"] = "FAIL", f"{type(exc).__name__}: {exc}"[:300]
+        row.result, row.facts["error"] = "FAIL", f"{type(exc).__name__}: {exc}"[:300]
         raise
     finally:
-        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
-        ROWS.append({"test": test, "scenario": row.scenario, "result": result,
-                     "recovery_s": None if row.recovery_s is None else round(row.recovery_s, 4),
-                     "facts": row.facts})
+        recovery = None if row.recovery_s is None else round(row.recovery_s, 4)
+        ROWS.append({"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
+                     "scenario": name, "result": row.result, "recovery_s": recovery, "facts": row.facts})
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -90,21 +86,20 @@ def write(request: pytest.FixtureRequest) -> None:
                          "recovery_s": None, "facts": {"why": reason}})
     if not ROWS:
         return
-    failed = [r for r in ROWS if r["result"] == "FAIL"]
+    failed = sum(r["result"] == "FAIL" for r in ROWS)
     checked = [r for r in ROWS if r["result"] != "skipped"]
-    preserved = [r for r in checked if "preserved" in r["facts"]]
+    preserved = sum("preserved" in r["facts"] for r in checked)
     rows = [*ROWS, {"scenario": "Preservation (after every scenario above)",
-                    "result": "pass" if len(preserved) == len(checked) else "FAIL",
-                    "recovery_s": None,
-                    "facts": {"checked": f"{len(preserved)}/{len(checked)} scenarios",
+                    "result": "pass" if preserved == len(checked) else "FAIL", "recovery_s": None,
+                    "facts": {"checked": f"{preserved}/{len(checked)} scenarios",
                               "what": "sibling CDI spec bytes; /dev/kvm mode, uid, gid, rdev"}}]
     target = Path(os.environ.get("HLPLUGIN_FAULT_REPORT")
                   or request.path.resolve().parents[1] / "fault-matrix.json")
     report = {"machine": {"nproc": os.cpu_count(), "kernel": os.uname().release,
                           "python": sys.version.split()[0], "root": IS_ROOT, "kvm": HAVE_KVM},
-              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows, "failed": len(failed)}
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows, "failed": failed}
     target.write_text(json.dumps(report, indent=2) + "\n")
     capture = request.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        print(f"\n\nFault matrix ({len(rows)} rows, {len(failed)} failed; JSON: {target})\n"
+        print(f"\n\nFault matrix ({len(rows)} rows, {failed} failed; JSON: {target})\n"
               + format_table(rows) + "\n", flush=True)

@@ -2,10 +2,10 @@
 library needed): a fake of the world (a hung network or FUSE mount), never of our code.
 
 It holds one entry owned by root: a character device (opening it opens the real driver) or a
-regular file with given bytes (a CDI spec, say). ``hang()`` makes every lookup, stat, open and
-read of the entry wait unanswered until ``release()``, so whatever touches it blocks in the
-kernel. Nothing is cached (valid 0, direct I/O), so every access asks us. Closing unmounts and
-aborts anything still waiting.
+regular file with given bytes (a CDI spec, say). ``hang()`` makes every request about the entry
+(its lookup, stat, open, read ...) wait unanswered until ``release()``, so whatever touches it
+blocks in the kernel. Nothing is cached (valid 0, direct I/O), so every access asks us. Closing
+unmounts and aborts anything still waiting.
 """
 
 from __future__ import annotations
@@ -25,13 +25,9 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _IN = struct.Struct("<IIQQIIIHH")  # fuse_in_header
 _OUT = struct.Struct("<IiQ")  # fuse_out_header
 _ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # fuse_attr
-_ENTRY_OUT = struct.pack("<QQQQII", 2, 0, 0, 0, 0, 0)  # fuse_entry_out before its attr: node 2
-_ATTR_OUT = bytes(16)  # fuse_attr_out before its attr: valid 0
-_OPEN_OUT = struct.Struct("<QII")  # fuse_open_out
-_LOOKUP, _GETATTR, _OPEN, _READ, _INIT, _OPENDIR = 1, 3, 14, 15, 26, 27
+_LOOKUP, _GETATTR, _OPEN, _READ, _RELEASE, _INIT, _OPENDIR = 1, 3, 14, 15, 18, 26, 27
 _NO_REPLY = frozenset({2, 36, 42})  # FORGET, INTERRUPT, BATCH_FORGET
-_EMPTY_REPLY = frozenset({18, 25, 28, 29})  # RELEASE, FLUSH, READDIR (found by name only), RELEASEDIR
-_FOPEN_DIRECT_IO = 1
+_EMPTY_REPLY = frozenset({_RELEASE, 25, 28, 29})  # FLUSH, READDIR (found by name only), RELEASEDIR
 
 
 class HangingFs:
@@ -48,12 +44,12 @@ class HangingFs:
         self._attrs = {
             1: _ATTR.pack(1, 0, 0, 0, 0, 0, 0, 0, 0, stat.S_IFDIR | 0o755, 2, 0, 0, 0, 4096, 0),
             2: _ATTR.pack(2, len(content), 1, 0, 0, 0, 0, 0, 0, mode, 1, 0, 0, encoded, 4096, 0)}
+        self.requests = 0
         self._hang = False
-        self._pending: list[tuple[int, int, bytes]] = []
+        self._pending: list[tuple[int, int, int, bytes]] = []
         self._lock = threading.Lock()
         self._fd = -1
         self._thread = threading.Thread(target=self._serve, daemon=True, name="fuse")
-        self.requests = 0
 
     def __enter__(self) -> HangingFs:
         if not os.path.exists("/dev/fuse"):
@@ -86,23 +82,8 @@ class HangingFs:
         with self._lock:
             self._hang = False
             pending, self._pending = self._pending, []
-        for opcode, unique, body in pending:
-            self._answer(opcode, 2, unique, body)
-
-    def _reply(self, unique: int, error: int = 0, body: bytes = b"") -> None:
-        with contextlib.suppress(OSError):  # an interrupted or aborted request
-            os.write(self._fd, _OUT.pack(_OUT.size + len(body), -error, unique) + body)
-
-    def _answer(self, opcode: int, node: int, unique: int, body: bytes) -> None:
-        if opcode == _LOOKUP:
-            self._reply(unique, 0, _ENTRY_OUT + self._attrs[2])
-        elif opcode == _GETATTR:
-            self._reply(unique, 0, _ATTR_OUT + self._attrs[node])
-        elif opcode == _OPEN:
-            self._reply(unique, 0, _OPEN_OUT.pack(0, _FOPEN_DIRECT_IO, 0))
-        elif opcode == _READ:
-            _, offset, size = struct.unpack_from("<QQI", body)  # fuse_read_in: fh, offset, size
-            self._reply(unique, 0, self.content[offset:offset + size])
+        for request in pending:
+            self._answer(*request)
 
     def _serve(self) -> None:
         while True:
@@ -113,23 +94,32 @@ class HangingFs:
             length, opcode, unique, node, *_ = _IN.unpack_from(data)
             body = data[_IN.size:length]
             self.requests += 1
-            ours = (node == 1 and body.rstrip(b"\0") == self.name) if opcode == _LOOKUP else node == 2
-            if opcode == _INIT:
-                self._reply(unique, 0, struct.pack("<IIIIHHIIHHI", 7, 31, 0, 0, 16, 12, 4096, 1,
-                                                   1, 0, 0) + bytes(28))
-            elif opcode in _NO_REPLY:
+            if opcode in _NO_REPLY:
                 continue
-            elif opcode in _EMPTY_REPLY:
-                self._reply(unique)
-            elif opcode == _OPENDIR:
-                self._reply(unique, 0, _OPEN_OUT.pack(0, 0, 0))
-            elif ours and opcode in (_LOOKUP, _GETATTR, _OPEN, _READ):
-                with self._lock:
-                    if self._hang:
-                        self._pending.append((opcode, unique, body))
-                        continue
-                self._answer(opcode, node, unique, body)
-            elif opcode == _GETATTR and node == 1:
-                self._answer(opcode, node, unique, body)
-            else:
-                self._reply(unique, errno.ENOENT if opcode == _LOOKUP else errno.ENOSYS)
+            # The entry is node 2, found by name in the root. A RELEASE, sent in the background,
+            # blocks no thread: answered at once, so ``pending`` counts blocked calls only.
+            ours = (node == 2 and opcode != _RELEASE) or (
+                opcode == _LOOKUP and body.rstrip(b"\0") == self.name)
+            with self._lock:
+                if self._hang and ours:
+                    self._pending.append((opcode, node, unique, body))
+                    continue
+            self._answer(opcode, node, unique, body)
+
+    def _answer(self, opcode: int, node: int, unique: int, body: bytes) -> None:
+        error, reply = 0, b""
+        if opcode == _INIT:
+            reply = struct.pack("<IIIIHHIIHHI", 7, 31, 0, 0, 16, 12, 4096, 1, 1, 0, 0) + bytes(28)
+        elif opcode == _LOOKUP and node == 1 and body.rstrip(b"\0") == self.name:
+            reply = struct.pack("<QQQQII", 2, 0, 0, 0, 0, 0) + self._attrs[2]  # fuse_entry_out
+        elif opcode == _GETATTR:
+            reply = bytes(16) + self._attrs[node]  # fuse_attr_out: valid 0
+        elif opcode in (_OPEN, _OPENDIR):  # fuse_open_out: a file with direct I/O
+            reply = struct.pack("<QII", 0, int(opcode == _OPEN), 0)
+        elif opcode == _READ:
+            _, offset, size = struct.unpack_from("<QQI", body)  # fuse_read_in: fh, offset, size
+            reply = self.content[offset:offset + size]
+        elif opcode not in _EMPTY_REPLY:
+            error = errno.ENOENT if opcode == _LOOKUP else errno.ENOSYS
+        with contextlib.suppress(OSError):  # an interrupted or aborted request
+            os.write(self._fd, _OUT.pack(_OUT.size + len(reply), -error, unique) + reply)
