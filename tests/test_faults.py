@@ -50,6 +50,7 @@ RESOURCE = "hyperlight.dev/hypervisor"
 CDI_NAME = "hyperlight.dev/hypervisor=kvm"
 SOCKET = "hyperlight.sock"
 COUNT = 16
+SERVE = ("--hypervisor", "kvm", "--device-count", str(COUNT))
 GUARD = 20.0  # seconds; only ever reached when something is broken
 KVM_RDEV = os.stat(KVM).st_rdev if KVM.exists() else os.makedev(10, 232)
 NULL_RDEV = os.makedev(1, 3)  # /dev/null's numbers: a device that exists but is not KVM
@@ -96,16 +97,13 @@ def replace(path: Path, content: bytes | int) -> None:
 
 
 def obstruct(path: Path, make: Callable[[Path], None]) -> None:
-    """Replace our file by something that is not a regular file, racing the daemon's repairs."""
-    deadline = time.monotonic() + GUARD
-    while True:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        try:
-            make(path)
-            return
-        except FileExistsError:  # the daemon repaired in between: again
-            assert time.monotonic() < deadline, "could not obstruct"
+    """Put something that is not a regular file where our spec is: made beside it and renamed over
+    it in one step (a directory cannot replace a file so: the harness's races the repairs)."""
+    if make is os.mkdir:
+        harness.obstruct_with_directory(path)
+    else:
+        make(path.with_name(path.name + ".obstruction"))
+        os.rename(path.with_name(path.name + ".obstruction"), path)
 
 
 def remove_obstruction(path: Path) -> None:
@@ -190,7 +188,6 @@ def workers(root: Path, path: Path, contents: dict[str, bytes], readers: int, pa
                 proc.wait()
 
 
-
 def repairs(samples: harness.Samples) -> dict[str, float]:
     """CDI repairs by cause in one scrape (the one at the process's start included)."""
     return {dict(labels)["cause"]: v for (name, labels), v in samples.items()
@@ -238,7 +235,6 @@ class Rig:
         return details
 
     async def conditions(self, status: int) -> dict[str, Any]:
-        """/readyz's conditions once it answers ``status``."""
         body: dict[str, Any] = json.loads(await self.proc.wait_http("/readyz", status))
         return body["conditions"]  # type: ignore[no-any-return]
 
@@ -247,17 +243,13 @@ class Rig:
         assert code == 200, body
 
 
-def serve_args(node: Node, *extra: str) -> list[str]:
-    return node.serve_args("--hypervisor", "kvm", "--device-count", str(COUNT), *extra)
-
-
 @contextlib.asynccontextmanager
 async def matrix_row(name: str, node: Node, *extra: str,
                      keep: Sequence[str] = ("vendor-gpu.json",)) -> AsyncIterator[tuple[Row, Rig]]:
     """One row of the matrix: its scenario, which keeps ``keep`` in the CDI dir byte-identical,
     and the daemon registered and healthy on a kubelet; on failure the daemon's last log lines."""
     with scenario(name, [node.cdi_dir / kept for kept in keep]) as row:
-        async with on_kubelet(node, serve_args(node, *extra)) as (kubelet, proc):
+        async with on_kubelet(node, node.serve_args(*SERVE, *extra)) as (kubelet, proc):
             try:
                 r = Rig(node, kubelet, proc)
                 await r.healthy()
@@ -303,7 +295,6 @@ async def test_cdi_missing_stale_malformed_is_repaired_exactly(tmp_path: Path, k
         row.recovery_s = max(times)
         row.facts.update(median_ms=round(median(times) * 1000, 1), repairs=5,
                          cause_counted=kind, exact="byte-identical to `hlplugin cdi`")
-
 
 
 def fill_and_stale_in_place(r: Rig) -> None:
@@ -444,7 +435,6 @@ async def test_fault_withdraws_every_slot_keeps_liveness_and_recovers_without_re
                               for k, v in fault.facts.items()})
 
 
-
 @pytest.mark.parametrize("kind, mode", [("no kubelet.sock", ""), ("never answers", "hang"),
                                         ("resets connections", "reset")], ids=lambda v: v or None)
 async def test_registration_failure_is_bounded_then_recovers(tmp_path: Path, kind: str,
@@ -457,7 +447,7 @@ async def test_registration_failure_is_bounded_then_recovers(tmp_path: Path, kin
             if mode:
                 await kubelet.start()
             began = time.monotonic()
-            async with harness.daemon(serve_args(node, "--register-timeout", str(timeout))) as proc:
+            async with harness.daemon(node.serve_args(*SERVE, "--register-timeout", str(timeout))) as proc:
                 # Several bounded attempts: each ends within the timeout (plus backoff); waiting
                 # for a missing kubelet.sock counts as a failed attempt per backoff step.
                 failures = harness.value(await wait_metric(proc, lambda s: harness.value(
@@ -486,7 +476,6 @@ async def test_registration_failure_is_bounded_then_recovers(tmp_path: Path, kin
                 row.facts.update(readyz=503, healthz=200, register_timeout=f"{timeout}s")
         finally:
             await kubelet.stop()
-
 
 
 @needs_kvm
@@ -557,7 +546,6 @@ async def test_atomic_replacement_during_allocation(tmp_path: Path) -> None:
         row.facts.update(reads=reads, complete=reads, torn=0, errors=0, allocations=len(times),
                          allocate_p_max_ms=round(max(times) * 1000, 1),
                          upstream_go="6,813 reads, repair after 2.93 s")
-
 
 
 @needs_kvm
