@@ -261,10 +261,7 @@ async def matrix_row(name: str, node: Node, *extra: str,
 
 
 TAMPER: dict[str, Callable[[Path], None]] = {
-    "missing": os.unlink,
-    "stale": lambda p: replace(p, STALE),
-    "malformed": lambda p: replace(p, MALFORMED),
-}
+    "missing": os.unlink, "stale": lambda p: replace(p, STALE), "malformed": lambda p: replace(p, MALFORMED)}
 
 
 async def exact(r: Rig) -> float:
@@ -309,21 +306,6 @@ def fill_and_stale_in_place(r: Rig) -> None:
         f.write(STALE_IN_PLACE)
 
 
-def never_written_through(r: Rig) -> None:
-    """The obstruction is still there, untouched; the symlink's target is a kept sibling."""
-    assert not stat.S_ISREG(os.lstat(r.spec).st_mode) and not spec_is_exact(r.spec, DESIRED)
-
-
-def nothing_written(r: Rig) -> None:
-    store = r.node.root / "cdi-store"
-    assert not (store / SPEC_FILE).exists() and temp_files(store) == []
-
-
-def old_spec_intact(r: Rig) -> None:
-    assert temp_files(r.node.cdi_dir) == []
-    assert r.spec.read_bytes() == STALE_IN_PLACE  # never truncated
-
-
 def read_only_store(r: Rig) -> None:
     """Our view of the CDI dir turns read-only; the spec is deleted through the writable store."""
     sh("mount", "-o", "remount,bind,ro", str(r.node.cdi_dir))
@@ -347,7 +329,7 @@ class Fault:
     inject: Callable[[Rig], None]
     undo: Callable[[Rig], None]
     facts: dict[str, Any]             # "refused": None is filled from the refusal
-    still: Callable[[Rig], None] = lambda r: None  # holds while failing, after ``watch`` seconds
+    still: Callable[[Rig], bool] = lambda r: True  # holds while failing, after ``watch`` seconds
     watch: float = 0.0
     ok: str = ""                      # a condition that stays ok
     dev: bool = False                 # own device views (mknod'd)
@@ -358,7 +340,9 @@ class Fault:
 def obstruction(kind: str, make: Callable[[Path], None], described: str) -> Fault:
     return Fault(f"Non-regular CDI path: {kind}", "cdi", described, described,
                  inject=lambda r: obstruct(r.spec, make), undo=lambda r: remove_obstruction(r.spec),
-                 still=never_written_through, watch=0.3, root=False,
+                 # still there, untouched (the symlink's target is a kept sibling)
+                 still=lambda r: not stat.S_ISREG(os.lstat(r.spec).st_mode)
+                 and not spec_is_exact(r.spec, DESIRED), watch=0.3, root=False,
                  facts={"refused": f"FAILED_PRECONDITION ({described})", "readyz": 503,
                         "healthz": 200, "restarts": 0})
 
@@ -377,7 +361,9 @@ FAULTS = [
     obstruction("symlink", lambda p: os.symlink("vendor-gpu.json", p), "a symlink"),
     obstruction("FIFO", os.mkfifo, "a FIFO"),
     Fault("Read-only CDI storage", "cdi", "Read-only file system", "Read-only file system",
-          inject=read_only_store, still=nothing_written, watch=1.0, mount=("--bind", "STORE"),
+          inject=read_only_store, watch=1.0, mount=("--bind", "STORE"),
+          still=lambda r: not (r.node.root / "cdi-store" / SPEC_FILE).exists()
+          and temp_files(r.node.root / "cdi-store") == [],
           undo=lambda r: sh("mount", "-o", "remount,bind,rw", str(r.node.cdi_dir)),
           facts={"refused": "FAILED_PRECONDITION (EROFS)", "readyz": 503, "healthz": 200,
                  "restarts": 0, **BACKOFF}),
@@ -391,7 +377,9 @@ FAULTS = [
           ok="host_identity", dev=True, facts={"refused": None}),
     Fault("ENOSPC on CDI storage", "cdi", "No space left on device", "ENOSPC",
           inject=fill_and_stale_in_place, undo=lambda r: (r.node.cdi_dir / "filler").unlink(),
-          still=old_spec_intact, watch=0.5, mount=("-t", "tmpfs", "-o", "size=16k,mode=0755", "tmpfs"),
+          watch=0.5, mount=("-t", "tmpfs", "-o", "size=16k,mode=0755", "tmpfs"),
+          # no temp file left, the old spec never truncated
+          still=lambda r: temp_files(r.node.cdi_dir) == [] and r.spec.read_bytes() == STALE_IN_PLACE,
           facts={"refused": "FAILED_PRECONDITION (ENOSPC)", "temp_left": 0, "old_spec_intact": True,
                  **BACKOFF}),
 ]
@@ -421,7 +409,7 @@ async def test_fault_withdraws_every_slot_keeps_liveness_and_recovers_without_re
             # reconciler retries 0.1 s after a failure, doubling (0.1, 0.3, 0.7 s ...), so each
             # watch (0.3-1 s, begun after the failure was seen) spans at least two retries.
             await asyncio.sleep(fault.watch)
-            fault.still(r)
+            assert fault.still(r), f"{fault.name}: changed while failing"
             began = time.monotonic()
             fault.undo(r)
             await r.healthy()
@@ -623,7 +611,8 @@ async def test_hung_filesystem_is_bounded(tmp_path: Path, condition: str) -> Non
                 # The next periodic pass meets the hang and gives up after its budget; the guard
                 # is that plus one interval and slack for a loaded machine.
                 await wait_until(lambda: any(m.startswith(f"condition {first} is unhealthy")
-                                             for m in r.proc.messages()), interval + budget + 10)
+                                             for m in r.proc.messages()), interval + budget + 10,
+                                 f"condition {first} to fail")
                 failed_after = time.monotonic() - hung
                 assert failed_after >= budget * 0.9, failed_after  # it did wait its budget
                 assert any("check timed out" in m for m in r.proc.messages()), "no timeout"
