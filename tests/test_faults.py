@@ -235,8 +235,8 @@ class Rig:
         return details
 
     async def conditions(self, status: int) -> dict[str, Any]:
-        body: dict[str, Any] = json.loads(await self.proc.wait_http("/readyz", status))
-        return body["conditions"]  # type: ignore[no-any-return]
+        conditions: dict[str, Any] = json.loads(await self.proc.wait_http("/readyz", status))["conditions"]
+        return conditions
 
     async def live(self) -> None:
         code, body = await self.proc.http("/healthz")
