@@ -1,11 +1,11 @@
 """A FUSE filesystem that stops answering, served from the test process over /dev/fuse (no
 library needed): a fake of the world (a hung network or FUSE mount), never of our code.
 
-It holds one entry. ``HangingDevFs``'s is ``kvm``, a character device with the real KVM numbers,
-so opening it opens the real driver; ``HangingFileFs``'s is a regular file with given bytes (a CDI
-spec, say). ``hang()`` makes every lookup, stat, open and read of the entry wait unanswered until
-``release()``, so whatever touches it blocks in the kernel. Nothing is cached (valid 0, direct
-I/O), so every access asks us. Closing unmounts and aborts anything still waiting.
+It holds one entry owned by root: a character device (opening it opens the real driver) or a
+regular file with given bytes (a CDI spec, say). ``hang()`` makes every request about the entry
+(its lookup, stat, open, read ...) wait unanswered until ``release()``, so whatever touches it
+blocks in the kernel. Nothing is cached (valid 0, direct I/O), so every access asks us. Closing
+unmounts and aborts anything still waiting.
 """
 
 from __future__ import annotations
@@ -22,38 +22,34 @@ from pathlib import Path
 import pytest
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_IN = struct.Struct("<IIQQIIIHH")   # fuse_in_header
-_OUT = struct.Struct("<IiQ")        # fuse_out_header
+_IN = struct.Struct("<IIQQIIIHH")  # fuse_in_header
+_OUT = struct.Struct("<IiQ")  # fuse_out_header
 _ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # fuse_attr
-_ENTRY = struct.Struct("<QQQQII")   # fuse_entry_out without its attr
-_ATTR_OUT = struct.Struct("<QII")   # fuse_attr_out without its attr
-_OPEN_OUT = struct.Struct("<QII")   # fuse_open_out
-_READ_IN = struct.Struct("<QQI")    # the start of fuse_read_in: fh, offset, size
-_LOOKUP, _FORGET, _GETATTR, _OPEN, _READ, _RELEASE, _FLUSH = 1, 2, 3, 14, 15, 18, 25
-_INIT, _OPENDIR, _READDIR, _RELEASEDIR, _INTERRUPT, _BATCH_FORGET = 26, 27, 28, 29, 36, 42
-_ENTRY_OPS = frozenset({_GETATTR, _OPEN, _READ, _RELEASE, _FLUSH})
-_FOPEN_DIRECT_IO = 1
-_MNT_DETACH = 2
+_LOOKUP, _GETATTR, _OPEN, _READ, _RELEASE, _INIT, _OPENDIR = 1, 3, 14, 15, 18, 26, 27
+_NO_REPLY = frozenset({2, 36, 42})  # FORGET, INTERRUPT, BATCH_FORGET
+_EMPTY_REPLY = frozenset({_RELEASE, 25, 28, 29})  # FLUSH, READDIR (found by name only), RELEASEDIR
 
 
 class HangingFs:
-    """One entry named ``name`` with mode ``mode`` (and device numbers ``rdev``, or bytes
-    ``content`` for a regular file), owned by root; see the module docstring."""
+    """One entry ``name`` with ``mode`` (and device numbers ``rdev``, or bytes ``content`` for a
+    regular file), mounted at ``mountpoint``; see the module docstring."""
 
     def __init__(self, mountpoint: Path, name: str, mode: int, *, rdev: int = 0,
                  content: bytes = b"") -> None:
         self.mountpoint = mountpoint
         self.name = name.encode()
-        self.mode = mode
         self.content = content
         minor, major = os.minor(rdev), os.major(rdev)
-        self._rdev = (minor & 0xFF) | (major << 8) | ((minor & ~0xFF) << 12)  # new_encode_dev
+        encoded = (minor & 0xFF) | (major << 8) | ((minor & ~0xFF) << 12)  # new_encode_dev
+        self._attrs = {
+            1: _ATTR.pack(1, 0, 0, 0, 0, 0, 0, 0, 0, stat.S_IFDIR | 0o755, 2, 0, 0, 0, 4096, 0),
+            2: _ATTR.pack(2, len(content), 1, 0, 0, 0, 0, 0, 0, mode, 1, 0, 0, encoded, 4096, 0)}
+        self.requests = 0
         self._hang = False
-        self._pending: list[tuple[int, int, bytes]] = []
+        self._pending: list[tuple[int, int, int, bytes]] = []
         self._lock = threading.Lock()
         self._fd = -1
         self._thread = threading.Thread(target=self._serve, daemon=True, name="fuse")
-        self.requests = 0
 
     def __enter__(self) -> HangingFs:
         if not os.path.exists("/dev/fuse"):
@@ -69,7 +65,7 @@ class HangingFs:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _libc.umount2(bytes(self.mountpoint), _MNT_DETACH)
+        _libc.umount2(bytes(self.mountpoint), 2)  # MNT_DETACH
         os.close(self._fd)  # aborts the connection: waiting requests fail, the thread ends
         self._thread.join(5)
 
@@ -86,31 +82,8 @@ class HangingFs:
         with self._lock:
             self._hang = False
             pending, self._pending = self._pending, []
-        for opcode, unique, body in pending:
-            self._answer_entry(opcode, unique, body)
-
-    def _attr(self, ino: int) -> bytes:
-        if ino == 1:
-            return _ATTR.pack(1, 0, 0, 0, 0, 0, 0, 0, 0, stat.S_IFDIR | 0o755, 2, 0, 0, 0, 4096, 0)
-        return _ATTR.pack(2, len(self.content), 1, 0, 0, 0, 0, 0, 0, self.mode, 1, 0, 0,
-                          self._rdev, 4096, 0)
-
-    def _reply(self, unique: int, error: int = 0, body: bytes = b"") -> None:
-        with contextlib.suppress(OSError):  # an interrupted or aborted request
-            os.write(self._fd, _OUT.pack(_OUT.size + len(body), -error, unique) + body)
-
-    def _answer_entry(self, opcode: int, unique: int, body: bytes) -> None:
-        if opcode == _LOOKUP:
-            self._reply(unique, 0, _ENTRY.pack(2, 0, 0, 0, 0, 0) + self._attr(2))
-        elif opcode == _GETATTR:
-            self._reply(unique, 0, _ATTR_OUT.pack(0, 0, 0) + self._attr(2))
-        elif opcode == _OPEN:
-            self._reply(unique, 0, _OPEN_OUT.pack(0, _FOPEN_DIRECT_IO, 0))
-        elif opcode == _READ:
-            _, offset, size = _READ_IN.unpack_from(body)
-            self._reply(unique, 0, self.content[offset:offset + size])
-        else:  # RELEASE, FLUSH
-            self._reply(unique)
+        for request in pending:
+            self._answer(*request)
 
     def _serve(self) -> None:
         while True:
@@ -121,39 +94,32 @@ class HangingFs:
             length, opcode, unique, node, *_ = _IN.unpack_from(data)
             body = data[_IN.size:length]
             self.requests += 1
-            if opcode == _INIT:
-                self._reply(unique, 0, struct.pack("<IIIIHHIIHHI", 7, 31, 0, 0, 16, 12, 4096, 1,
-                                                   1, 0, 0) + bytes(28))
-            elif opcode in (_FORGET, _BATCH_FORGET, _INTERRUPT):
-                continue  # no reply expected
-            elif (opcode == _LOOKUP and node == 1 and body.rstrip(b"\0") == self.name) or (
-                    opcode in _ENTRY_OPS and node == 2):
-                with self._lock:
-                    if self._hang:
-                        self._pending.append((opcode, unique, body))
-                        continue
-                self._answer_entry(opcode, unique, body)
-            elif opcode == _GETATTR and node == 1:
-                self._reply(unique, 0, _ATTR_OUT.pack(0, 0, 0) + self._attr(1))
-            elif opcode == _OPENDIR:
-                self._reply(unique, 0, _OPEN_OUT.pack(0, 0, 0))
-            elif opcode in (_READDIR, _RELEASEDIR):
-                self._reply(unique)  # an empty listing: the entry is found by name only
-            elif opcode == _LOOKUP:
-                self._reply(unique, errno.ENOENT)
-            else:
-                self._reply(unique, errno.ENOSYS)
+            if opcode in _NO_REPLY:
+                continue
+            # The entry is node 2, found by name in the root. A RELEASE, sent in the background,
+            # blocks no thread: answered at once, so ``pending`` counts blocked calls only.
+            ours = (node == 2 and opcode != _RELEASE) or (
+                opcode == _LOOKUP and body.rstrip(b"\0") == self.name)
+            with self._lock:
+                if self._hang and ours:
+                    self._pending.append((opcode, node, unique, body))
+                    continue
+            self._answer(opcode, node, unique, body)
 
-
-class HangingDevFs(HangingFs):
-    """``kvm``: a character device with ``rdev``'s numbers (mode 0600)."""
-
-    def __init__(self, mountpoint: Path, rdev: int) -> None:
-        super().__init__(mountpoint, "kvm", stat.S_IFCHR | 0o600, rdev=rdev)
-
-
-class HangingFileFs(HangingFs):
-    """``name``: a regular file (mode 0644) holding ``content``."""
-
-    def __init__(self, mountpoint: Path, name: str, content: bytes) -> None:
-        super().__init__(mountpoint, name, stat.S_IFREG | 0o644, content=content)
+    def _answer(self, opcode: int, node: int, unique: int, body: bytes) -> None:
+        error, reply = 0, b""
+        if opcode == _INIT:
+            reply = struct.pack("<IIIIHHIIHHI", 7, 31, 0, 0, 16, 12, 4096, 1, 1, 0, 0) + bytes(28)
+        elif opcode == _LOOKUP and node == 1 and body.rstrip(b"\0") == self.name:
+            reply = struct.pack("<QQQQII", 2, 0, 0, 0, 0, 0) + self._attrs[2]  # fuse_entry_out
+        elif opcode == _GETATTR:
+            reply = bytes(16) + self._attrs[node]  # fuse_attr_out: valid 0
+        elif opcode in (_OPEN, _OPENDIR):  # fuse_open_out: a file with direct I/O
+            reply = struct.pack("<QII", 0, int(opcode == _OPEN), 0)
+        elif opcode == _READ:
+            _, offset, size = struct.unpack_from("<QQI", body)  # fuse_read_in: fh, offset, size
+            reply = self.content[offset:offset + size]
+        elif opcode not in _EMPTY_REPLY:
+            error = errno.ENOENT if opcode == _LOOKUP else errno.ENOSYS
+        with contextlib.suppress(OSError):  # an interrupted or aborted request
+            os.write(self._fd, _OUT.pack(_OUT.size + len(reply), -error, unique) + reply)
