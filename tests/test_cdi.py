@@ -288,6 +288,38 @@ async def test_a_wrong_or_missing_spec_is_repaired_once_and_reported(
     assert sum(rig.repairs(c) for c in CAUSES) == 1
 
 
+def block_until_read(rig: Rig) -> None:
+    """Hold the event loop (deliberately blocking) until the runner's helper finished its read:
+    the result is then in, but the loop has not seen it, so whatever races it comes first."""
+    deadline = time.monotonic() + 10
+    while rig.rec.producer.runner.busy:
+        assert time.monotonic() < deadline, "the read never finished"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("shared", ["pass", "read"])
+async def test_a_change_made_while_a_shared_pass_or_read_ran_is_never_answered_as_right(
+        cdi_dir: Path, shared: str) -> None:
+    """ensure() shares a pass or read already in flight; one that read the spec before a change
+    made while it ran must not answer for the change. Without a watch running, inotify vouches
+    for nothing, so only a read that began after the call may."""
+    rig = Rig(cdi_dir)
+    assert (await rig.rec.reconcile("start")).ok
+    calls = rig.rec.producer.runner.calls
+    first = asyncio.create_task(rig.rec.reconcile("watch") if shared == "pass" else rig.rec.ensure())
+    # One loop step at a time, so the read's completion is not yet seen when it has started.
+    while rig.rec.producer.runner.calls == calls:  # noqa: ASYNC110
+        await asyncio.sleep(0)
+    block_until_read(rig)
+    temp = cdi_dir / "tamper"
+    temp.write_bytes(STALE)
+    os.replace(temp, rig.path)  # atomically, as a tamperer or a stale writer would
+    assert (await rig.rec.ensure()).ok
+    assert rig.path.read_bytes() == DESIRED  # repaired before it said right
+    assert rig.repairs("stale") == 1
+    assert (await first).ok
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("flags", [True, pytest.param(False, marks=pytest.mark.skipif(
     platform.machine() != "x86_64", reason="the seccomp filter is x86_64 only"))],

@@ -332,7 +332,8 @@ class CdiReconciler:
             interval=interval, max_backoff=max_backoff, budget=budget, linger=_LINGER,
             clock=clock)
         self._quick: asyncio.Task[bool] | None = None
-        # When the spec last read right, and the watch pulse taken just before that read.
+        # When the latest read that found the spec right began (a quick read or a pass), and the
+        # watch pulse taken just before it.
         self._verified: tuple[float, asyncio.Event] | None = None
         self._uid = os.geteuid()
         self._gid = os.getegid()
@@ -353,34 +354,48 @@ class CdiReconciler:
     async def ensure(self) -> Condition:
         """Before every Allocate: a read and a byte compare when all is well, a repair if not.
 
-        Off the event loop, within the budget. A pass in flight is shared; while a helper stuck in
-        hung storage holds the runner, the failing condition (naming the timeout) answers at once.
+        Off the event loop, within the budget. The answer rests on a read that began after the
+        call arrived, or on an earlier one that inotify says nothing has changed since: a pass or
+        read in flight is shared, then judged by that rule, so a change made while it ran is never
+        answered with its stale result. While a helper stuck in hung storage holds the runner, the
+        failing condition (naming the timeout) answers at once.
         """
-        if self.producer.runner.busy and not self.condition.ok:
-            return self.condition  # stuck (passes queued behind it would only wait their budget)
-        if self.producer.in_flight is not None:
-            await self.producer.ensure(0.0)
-            return self.condition
-        if self.condition.ok:
-            now = asyncio.get_running_loop().time()
-            verified = self._verified
-            if verified is not None and now - verified[0] < _TRUST_QUIET \
-                    and self.producer.wakeup.quiet_since(verified[1]):
-                return self.condition  # read right since, and inotify saw nothing change
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        for _ in range(3):  # a shared result, then our own read; the full pass below is the last word
+            if self.condition.ok and self._still_right(arrived, loop.time()):
+                return self.condition
+            if self.producer.runner.busy and not self.condition.ok:
+                return self.condition  # stuck (passes queued behind it would only wait their budget)
+            if self.producer.in_flight is not None:
+                await self.producer.ensure(0.0)
+                if not self.condition.ok:
+                    return self.condition
+                continue
+            if not self.condition.ok:
+                break
             quick = self._quick
             if quick is None or quick.done():  # concurrent Allocates share one read
-                pulse = self.producer.wakeup.pulse()
+                began, pulse = loop.time(), self.producer.wakeup.pulse()
                 quick = self._quick = asyncio.create_task(
                     self.producer.runner.run(self._is_current), name="hlplugin-cdi-read")
-                quick.add_done_callback(functools.partial(self._read_done, now, pulse))
+                quick.add_done_callback(functools.partial(self._read_done, began, pulse))
             try:
-                if await asyncio.shield(quick):
-                    return self.condition
+                if not await asyncio.shield(quick):
+                    break
             except CheckFailed as exc:
                 if self.condition.ok:
                     self._publish(self._timed_out(exc), "allocate")
                 return self.condition
         return await self.reconcile("allocate")
+
+    def _still_right(self, arrived: float, now: float) -> bool:
+        """The last right read began after ``arrived``, or recently with nothing changed since."""
+        verified = self._verified
+        return verified is not None and (
+            verified[0] >= arrived
+            or (now - verified[0] < _TRUST_QUIET
+                and self.producer.wakeup.quiet_since(verified[1])))
 
     async def reconcile(self, trigger: str) -> Condition:
         """One full pass (inspect, repair if needed, publish the outcome), bounded."""
@@ -388,11 +403,14 @@ class CdiReconciler:
         return self.condition
 
     async def _step(self, trigger: str) -> bool:
+        began, pulse = asyncio.get_running_loop().time(), self.producer.wakeup.pulse()
         try:
             outcome = await self.producer.runner.run(self._pass)
         except CheckFailed as exc:
             outcome = self._timed_out(exc)
         self._publish(outcome, trigger)
+        if outcome.condition.ok:
+            self._verify(began, pulse)
         return outcome.condition.ok
 
     def _timed_out(self, exc: CheckFailed) -> _Outcome:
@@ -401,6 +419,12 @@ class CdiReconciler:
 
     def _read_done(self, began: float, pulse: asyncio.Event, task: asyncio.Task[bool]) -> None:
         if not task.cancelled() and task.exception() is None and task.result():
+            self._verify(began, pulse)
+
+    def _verify(self, began: float, pulse: asyncio.Event) -> None:
+        """Record a right read that began at ``began``; a later one is never replaced by an
+        earlier one finishing late."""
+        if self._verified is None or began >= self._verified[0]:
             self._verified = (began, pulse)
 
     def _is_current(self) -> bool:
