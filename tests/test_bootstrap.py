@@ -43,7 +43,9 @@ async def test_grants_exactly_the_device_refuses_without_it_and_every_family_mov
         resource = kubelet.resources[ACCESS]
         assert resource.endpoint == "hyperlight-device-access.sock"
         assert list(resource.devices) == ["device-access-kvm"]
-        await proc.wait_http("/readyz", 200)
+        ready = json.loads(await proc.wait_http("/readyz", 200))
+        assert ready == {"status": "ready", "conditions": {name: {"ok": True, "reason": ""} for name in (
+            "registered", "listandwatch", "device")}}
         m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
         first = {key for key in m if key[0].startswith("hyperlight_")}
         assert value(m, "hyperlight_build_info", version=__version__) == 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +12,6 @@ from harness import (
     Node,
     Samples,
     needs_kvm,
-    needs_root,
     obstruct_with_directory,
     on_kubelet,
     scrape,
@@ -188,36 +186,3 @@ async def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> No
             m, "hyperlight_registrations_total", result="success") == 2)
         m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
         assert series(m) == first, "every event moved a series that existed from the start"
-
-
-def make_node(path: Path, numbers: int) -> Path:
-    """A directory holding a character node called kvm with the given device numbers."""
-    path.mkdir()
-    os.mknod(path / "kvm", stat.S_IFCHR | 0o600, numbers)
-    return path
-
-
-@needs_root
-async def test_probe_failures_by_reason(tmp_path: Path) -> None:
-    """A node with /dev/null's numbers is not KVM (api_version); a host view whose node has other
-    numbers is not the granted device (identity_mismatch)."""
-
-    dev = make_node(tmp_path / "dev", os.makedev(1, 3))
-    host = make_node(tmp_path / "host", os.makedev(1, 5))
-    node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=host)
-    async with on_kubelet(node, node.serve_args("--hypervisor", "kvm", "--device-count", "2",
-                                        "--health-interval", "1")) as (kubelet, proc):
-        first = series(await scrape(proc))
-        m = await wait_metric(proc, lambda m: value(
-            m, "hyperlight_probe_failures_total", reason="api_version") >= 2
-            and value(m, "hyperlight_probe_failures_total", reason="identity_mismatch") >= 2)
-        assert value(m, "hyperlight_health_condition", condition="device") == 0
-        assert value(m, "hyperlight_health_condition", condition="host_identity") == 0
-        assert value(m, "hyperlight_health_transitions_total", to="healthy") == 0
-        await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2)
-        m = await wait_metric(proc, lambda m: value(m, "hyperlight_devices_advertised") == 2)
-        assert value(m, "hyperlight_devices_healthy") == 0
-        os.unlink(host / "kvm")
-        m = await wait_metric(proc, lambda m: value(
-            m, "hyperlight_probe_failures_total", reason="identity_missing") >= 1)
-        assert series(m) == first
