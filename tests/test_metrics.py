@@ -8,20 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from harness import (
-    Node,
-    Samples,
-    needs_kvm,
-    obstruct_with_directory,
-    on_kubelet,
-    scrape,
-    value,
-    wait_metric,
-    wait_until,
-)
-from harness import daemon as harness_daemon
+from harness import Node, Samples, needs_kvm, obstruct_with_directory, on_kubelet, scrape, value, wait_metric
 
-from hlplugin import __version__, cdi, probe
+from hlplugin import __version__, cdi
 from hlplugin.emulator import AdmissionError
 from hlplugin.metrics import Metrics
 
@@ -43,66 +32,10 @@ def test_every_family_is_prefixed_and_has_bounded_labels() -> None:
             assert set(sample.labels) - {"le"} <= allowed, (family.name, sample.labels)
 
 
-# Every value each labelled counter can take (README "Metrics"): all exported at 0 from the start.
-COUNTER_LABELS = {
-    "hyperlight_health_transitions_total": ("to", ("healthy", "unhealthy")),
-    "hyperlight_probe_failures_total": ("reason", probe.REASONS),
-    "hyperlight_cdi_repairs_total": ("cause", ("missing", "malformed", "stale", "metadata")),
-    "hyperlight_cdi_refusals_total": ("reason", ("not_regular", "write_failed")),
-    "hyperlight_allocations_total": ("result", ("success", "invalid", "refused")),
-    "hyperlight_registrations_total": ("result", ("success", "failure")),
-    "hyperlight_probe_duration_seconds_count": ("check", ("device", "host_identity")),
-}
 PROCESS_FAMILIES = {
     "process_virtual_memory_bytes", "process_resident_memory_bytes", "process_start_time_seconds",
     "process_cpu_seconds", "process_open_fds", "process_max_fds", "python_info",
 }  # fmt: skip
-
-
-@pytest.mark.parametrize("daemon", ["serve", "bootstrap"])
-async def test_auto_without_a_device_exports_every_series_and_says_what_it_looks_for(
-        tmp_path: Path, daemon: str) -> None:
-    """--hypervisor auto (what the manifests deploy), no kubelet, no device node: nothing has
-    happened, yet every counter series is there at 0, the health conditions the daemon has are 0
-    ("not checked yet"), the process's own resource use is exported, and no `_created` series
-    is. /readyz names the search, and drops it once a node of that name appears."""
-    dev = tmp_path / "empty-dev"
-    dev.mkdir()
-    node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
-    args = (node.serve_args("--hypervisor", "auto") if daemon == "serve" else
-            ["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", str(dev),
-             "--hypervisor", "auto"])
-    async with harness_daemon(args) as proc:
-        m = await scrape(proc)
-        for name, (label, values) in COUNTER_LABELS.items():
-            for v in values:
-                assert m.get((name, frozenset({(label, v)}))) == 0, f"{name}{{{label}={v!r}}}"
-        conditions = ("cdi", "device", "host_identity") if daemon == "serve" else ("device",)
-        for condition in conditions:
-            assert m[("hyperlight_health_condition", frozenset({("condition", condition)}))] == 0
-        assert m[("hyperlight_ready", frozenset())] == 0
-        assert not [k for k in m if k[0].endswith("_created")]
-        assert m[("process_resident_memory_bytes", frozenset())] > 1 << 20
-        assert m[("process_open_fds", frozenset())] > 3
-        assert ("process_cpu_seconds_total", frozenset()) in m
-
-        ready = json.loads(await proc.wait_http("/readyz", 503))
-        assert ready["conditions"]["hypervisor"] == {
-            "ok": False, "reason": f"no mshv or kvm device under {dev}"}
-        (dev / "kvm").write_text("not a device")  # found by name; then checked as a node
-        await wait_until(lambda: "hypervisor device" in " ".join(proc.messages()))
-        condition, want = (
-            ("host_identity", f"device {dev / 'kvm'} is not a character device (a regular file)")
-            if daemon == "serve" else ("device", f"{dev / 'kvm'} is not a character device"))
-
-        async def explained() -> bool:  # the readiness this answers is set just after that line
-            body = json.loads((await proc.get("/readyz"))[1])
-            return bool(body["conditions"][condition] == {"ok": False, "reason": want})
-
-        await wait_until(explained)
-        ready = json.loads(await proc.wait_http("/readyz", 503))
-        assert ready["conditions"][condition] == {"ok": False, "reason": want}
-        assert "hypervisor" not in ready["conditions"]
 
 
 @needs_kvm

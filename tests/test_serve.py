@@ -52,8 +52,6 @@ async def test_registers_allocates_and_re_registers(
         await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 10)
         resource = kubelet.resources[RESOURCE]
         assert resource.endpoint == "hyperlight.sock"
-        assert not resource.options.pre_start_required
-        assert not resource.options.get_preferred_allocation_available
         assert sorted(resource.devices) == sorted(f"kvm-{i}" for i in range(10))
         assert set(resource.devices.values()) == {"Healthy"}
         assert kubelet.rejections == []
