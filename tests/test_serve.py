@@ -40,15 +40,12 @@ def running(node: Node, *extra: str, env: dict[str, str] | None = None
 
 
 @needs_kvm
-@pytest.mark.parametrize(("event", "flags"), [
-    ("kubelet restart", []),
-    ("own socket deleted", ["--cdi-annotations"]),  # for kubelets older than 1.29
-])
-async def test_registers_allocates_and_re_registers(
-        tmp_path: Path, event: str, flags: list[str]) -> None:
+async def test_registers_allocates_and_re_registers_when_its_socket_goes(tmp_path: Path) -> None:
+    """A kubelet restart: test_faults; no annotations without --cdi-annotations: test_plugin."""
     node = Node.make(tmp_path)
-    async with running(node, "--device-count", "10", *flags) as (kubelet, proc):
-        # Registration: ten slots, and a CDI reference (annotations only on request) per container.
+    # --cdi-annotations: for kubelets older than 1.29.
+    async with running(node, "--device-count", "10", "--cdi-annotations") as (kubelet, proc):
+        # Registration: ten slots, and a CDI reference and its annotation per container.
         await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 10)
         resource = kubelet.resources[RESOURCE]
         assert resource.endpoint == "hyperlight.sock"
@@ -62,14 +59,13 @@ async def test_registers_allocates_and_re_registers(
         assert len(one.container_responses) == 1
         assert [d.name for d in one.container_responses[0].cdi_devices] == [CDI_NAME]
         assert not one.container_responses[0].devices
-        assert bool(one.container_responses[0].annotations) == bool(flags)
+        assert one.container_responses[0].annotations
         requests = [["kvm-3"], ["kvm-4", "kvm-5"], ["kvm-6"]]
         several = await kubelet.allocate(RESOURCE, requests)
         assert len(several.container_responses) == 3
         for ids, entry in zip(requests, several.container_responses, strict=True):
             assert [d.name for d in entry.cdi_devices] == [CDI_NAME]
-            annotations = {f"cdi.k8s.io/hyperlight.dev_{ids[0]}": CDI_NAME} if flags else {}
-            assert dict(entry.annotations) == annotations
+            assert dict(entry.annotations) == {f"cdi.k8s.io/hyperlight.dev_{ids[0]}": CDI_NAME}
         with pytest.raises(AdmissionError) as refused:
             await kubelet.allocate(RESOURCE, [["kvm-1"], ["kvm-999"]])
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -81,19 +77,14 @@ async def test_registers_allocates_and_re_registers(
         # this fails if we register first.
         for _ in range(3):
             calls = kubelet.register_calls
-            if event == "kubelet restart":
-                await kubelet.restart()  # deletes every socket, serves kubelet.sock anew
-                assert kubelet.capacity(RESOURCE) == 0
-            else:
-                os.unlink(node.plugin_dir / "hyperlight.sock")
+            os.unlink(node.plugin_dir / "hyperlight.sock")
             await kubelet.wait_for(lambda c=calls: kubelet.allocatable(RESOURCE) == 10
                                    and kubelet.register_calls > c, timeout=10)
-            if event == "own socket deleted":
-                # A bounded watch, 300 ms: an old stream ends when its server stops, well within
-                # this on loopback, and its end would unregister the resource at once.
-                await asyncio.sleep(0.3)
-                assert kubelet.registered(RESOURCE)
-                assert kubelet.allocatable(RESOURCE) == 10
+            # A bounded watch, 300 ms: an old stream ends when its server stops, well within
+            # this on loopback, and its end would unregister the resource at once.
+            await asyncio.sleep(0.3)
+            assert kubelet.registered(RESOURCE)
+            assert kubelet.allocatable(RESOURCE) == 10
             await kubelet.admit(RESOURCE)
 
 
