@@ -139,6 +139,15 @@ def test_the_policy_uses_only_standard_cel(policy: dict[str, Any]) -> None:
         env.compile(expression)  # parses
 
 
+def test_the_binding_denies_and_the_policy_fails_closed(rendered: list[dict[str, Any]],
+                                                        policy: dict[str, Any]) -> None:
+    (binding,) = [d for d in rendered if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+    assert policy["metadata"]["name"] == "hyperlight-reserve-device-access"
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert policy["spec"]["failurePolicy"] == "Fail"
+
+
 def test_the_device_plugin_daemonset_pod_is_admitted(rendered: list[dict[str, Any]],
                                                      policy: dict[str, Any]) -> None:
     main = next(d for d in rendered if d["kind"] == "DaemonSet"
@@ -158,6 +167,8 @@ def test_every_other_rendered_pod_is_admitted(rendered: list[dict[str, Any]],
     pods = [pod_from_template(d) for d in rendered + render(EXAMPLES)
             if d["kind"] in ("DaemonSet", "Deployment")]
     pods += [defaulted(d) for d in render(EXAMPLES) if d["kind"] == "Pod"]
+    pods.append(defaulted({"metadata": {"name": "plain", "namespace": "default"},  # no resources
+                           "spec": {"containers": [{"name": "c", "image": "busybox"}]}}))
     names = [p["metadata"]["name"] for p in pods]
     assert any("vm-check" in n for n in names) and any("vm-worker" in n for n in names), names
     for pod in pods:

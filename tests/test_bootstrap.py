@@ -1,4 +1,4 @@
-"""`hlplugin bootstrap` as a real process against the kubelet emulator, and with the main plugin."""
+"""`hlplugin bootstrap` as a real process against the kubelet emulator."""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import HAVE_KVM, Node, daemon, needs_kvm, needs_root, on_kubelet, scrape, value, wait_metric
+from harness import HAVE_KVM, Node, needs_root, on_kubelet, scrape, value, wait_metric
 
 from hlplugin import __version__
 from hlplugin.emulator import AdmissionError
 
 ACCESS = "hyperlight.dev/device-access"
-HYPERVISOR = "hyperlight.dev/hypervisor"
 
 
 def bootstrap_args(node: Node, dev_dir: Path, *extra: str) -> list[str]:
@@ -43,7 +42,9 @@ async def test_grants_exactly_the_device_refuses_without_it_and_every_family_mov
         resource = kubelet.resources[ACCESS]
         assert resource.endpoint == "hyperlight-device-access.sock"
         assert list(resource.devices) == ["device-access-kvm"]
-        await proc.wait_http("/readyz", 200)
+        ready = json.loads(await proc.wait_http("/readyz", 200))
+        assert ready == {"status": "ready", "conditions": {name: {"ok": True, "reason": ""} for name in (
+            "registered", "listandwatch", "device")}}
         m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
         first = {key for key in m if key[0].startswith("hyperlight_")}
         assert value(m, "hyperlight_build_info", version=__version__) == 1
@@ -97,32 +98,3 @@ async def test_grants_exactly_the_device_refuses_without_it_and_every_family_mov
             await kubelet.restart()
             await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1, timeout=10)
             await kubelet.admit(ACCESS)
-
-
-@needs_kvm
-@needs_root
-async def test_both_daemons_on_one_kubelet(tmp_path: Path) -> None:
-    """The main plugin's pod gets its device from the bootstrap: the emulator allocates
-    device-access first, then starts the main plugin with the device the DeviceSpec names."""
-    node = Node.make(tmp_path)
-    host_dev = make_dev_dir(tmp_path)
-    async with on_kubelet(node, bootstrap_args(node, host_dev)) as (kubelet, boot):
-        await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
-        granted = await kubelet.admit(ACCESS)
-        (spec,) = granted.container_responses[0].devices
-        # The "container" of the main plugin: a /dev holding exactly the granted node, which
-        # the runtime would create from host_path. Here: the real host node at that path.
-        container_dev = tmp_path / "container-dev"
-        container_dev.mkdir()
-        host_node = os.stat(spec.host_path)
-        assert stat.S_ISCHR(host_node.st_mode)
-        name = Path(spec.container_path).name
-        os.mknod(container_dev / name, stat.S_IFCHR | 0o660, host_node.st_rdev)
-        main_node = Node(node.root, node.plugin_dir, node.cdi_dir, container_dev, host_dev)
-        async with daemon(main_node.serve_args("--device-count", "4")) as main:
-            await kubelet.wait_for(lambda: kubelet.allocatable(HYPERVISOR) == 4, timeout=15)
-            await main.wait_http("/readyz", 200)
-            await boot.wait_http("/readyz", 200)
-            response = await kubelet.admit(HYPERVISOR)
-            assert [d.name for d in response.container_responses[0].cdi_devices] == [
-                f"{HYPERVISOR}={name}"]

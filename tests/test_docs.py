@@ -45,6 +45,7 @@ import pytest
 from harness import HAVE_KVM, Daemon, Node, needs_kvm, on_kubelet
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
+from test_readme import metric_families
 
 from hlplugin import cli
 from hlplugin.metrics import Metrics
@@ -306,6 +307,15 @@ def test_every_metric_and_label_value_named_in_the_docs_exists(exposed: Exposed)
                     wrong.append(f"{name}: the {metric} row lists `{value}`, which the code never "
                                  "produces")
     assert not wrong, "\n".join(wrong)
+
+
+def test_readme_has_a_metrics_row_for_every_family_naming_its_labels() -> None:
+    rows = dict(metric_rows(DOCS[0].read_text()))
+    families = metric_families()
+    assert len(families) == 14
+    assert set(families) <= set(rows), f"README's metrics table lacks {sorted(set(families) - set(rows))}"
+    for name, labels in families.items():
+        assert set(labels) <= set(rows[name]), f"README.md: the {name} row does not name {labels}"
 
 
 def test_metrics_tables_list_the_same_label_values_as_the_readme(exposed: Exposed) -> None:

@@ -69,6 +69,11 @@ def sample(metrics: Metrics, name: str, **labels: str) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
+def series(metrics: Metrics) -> set[tuple[str, frozenset[tuple[str, str]]]]:
+    return {(s.name, frozenset(s.labels.items())) for family in metrics.registry.collect()
+            for s in family.samples if s.name.startswith("hyperlight_")}
+
+
 # --- the kubelet ends its stream and stays up (issue 11 #3) --------------------------------------
 
 
@@ -115,6 +120,12 @@ async def test_a_stream_that_reopens_within_the_grace_changes_nothing() -> None:
             assert kubelet.register_calls == 1
             assert sample(metrics, "hyperlight_reregistrations_total",
                           reason="stream_ended") == 0
+            readiness = plugin_readiness(lambda: plugin, healthy_tracker())
+            assert readiness()["listandwatch"] == (False, "the kubelet has no ListAndWatch open")
+            # Losing the kubelet: not registered either, and alive (not restarted).
+            await kubelet.stop(remove_socket=True)
+            await wait_until(lambda: not readiness()["registered"][0])
+            await wait_until(plugin.alive)
     finally:
         await kubelet.stop()
 
@@ -122,25 +133,25 @@ async def test_a_stream_that_reopens_within_the_grace_changes_nothing() -> None:
 # --- registration failures say why and count every attempt (issue 12) ----------------------------
 
 
-@pytest.mark.parametrize("cause", ["missing dir", "no kubelet.sock", "refused", "hangs"])
+@pytest.mark.parametrize("cause", ["missing dir", "no kubelet.sock", "refused", "hangs", "resets"])
 async def test_registration_failure_names_its_cause_and_counts_every_attempt(
         cause: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.lifecycle"):
         base = short_dir()
         plugin_dir = base / "device-plugins" if cause == "missing dir" else base
         resource = "example.kubernetes.io/hypervisor" if cause == "refused" else RESOURCE
-        broken = KubeletEmulator(plugin_dir, mode="hang") if cause == "hangs" else None
+        mode = {"refused": "normal", "hangs": "hang", "resets": "reset"}.get(cause)
+        broken = KubeletEmulator(plugin_dir, mode=mode) if mode else None
         if broken is not None:
             await broken.start()
-        elif cause == "refused":
-            broken = KubeletEmulator(plugin_dir)
-            await broken.start()
         metrics = Metrics()
+        first = series(metrics)
         want = {
             "missing dir": f"{plugin_dir} does not exist",
             "no kubelet.sock": f"no kubelet.sock at {plugin_dir / 'kubelet.sock'}",
             "refused": "the kubelet refused with UNKNOWN: invalid name of device plugin socket",
             "hangs": "Register timed out after 0.2 s (DEADLINE_EXCEEDED",
+            "resets": f"the kubelet at {plugin_dir / 'kubelet.sock'} is unreachable",
         }[cause]
         try:
             async with lifecycle(plugin_dir, resource, metrics, register_timeout=0.2,
@@ -153,6 +164,10 @@ async def test_registration_failure_names_its_cause_and_counts_every_attempt(
                 ok, reason = readiness()["registered"]
                 assert not ok
                 assert want in reason, reason
+                # Failures move series that exist from the start, and nothing else.
+                assert series(metrics) == first
+                assert sample(metrics, "hyperlight_registrations_total", result="success") == 0
+                assert sample(metrics, "hyperlight_listandwatch_streams") == 0
                 if broken is not None:
                     await broken.stop(remove_socket=True)
                 if cause != "refused":  # a refusal is checked: the rest is for the others

@@ -1,29 +1,14 @@
-"""Every metric family moves when its event happens: real daemons, real events, scraped /metrics."""
+"""Every metric family moves when its event happens: real daemons, real events, scraped /metrics.
+CDI repairs by cause are counted in test_faults (on the daemon) and test_cdi (the metadata cause)."""
 
 from __future__ import annotations
 
-import json
-import os
-import stat
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from harness import (
-    Node,
-    Samples,
-    needs_kvm,
-    needs_root,
-    obstruct_with_directory,
-    on_kubelet,
-    scrape,
-    value,
-    wait_metric,
-    wait_until,
-)
-from harness import daemon as harness_daemon
+from harness import Node, Samples, needs_kvm, obstruct_with_directory, on_kubelet, scrape, value, wait_metric
 
-from hlplugin import __version__, cdi, probe
+from hlplugin import __version__, cdi
 from hlplugin.emulator import AdmissionError
 from hlplugin.metrics import Metrics
 
@@ -45,66 +30,10 @@ def test_every_family_is_prefixed_and_has_bounded_labels() -> None:
             assert set(sample.labels) - {"le"} <= allowed, (family.name, sample.labels)
 
 
-# Every value each labelled counter can take (README "Metrics"): all exported at 0 from the start.
-COUNTER_LABELS = {
-    "hyperlight_health_transitions_total": ("to", ("healthy", "unhealthy")),
-    "hyperlight_probe_failures_total": ("reason", probe.REASONS),
-    "hyperlight_cdi_repairs_total": ("cause", ("missing", "malformed", "stale", "metadata")),
-    "hyperlight_cdi_refusals_total": ("reason", ("not_regular", "write_failed")),
-    "hyperlight_allocations_total": ("result", ("success", "invalid", "refused")),
-    "hyperlight_registrations_total": ("result", ("success", "failure")),
-    "hyperlight_probe_duration_seconds_count": ("check", ("device", "host_identity")),
-}
 PROCESS_FAMILIES = {
     "process_virtual_memory_bytes", "process_resident_memory_bytes", "process_start_time_seconds",
     "process_cpu_seconds", "process_open_fds", "process_max_fds", "python_info",
 }  # fmt: skip
-
-
-@pytest.mark.parametrize("daemon", ["serve", "bootstrap"])
-async def test_auto_without_a_device_exports_every_series_and_says_what_it_looks_for(
-        tmp_path: Path, daemon: str) -> None:
-    """--hypervisor auto (what the manifests deploy), no kubelet, no device node: nothing has
-    happened, yet every counter series is there at 0, the health conditions the daemon has are 0
-    ("not checked yet"), the process's own resource use is exported, and no `_created` series
-    is. /readyz names the search, and drops it once a node of that name appears."""
-    dev = tmp_path / "empty-dev"
-    dev.mkdir()
-    node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
-    args = (node.serve_args("--hypervisor", "auto") if daemon == "serve" else
-            ["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", str(dev),
-             "--hypervisor", "auto"])
-    async with harness_daemon(args) as proc:
-        m = await scrape(proc)
-        for name, (label, values) in COUNTER_LABELS.items():
-            for v in values:
-                assert m.get((name, frozenset({(label, v)}))) == 0, f"{name}{{{label}={v!r}}}"
-        conditions = ("cdi", "device", "host_identity") if daemon == "serve" else ("device",)
-        for condition in conditions:
-            assert m[("hyperlight_health_condition", frozenset({("condition", condition)}))] == 0
-        assert m[("hyperlight_ready", frozenset())] == 0
-        assert not [k for k in m if k[0].endswith("_created")]
-        assert m[("process_resident_memory_bytes", frozenset())] > 1 << 20
-        assert m[("process_open_fds", frozenset())] > 3
-        assert ("process_cpu_seconds_total", frozenset()) in m
-
-        ready = json.loads(await proc.wait_http("/readyz", 503))
-        assert ready["conditions"]["hypervisor"] == {
-            "ok": False, "reason": f"no mshv or kvm device under {dev}"}
-        (dev / "kvm").write_text("not a device")  # found by name; then checked as a node
-        await wait_until(lambda: "hypervisor device" in " ".join(proc.messages()))
-        condition, want = (
-            ("host_identity", f"device {dev / 'kvm'} is not a character device (a regular file)")
-            if daemon == "serve" else ("device", f"{dev / 'kvm'} is not a character device"))
-
-        async def explained() -> bool:  # the readiness this answers is set just after that line
-            body = json.loads((await proc.get("/readyz"))[1])
-            return bool(body["conditions"][condition] == {"ok": False, "reason": want})
-
-        await wait_until(explained)
-        ready = json.loads(await proc.wait_http("/readyz", 503))
-        assert ready["conditions"][condition] == {"ok": False, "reason": want}
-        assert "hypervisor" not in ready["conditions"]
 
 
 @needs_kvm
@@ -140,30 +69,6 @@ async def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> No
         assert value(m, "hyperlight_allocations_total", result="success") == 1
         assert value(m, "hyperlight_allocations_total", result="invalid") == 1
 
-        # CDI repairs by cause. Each damage is atomic: an in-place write is first an empty
-        # file, which is malformed, and would count as that instead.
-        desired = spec.read_bytes()
-        stale = json.loads(desired)
-        stale["devices"][0]["containerEdits"]["env"].append("EXTRA=1")
-
-        def replace_with(content: bytes) -> None:
-            temp = tmp_path / "damage"
-            temp.write_bytes(content)
-            os.replace(temp, spec)
-
-        damage: list[tuple[str, Callable[[], None]]] = [
-            ("missing", spec.unlink),
-            ("malformed", lambda: replace_with(b"{ not json")),
-            ("stale", lambda: replace_with(json.dumps(stale).encode())),
-            ("metadata", lambda: spec.chmod(0o600)),
-        ]
-        for cause, act in damage:
-            before = value(await scrape(proc), "hyperlight_cdi_repairs_total", cause=cause)
-            act()
-            await wait_metric(proc, lambda m, c=cause, b=before: value(
-                m, "hyperlight_cdi_repairs_total", cause=c) == b + 1)
-            assert spec.read_bytes() == desired, cause
-
         # Refusal: the CDI path obstructed by a directory.
         obstruct_with_directory(spec)
         m = await wait_metric(proc, lambda m: value(
@@ -188,36 +93,3 @@ async def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> No
             m, "hyperlight_registrations_total", result="success") == 2)
         m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
         assert series(m) == first, "every event moved a series that existed from the start"
-
-
-def make_node(path: Path, numbers: int) -> Path:
-    """A directory holding a character node called kvm with the given device numbers."""
-    path.mkdir()
-    os.mknod(path / "kvm", stat.S_IFCHR | 0o600, numbers)
-    return path
-
-
-@needs_root
-async def test_probe_failures_by_reason(tmp_path: Path) -> None:
-    """A node with /dev/null's numbers is not KVM (api_version); a host view whose node has other
-    numbers is not the granted device (identity_mismatch)."""
-
-    dev = make_node(tmp_path / "dev", os.makedev(1, 3))
-    host = make_node(tmp_path / "host", os.makedev(1, 5))
-    node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=host)
-    async with on_kubelet(node, node.serve_args("--hypervisor", "kvm", "--device-count", "2",
-                                        "--health-interval", "1")) as (kubelet, proc):
-        first = series(await scrape(proc))
-        m = await wait_metric(proc, lambda m: value(
-            m, "hyperlight_probe_failures_total", reason="api_version") >= 2
-            and value(m, "hyperlight_probe_failures_total", reason="identity_mismatch") >= 2)
-        assert value(m, "hyperlight_health_condition", condition="device") == 0
-        assert value(m, "hyperlight_health_condition", condition="host_identity") == 0
-        assert value(m, "hyperlight_health_transitions_total", to="healthy") == 0
-        await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2)
-        m = await wait_metric(proc, lambda m: value(m, "hyperlight_devices_advertised") == 2)
-        assert value(m, "hyperlight_devices_healthy") == 0
-        os.unlink(host / "kvm")
-        m = await wait_metric(proc, lambda m: value(
-            m, "hyperlight_probe_failures_total", reason="identity_missing") >= 1)
-        assert series(m) == first

@@ -130,8 +130,10 @@ def test_component_renders_on_every_overlay(overlay: str, tmp_path: Path) -> Non
     targets = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
     assert targets == {"node": ["__meta_kubernetes_pod_node_name"],
                        "daemonset": ["__meta_kubernetes_pod_label_app_kubernetes_io_name"]}
+    assert monitor["metadata"]["name"] == rule["metadata"]["name"] == "hyperlight"
     without = sh([tool("kubectl"), "kustomize", str(DEPLOY / overlay)]).stdout
     assert "PodMonitor" not in without and "PrometheusRule" not in without, "off by default"
+    assert [o for o in objects if o not in (monitor, rule)] == [d for d in yaml.safe_load_all(without) if d]
 
 
 def test_every_alert_names_node_severity_and_runbook(rules: dict[str, Any]) -> None:

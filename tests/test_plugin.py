@@ -113,6 +113,7 @@ async def test_options_streams_and_the_allocate_gate_follow_every_transition() -
                 answer = await stub.Allocate(request, timeout=5)
                 assert [d.name for d in answer.container_responses[0].cdi_devices] == [
                     "hyperlight.dev/hypervisor=kvm"]
+                assert not answer.container_responses[0].annotations  # only with --cdi-annotations
             else:
                 details = await refused_with(stub, request, grpc.StatusCode.FAILED_PRECONDITION)
                 assert "KVM_CREATE_VM" in details and "device" in details
