@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import stat
 from pathlib import Path
 
 import grpc
 import pytest
-from fusefs import HangingDevFs
+from fusefs import HangingFs
 from harness import Node, needs_kvm, needs_root, on_kubelet
 
 from hlplugin.config import Settings
@@ -31,7 +32,8 @@ PROMPT = BUDGET + 2.0  # a guard: a refusal that waited for the storage would ne
 async def test_allocate_on_a_hung_dev_refuses_within_the_budget_and_stays_live(
         tmp_path: Path) -> None:
     node = Node.make(tmp_path)
-    with HangingDevFs(tmp_path / "fuse-dev", os.stat("/dev/kvm").st_rdev) as fs:
+    kvm = os.stat("/dev/kvm").st_rdev
+    with HangingFs(tmp_path / "fuse-dev", "kvm", stat.S_IFCHR | 0o600, rdev=kvm) as fs:
         # The periodic recheck (10 s) is far away: only Allocate's own check meets the hang.
         args = ["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", str(fs.mountpoint)]
         async with on_kubelet(node, args) as (kubelet, proc):
