@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+from harness import Gate
 
 # A guard, not a timing assertion: a test that hangs fails with its stack instead of stalling CI.
 ASYNC_GUARD_SECONDS = 90.0
@@ -35,3 +38,11 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
     asyncio.run(guarded())
     return True
+
+
+@pytest.fixture
+def gate() -> Iterator[Gate]:
+    """A Gate (tests/harness.py), released after the test: no helper is left stuck past it."""
+    g = Gate()
+    yield g
+    g.release.set()

@@ -11,15 +11,18 @@ import shutil
 import signal
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from hlplugin.emulator import DaemonProcess, KubeletEmulator
+from hlplugin.metrics import Metrics
 
 HAVE_KVM = os.path.exists("/dev/kvm") and os.access("/dev/kvm", os.R_OK | os.W_OK)
 IS_ROOT = os.geteuid() == 0
@@ -183,3 +186,49 @@ def spec_is_exact(path: Path, desired: bytes) -> bool:
                 and path.read_bytes() == desired)
     except OSError:
         return False
+
+
+GUARD = 10.0  # seconds; only ever reached when a test is broken
+
+
+class Gate:
+    """A blocking fn for a BoundedRunner (or an injected probe): counts calls, blocks until
+    released (or the guard), then raises ``error`` while one is set. The ``gate`` fixture
+    (conftest.py) releases it after the test."""
+
+    def __init__(self, released: bool = False) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.finished = threading.Event()
+        self.calls = 0
+        self.error: Exception | None = None
+        if released:
+            self.release.set()
+
+    def __call__(self) -> None:
+        self.calls += 1
+        self.started.set()
+        self.release.wait(GUARD)
+        self.finished.set()
+        if self.error is not None:
+            raise self.error
+
+
+def mknod_char(path: Path, rdev: int) -> Path:
+    """A character node at ``path``; skips where the filesystem does not honour device nodes."""
+    if os.statvfs(path.parent).f_flag & os.ST_NODEV:
+        pytest.skip(f"{path.parent} is mounted nodev: device nodes there cannot be opened")
+    os.mknod(path, stat.S_IFCHR | 0o600, rdev)
+    return path
+
+
+def metric_families() -> dict[str, tuple[str, ...]]:
+    """Exposed name -> label names of every family metrics.py declares."""
+    found = {}
+    for metric in vars(Metrics()).values():
+        if isinstance(metric, MetricWrapperBase):
+            family = next(iter(metric.describe()))
+            suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
+            labels = tuple(metric._labelnames) or (("version",) if family.type == "info" else ())
+            found[family.name + suffix] = labels
+    return found

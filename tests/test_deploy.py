@@ -24,8 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import needs_kvm
-from test_readme import metric_families
+from harness import metric_families, needs_kvm
 
 from hlplugin import config
 

@@ -42,10 +42,9 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
-from harness import HAVE_KVM, Daemon, Node, needs_kvm, on_kubelet
+from harness import HAVE_KVM, Daemon, Node, metric_families, needs_kvm, on_kubelet
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
-from test_readme import metric_families
 
 from hlplugin import cli
 from hlplugin.metrics import Metrics

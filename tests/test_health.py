@@ -13,16 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import test_probe
-from harness import needs_kvm, needs_root, wait_until
-from test_probe import GUARD, Gate, mknod_char  # shared with the prober and BoundedRunner tests
+from harness import GUARD, Gate, mknod_char, needs_kvm, needs_root, wait_until
 
 from hlplugin.deviceplugin.conditions import MIN_PERIOD, HealthState, HealthTracker
 from hlplugin.health import DeviceMonitor
 from hlplugin.metrics import Metrics
 from hlplugin.probe import ProbeError
 
-gate = test_probe.gate  # the same fixture: a Gate, released after the test
 KVM = Path("/dev/kvm")
 REQUIRED = ("device", "host_identity")
 

@@ -8,15 +8,14 @@ import functools
 import gc
 import logging
 import os
-import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import needs_kvm, needs_root, wait_until
+from harness import GUARD, Gate, mknod_char, needs_kvm, needs_root, wait_until
 
 from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
 from hlplugin.probe import ProbeError, check_host_identity, probe_device, probe_kvm, probe_mshv
@@ -24,14 +23,6 @@ from hlplugin.probe import ProbeError, check_host_identity, probe_device, probe_
 KVM = Path("/dev/kvm")
 SELF = KVM if KVM.exists() else Path("/dev/null")  # the device whose host twin is checked
 NULL_NUMBERS = os.makedev(1, 3)  # /dev/null: a char device on which every KVM ioctl is ENOTTY
-
-
-def mknod_char(path: Path, rdev: int) -> Path:
-    """A character node at ``path``; skips where the filesystem does not honour device nodes."""
-    if os.statvfs(path.parent).f_flag & os.ST_NODEV:
-        pytest.skip(f"{path.parent} is mounted nodev: device nodes there cannot be opened")
-    os.mknod(path, stat.S_IFCHR | 0o600, rdev)
-    return path
 
 
 def open_fds() -> set[str]:
@@ -135,38 +126,6 @@ def test_unknown_hypervisor_is_a_programming_error(tmp_path: Path) -> None:
 
 
 # --- BoundedRunner -------------------------------------------------------------------------------
-
-GUARD = 10.0  # seconds; only ever reached when a test is broken
-
-
-class Gate:
-    """A blocking fn for the runner (an injected probe in test_health): counts calls, blocks until
-    released (or the guard), then raises ``error`` while one is set."""
-
-    def __init__(self, released: bool = False) -> None:
-        self.release = threading.Event()
-        self.started = threading.Event()
-        self.finished = threading.Event()
-        self.calls = 0
-        self.error: Exception | None = None
-        if released:
-            self.release.set()
-
-    def __call__(self) -> None:
-        self.calls += 1
-        self.started.set()
-        self.release.wait(GUARD)
-        self.finished.set()
-        if self.error is not None:
-            raise self.error
-
-
-@pytest.fixture
-def gate() -> Iterator[Gate]:
-    g = Gate()
-    yield g
-    g.release.set()  # never leave a helper stuck past its test
-
 
 def test_results_errors_and_late_helpers_reach_the_caller_only(
         gate: Gate, caplog: pytest.LogCaptureFixture) -> None:

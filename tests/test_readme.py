@@ -11,10 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.metrics import MetricWrapperBase
-
 from hlplugin import config
-from hlplugin.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -100,18 +97,6 @@ def test_options_table_matches_config_and_covers_both_daemons() -> None:
         option = config.OPTIONS[name]
         row = next(line for line in table.splitlines() if f"`{option.flag}" in line)
         assert option.env is None or f"`{option.env}`" in row
-
-
-def metric_families() -> dict[str, tuple[str, ...]]:
-    """Exposed name -> label names of every family metrics.py declares (for test_deploy and test_docs)."""
-    found = {}
-    for metric in vars(Metrics()).values():
-        if isinstance(metric, MetricWrapperBase):
-            family = next(iter(metric.describe()))
-            suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
-            labels = tuple(metric._labelnames) or (("version",) if family.type == "info" else ())
-            found[family.name + suffix] = labels
-    return found
 
 
 if __name__ == "__main__":
