@@ -14,6 +14,7 @@ from hlplugin.metrics import Metrics
 
 RESOURCE = "hyperlight.dev/hypervisor"
 
+
 def series(samples: Samples) -> set[tuple[str, frozenset[tuple[str, str]]]]:
     """The hyperlight_ series of a scrape (process_ ones come and go with the platform)."""
     return {key for key in samples if key[0].startswith("hyperlight_")}

@@ -436,8 +436,6 @@ def _make_root() -> Path:
     return root
 
 
-
-
 def _command_line(argv: list[str], prefix: str) -> str:
     """``argv`` as a shell command to paste: each option with its value on a line of its own."""
     words = [shlex.quote(word) for word in argv]

@@ -142,6 +142,8 @@ def _timed(probe: Callable[[], None]) -> tuple[float, BaseException | None]:
     except Exception as exc:
         return time.monotonic() - started, exc
     return time.monotonic() - started, None
+
+
 async def wait_for_hypervisor(settings: Settings) -> str:
     """``auto`` with no device yet: stay up (not ready) until /dev/mshv or /dev/kvm appears."""
     found = settings.detect_hypervisor()

@@ -97,7 +97,6 @@ class BoundedRunner:
                              reason="timeout")
         return helper.result()
 
-
     def _serve(self, inbox: queue.SimpleQueue[_Job[Any]], job: _Job[Any]) -> None:
         """A lingering helper: run ``job``, then the next one handed over within ``linger``."""
         while True:
