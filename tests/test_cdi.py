@@ -761,14 +761,14 @@ async def test_run_repairs_periodically_but_never_more_often_than_the_floor(
         cdi_dir: Path, tmp_path: Path) -> None:
     """An interval of 0 (an in-process caller; the CLI refuses it) is not a busy loop; and the
     periodic pass repairs what the watcher cannot see."""
-    passes: list[float] = []
+    began: dict[int, float] = {}  # passes completed -> when the next one began
 
-    def clock() -> float:  # called once at the end of every pass
-        passes.append(time.monotonic())
-        return passes[-1]
+    def clock() -> float:  # first read while N passes are done: pass N + 1 starting
+        return began.setdefault(rig.rec.producer.passes, time.monotonic())
 
     rig = Rig(cdi_dir, interval=0, clock=clock)
     alias = tmp_path / "alias.json"
+    passes = began.values()  # in order of insertion: pass by pass
 
     async with running(rig.rec):
         await wait_until(lambda: len(passes) >= 5)
@@ -778,7 +778,7 @@ async def test_run_repairs_periodically_but_never_more_often_than_the_floor(
         alias.write_bytes(STALE)  # in place, the same inode
         await wait_until(lambda: spec_is_exact(rig.path, DESIRED))
     # The first pass's own write may wake the watcher once; the passes after it are periodic.
-    gaps = [b - a for a, b in itertools.pairwise(passes[1:5])]
+    gaps = [b - a for a, b in itertools.pairwise(list(passes)[1:5])]
     assert min(gaps) >= MIN_PERIOD * 0.9, gaps
     assert alias.read_bytes() == STALE  # the old inode, no longer our spec
     assert_desired(rig.path)

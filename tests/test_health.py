@@ -126,9 +126,10 @@ async def test_ensure_fresh_burst_probes_once_and_reprobes_after_max_age() -> No
     await asyncio.gather(*(mon.ensure_fresh() for _ in range(10)))
     assert probe.calls == 1
 
-    now[0] += 0.2  # 1.1 s after the check completed
+    now[0] += 0.2  # 1.1 s after the check began
     await mon.ensure_fresh()
     assert probe.calls == 2
+    now[0] += 0.001  # a moment later: the check that began before is not fresh enough
     await mon.ensure_fresh(max_age=0.0)
     assert probe.calls == 3
 
@@ -240,13 +241,10 @@ async def test_regression_host_node_disappearance_publishes_unhealthy(tmp_path: 
 
 async def test_run_never_checks_more_often_than_the_floor(tmp_path: Path) -> None:
     """An interval of 0 (an in-process caller; the CLI refuses it) is not a busy loop."""
-    checks: list[float] = []
+    checks: list[float] = []  # when each check's device probe ran
 
-    def clock() -> float:  # called once at the end of every check
-        checks.append(time.monotonic())
-        return checks[-1]
-
-    async with running(monitor(tmp_path, None, interval=0, clock=clock)):
+    async with running(monitor(tmp_path, None, interval=0,
+                               device_probe=lambda: checks.append(time.monotonic()))):
         await wait_until(lambda: len(checks) >= 5)
     # The watcher's start may wake the loop once; the checks after it are periodic.
     gaps = [b - a for a, b in itertools.pairwise(checks[1:5])]

@@ -367,8 +367,8 @@ class CdiReconciler:
                 return self.condition
             if self.producer.runner.busy and not self.condition.ok:
                 return self.condition  # stuck (passes queued behind it would only wait their budget)
-            if self.producer.in_flight is not None:
-                await self.producer.ensure(0.0)
+            if (in_flight := self.producer.in_flight) is not None:
+                await asyncio.shield(in_flight)
                 if not self.condition.ok:
                     return self.condition
                 continue

@@ -78,7 +78,8 @@ class DeviceMonitor:
         return self.tracker.state
 
     async def ensure_fresh(self, max_age: float = 1.0) -> HealthState:
-        """Health no older than ``max_age``: reuse a recent or in-flight check, else run one.
+        """Health from a check that began at most ``max_age`` ago: a recent or in-flight one,
+        else a new one (a success that began earlier is not trusted; see Producer.ensure).
 
         A burst of Allocates costs one probe; a cancelled caller leaves the shared check running.
         """

@@ -4,8 +4,9 @@ are kept alive.
 A producer runs one *pass* (an async function of its trigger that returns whether its condition
 holds) when a watched name changes (inotify through DirWatcher, polling where inotify is missing),
 every ``interval`` seconds (with capped exponential backoff while failing, if asked), and on
-demand (``ensure(max_age)``: a recent or in-flight pass is shared, so a burst of callers costs one
-pass, and a caller that gives up never stops it). Passes that block (file systems, ioctls) run in
+demand (``ensure(max_age)``: a pass that began at most ``max_age`` before the call, in flight or
+done, is shared, so a burst of callers costs one pass, and a caller that gives up never stops
+it). Passes that block (file systems, ioctls) run in
 the producer's BoundedRunner: past the budget the pass reports its condition failing with the
 timeout as the reason, and the event loop, a lock or a caller never waits longer than that.
 
@@ -127,6 +128,8 @@ class Producer:
         self.wakeup = Wakeup(*watch)
         self.ok = False
         self.completed_at: float | None = None  # clock() when the latest pass finished
+        self._completed_began: float | None = None  # clock() when that pass began
+        self._began = 0.0  # clock() when the latest pass (maybe in flight) began
         self.passes = 0
         self._step = step
         self._clock = clock
@@ -141,25 +144,32 @@ class Producer:
     async def check(self, trigger: str) -> bool:
         """A pass now, as its own task: it survives the caller's cancellation, and its result is
         recorded either way. Passes that overlap queue in the runner, within their budgets."""
-        task = asyncio.create_task(self._once(trigger), name=f"hlplugin-{self.name}-pass")
+        self._began = began = self._clock()
+        task = asyncio.create_task(self._once(trigger, began), name=f"hlplugin-{self.name}-pass")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         self._latest = task
         return await asyncio.shield(task)
 
     async def ensure(self, max_age: float, trigger: str = "ensure") -> bool:
-        """A result no older than ``max_age``: the pass in flight, a recent one, or a new one.
-        A burst of callers costs one pass."""
-        latest = self.in_flight
-        if latest is not None:
-            return await asyncio.shield(latest)
-        if self.completed_at is not None and self._clock() - self.completed_at < max_age:
+        """The result of a pass that began at most ``max_age`` before this call: the pass in
+        flight or the latest one if it qualifies, else a new one. A success from a pass in flight
+        that began earlier is not trusted (it may have looked before a change): the callers it
+        held share the one pass after it. Its failure stands, since refusing on it is safe (and
+        a stuck check then costs a caller one budget, not two)."""
+        since = self._clock() - max_age
+        while (latest := self.in_flight) is not None:
+            began = self._began
+            ok = await asyncio.shield(latest)
+            if began >= since or not ok:
+                return ok
+        if self._completed_began is not None and self._completed_began >= since:
             return self.ok
         return await self.check(trigger)
 
-    async def _once(self, trigger: str) -> bool:
+    async def _once(self, trigger: str, began: float) -> bool:
         ok = await self._step(trigger)
-        self.ok, self.completed_at = ok, self._clock()
+        self.ok, self.completed_at, self._completed_began = ok, self._clock(), began
         self.passes += 1
         return ok
 
