@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from harness import Daemon, Node
+from harness import Daemon, Node, wait_until
 from prometheus_client import CollectorRegistry
 
 from hlplugin import config
@@ -297,15 +297,14 @@ async def test_daemon_serves_on_ipv6_loopback(tmp_path: Path) -> None:
     proc = Daemon(node.serve_args("--hypervisor", "kvm"))
     proc.args[proc.args.index("--http-address") + 1] = f"[::1]:{port}"
     await proc.start()
+
+    async def answers() -> bool:
+        with contextlib.suppress(OSError):
+            return status(await exchange(port, request(), host="::1")) == 200
+        return False
+
     try:
-        deadline = time.monotonic() + 15
-        while True:
-            with contextlib.suppress(OSError):
-                answer = await exchange(port, request(), host="::1")
-                if status(answer) == 200:
-                    break
-            assert time.monotonic() < deadline, proc.raw[-5:]
-            await asyncio.sleep(0.05)
+        await wait_until(answers, 15, "a 200 on [::1]", step=0.05)
         assert any(f"on [::1]:{port}" in m for m in proc.messages())
     finally:
         assert await proc.stop() == 0

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
+from harness import wait_until
 from podnode import (
     Container,
     Node,
@@ -128,6 +129,13 @@ class Cluster:
         except TimeoutError:
             raise AssertionError(f"the kubelet emulator did not see: {what} within {timeout}s; "
                                  f"{self.explain()}") from None
+
+    def until(self, predicate: Any, what: str, timeout: float) -> None:
+        """harness.wait_until on the emulator's loop; a timeout fails with explain()."""
+        try:
+            self.loop.call(wait_until(predicate, timeout, what), timeout + 5)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}; {self.explain()}") from None
 
     def explain(self) -> str:
         """What a person needs first: each daemon's readiness answer, then its state and logs."""
@@ -378,10 +386,7 @@ def test_a_tampered_cdi_spec_is_repaired_by_the_container(cluster: Cluster) -> N
     spec = c.cdi_dir / "hyperlight.json"
     good = spec.read_bytes()
     spec.write_text('{"cdiVersion": "0.5.0", "kind": "evil.example/x", "devices": []}')
-    deadline = time.monotonic() + 30
-    while spec.read_bytes() != good:  # the daemon's inotify watch repairs it
-        assert time.monotonic() < deadline, f"not repaired within 30s; {c.explain()}"
-        time.sleep(0.05)
+    c.until(lambda: spec.read_bytes() == good, "the daemon's inotify watch to repair the spec", 30)
 
 
 # --- 6. memory as the kubelet sees it -----------------------------------------------------------
