@@ -433,13 +433,6 @@ async def bench_probes(tmp: Path, p: Profile) -> None:
         latency(f"{name}, p50", times, 50, runs=len(times))
 
 
-def machine() -> dict[str, Any]:
-    cpu = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
-    return {"nproc": os.cpu_count(), "cpu": cpu[1].strip() if cpu else "", "kernel": platform.release(),
-            "python": platform.python_version(), "grpcio": grpc.__version__,
-            "loadavg_at_start": os.getloadavg()}
-
-
 def table(figures: list[dict[str, Any]]) -> str:
     head = ("figure", "value", "baseline", "ratio", "goal", "met")
     rows = [(f["name"], f"{f['value']:g} {f['unit']}", "-" if f["baseline"] is None else f"{f['baseline']:g}",
@@ -478,7 +471,11 @@ def main(argv: list[str] | None = None) -> int:
         if not have:
             print(f"benchmarks/run.py needs {need}", file=sys.stderr)
             return 2
-    began, host = time.time(), machine()  # before the run: its load average is the one at start
+    cpu = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+    host = {"nproc": os.cpu_count(), "cpu": cpu[1].strip() if cpu else "", "kernel": platform.release(),
+            "python": platform.python_version(), "grpcio": grpc.__version__,
+            "loadavg_at_start": os.getloadavg()}  # before the run: the load average at its start
+    began = time.time()
     asyncio.run(run(QUICK if args.quick else Profile(), args.only))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({

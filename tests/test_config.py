@@ -145,18 +145,13 @@ def test_provenance_of_every_setting() -> None:
 
 
 @pytest.mark.parametrize(("argv", "error"), [
-    (["serve", "--device-count", str(MAX + 1)], "argument --device-count: .*"),
-    (["serve", "--device-count", "0"], "argument --device-count: .*"),
-    (["serve", "--device-count", "abc"], "argument --device-count: .*"),
-    (["serve", "--device-uid", "-1"], "argument --device-uid: .*"),
-    (["serve", "--device-gid", "4294967296"], "argument --device-gid: .*"),
-    (["serve", "--hypervisor", "xen"], "argument --hypervisor: .*"),
-    (["serve", "--http-address", "nonsense"], "argument --http-address: .*"),
-    (["serve", "--log-format", "xml"], "argument --log-format: .*"),
-    (["serve", "--log-level", "loud"], "argument --log-level: .*"),
-    (["serve", "--cdi-interval", "-3"], "argument --cdi-interval: .*"),
-    (["serve", "--cdi-interval", "1e9"], "argument --cdi-interval: .*"),
-    (["bootstrap", "--register-timeout", "nan"], "argument --register-timeout: .*"),
+    *(([command, flag, value], f"argument {flag}: .*") for command, flag, value in [
+        ("serve", "--device-count", str(MAX + 1)), ("serve", "--device-count", "0"),
+        ("serve", "--device-count", "abc"), ("serve", "--device-uid", "-1"),
+        ("serve", "--device-gid", "4294967296"), ("serve", "--hypervisor", "xen"),
+        ("serve", "--http-address", "nonsense"), ("serve", "--log-format", "xml"),
+        ("serve", "--log-level", "loud"), ("serve", "--cdi-interval", "-3"),
+        ("serve", "--cdi-interval", "1e9"), ("bootstrap", "--register-timeout", "nan")]),
     (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["doctor", "--no-such-flag", "extra"], "unrecognized arguments: --no-such-flag extra"),
     # no room for a socket path in it
@@ -173,22 +168,12 @@ def test_usage_errors_exit_2_with_the_subcommands_usage_naming_the_flag(
 
 
 def test_help_names_every_flag_and_its_twin(cli: Cli) -> None:
-    code, help_text, _ = cli("serve", "--help")
-    assert code == 0
-    for flag, twin in [
-            ("--plugin-dir", "HYPERLIGHT_PLUGIN_DIR"), ("--cdi-dir", "HYPERLIGHT_CDI_DIR"),
-            ("--dev-dir", "HYPERLIGHT_DEV_DIR"), ("--host-dev-dir", "HYPERLIGHT_HOST_DEV_DIR"),
-            ("--hypervisor", "HYPERLIGHT_HYPERVISOR"), ("--device-count", "DEVICE_COUNT"),
-            ("--device-uid", "DEVICE_UID"), ("--device-gid", "DEVICE_GID"),
-            ("--http-address", "HYPERLIGHT_HTTP_ADDRESS"), ("--log-format", "HYPERLIGHT_LOG_FORMAT"),
-            ("--log-level", "HYPERLIGHT_LOG_LEVEL"), ("--cdi-annotations", "HYPERLIGHT_CDI_ANNOTATIONS")]:
-        assert flag in help_text and twin in help_text, flag
-    code, out, _ = cli("bootstrap", "--help")
-    assert code == 0 and "0.0.0.0:8081" in out
-    for flag in ("--plugin-dir", "--dev-dir", "--hypervisor", "--http-address", "--log-format",
-                 "--log-level"):
-        assert flag in out
-    assert "--cdi-dir" not in out
+    for command, names in (("serve", config.SERVE_OPTIONS), ("bootstrap", config.BOOTSTRAP_OPTIONS)):
+        code, out, _ = cli(command, "--help")
+        assert code == 0
+        for option in map(config.OPTIONS.__getitem__, names):
+            assert option.flag in out and (option.env is None or option.env in out), option.flag
+    assert "0.0.0.0:8081" in out and "--cdi-dir" not in out  # bootstrap's
 
 
 def test_cdi_prints_the_spec_the_daemon_writes_or_checks_a_file_against_it(cli: Cli, tmp_path: Path) -> None:

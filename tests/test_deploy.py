@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import metric_families, needs_kvm
+from harness import metric_families, mknod_char, needs_kvm
 
 from hlplugin import config
 
@@ -36,12 +35,9 @@ GITHUB = ROOT / ".github"
 WORKFLOWS = sorted((GITHUB / "workflows").glob("*.yml"))
 PLUGIN_KUSTOMIZATIONS = ("base", "overlays/kind", "overlays/aks")
 EXAMPLE_KUSTOMIZATIONS = ("examples", "overlays/kind/examples")
-# Each overlay with deploy/components/monitoring on top, as an operator's overlay includes it.
-MONITORED = {f"{o}+monitoring": o for o in ("overlays/kind", "overlays/aks")}
-# Prometheus Operator kinds: CRDs, so kubernetes-validate has no schema for them (it warns and
-# skips them); tests/test_monitoring.py checks them instead (promtool, and the PodMonitor's
-# selector and port against the DaemonSets).
-CRD_KINDS = {"PodMonitor", "PrometheusRule"}
+# Not rendered here: an overlay with deploy/components/monitoring on top, which
+# tests/test_monitoring.py renders as exactly the overlay's objects plus two Prometheus Operator
+# CRDs that kubernetes-validate has no schema for (and checks them with promtool).
 K8S_VERSION = "1.34"
 
 NAMESPACE = "hyperlight-system"
@@ -65,13 +61,10 @@ TOOL_HINTS = {"kubectl": "install kubectl (1.27+ for its built-in kustomize v5)"
 CHECKOV_ENV = {"BC_SKIP_MAPPING": "TRUE", "CKV_SKIP_PACKAGE_UPDATE_CHECK": "true"}
 
 
-def which(name: str) -> str | None:
-    return shutil.which(name, path=os.environ.get("DEPLOY_CHECKS_BIN")) or shutil.which(name)
-
-
 def tool(name: str) -> str:
     """Path of a command-line tool, or skip the test naming what to install."""
-    return which(name) or pytest.skip(f"{name} is not installed: {TOOL_HINTS.get(name, PIP_HINT)}")
+    found = shutil.which(name, path=os.environ.get("DEPLOY_CHECKS_BIN")) or shutil.which(name)
+    return found or pytest.skip(f"{name} is not installed: {TOOL_HINTS.get(name, PIP_HINT)}")
 
 
 def run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
@@ -136,12 +129,6 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     kubectl = tool("kubectl")
     out = tmp_path_factory.mktemp("rendered")
     sources = {name: DEPLOY / name for name in (*PLUGIN_KUSTOMIZATIONS, *EXAMPLE_KUSTOMIZATIONS)}
-    for name, overlay in MONITORED.items():
-        sources[name] = tmp_path_factory.mktemp("monitored")
-        (sources[name] / "kustomization.yaml").write_text(yaml.safe_dump({  # relative paths only
-            "resources": [os.path.relpath(DEPLOY / overlay, sources[name])],
-            "components": [os.path.relpath(DEPLOY / "components/monitoring", sources[name])],
-        }))
     for name, source in sources.items():
         result = run([kubectl, "kustomize", str(source)])
         assert result.returncode == 0, f"kubectl kustomize {name}:\n{result.stderr}"
@@ -183,11 +170,7 @@ def test_rendered_objects_validate_against_kubernetes_schemas(
     result = run([validate, "-k", K8S_VERSION, "--strict", *map(str, rendered.values())])
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    crds = [o for objs in objects.values() for o in objs if o["kind"] in CRD_KINDS]
-    assert len(crds) == 2 * len(MONITORED)
-    assert output.count("passed for resource") == sum(map(len, objects.values())) - len(crds), output
-    unvalidated = re.findall(r"Couldn't find schema for kind (\w+)", output)
-    assert sorted(unvalidated) == sorted(o["kind"] for o in crds), output
+    assert output.count("passed for resource") == sum(map(len, objects.values())), output
 
 
 PLUGIN_MOUNTS = {  # name: {mountPath: (hostPath, type, readOnly)}
@@ -466,11 +449,8 @@ def test_example_check_runs_as_the_workload_and_stops_on_sigterm_as_pid_1(worklo
         (workload_dir / "dev").symlink_to("/dev")
     else:
         (workload_dir / "dev").mkdir(mode=0o755)
-        try:
-            os.mknod(workload_dir / "dev/kvm", stat.S_IFCHR | 0o600, os.stat("/dev/kvm").st_rdev)
-        except OSError as err:
-            pytest.skip(f"cannot create a device node here: {err}")
-        os.chown(workload_dir / "dev/kvm", WORKLOAD_UID, WORKLOAD_UID)
+        kvm = mknod_char(workload_dir / "dev/kvm", os.stat("/dev/kvm").st_rdev)
+        os.chown(kvm, WORKLOAD_UID, WORKLOAD_UID)
         as_root = run([sys.executable, *cmd])
         assert as_root.returncode == 1 and "running as root" in as_root.stderr
         python = _python_for(WORKLOAD_UID) or pytest.skip(f"no Python that UID {WORKLOAD_UID} may run")
@@ -513,15 +493,11 @@ def test_example_check_runs_as_the_workload_and_stops_on_sigterm_as_pid_1(worklo
     assert elapsed < 5, f"took {elapsed:.1f} s to stop"
 
 
-def dockerfile_instructions() -> list[tuple[str, str, str]]:
-    """(INSTRUCTION, arguments, the comments since the one before) with continuation lines joined."""
+def test_image_is_pinned_small_and_runs_the_console_script() -> None:
+    # (INSTRUCTION, arguments, the comments since the one before) with continuation lines joined.
     text = re.sub(r"\\\n\s*", " ", (ROOT / "Dockerfile").read_text())
     found = re.findall(r"((?:^[ \t]*(?:#.*)?\n)*)^[ \t]*(\w+)[ \t]+(.*)$", text, re.M)
-    return [(op.upper(), args.strip(), "\n".join(re.findall("#.*", notes))) for notes, op, args in found]
-
-
-def test_image_is_pinned_small_and_runs_the_console_script() -> None:
-    steps = dockerfile_instructions()
+    steps = [(op.upper(), args.strip(), "\n".join(re.findall("#.*", notes))) for notes, op, args in found]
     froms = [(i, args, notes) for i, (op, args, notes) in enumerate(steps) if op == "FROM"]
     assert len(froms) >= 2, "multi-stage build"
     first = froms[0]

@@ -9,12 +9,11 @@ import json
 import logging
 import os
 import socket
-import stat
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Node, needs_kvm, needs_root
+from harness import Node, mknod_char, needs_kvm, needs_root
 
 from hlplugin import cdi
 from hlplugin.cli import main
@@ -88,7 +87,7 @@ def node_dir(tmp_path: Path, name: str) -> Path:
     path = tmp_path / name
     if name == "null" and not path.exists():
         path.mkdir()
-        os.mknod(path / "kvm", stat.S_IFCHR | 0o600, os.makedev(1, 3))
+        mknod_char(path / "kvm", os.makedev(1, 3))
     return path
 
 
