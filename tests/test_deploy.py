@@ -228,9 +228,9 @@ def test_plugin_daemonsets(objects: dict[str, list[dict[str, Any]]], kustomizati
         # The environment is the CLI's, with values the daemon accepts.
         names = {MAIN: config.SERVE_OPTIONS, BOOTSTRAP: config.BOOTSTRAP_OPTIONS}[name]
         settings = {o.env: o for o in map(config.OPTIONS.__getitem__, names) if o.env}
-        for key, value in env_of(c).items():
-            assert key in settings, f"{where}: {key} is not a `{SUBCOMMAND[name]}` setting"
-            settings[key].parse(value)  # raises on a value the daemon would reject
+        for var, text in env_of(c).items():
+            assert var in settings, f"{where}: {var} is not a `{SUBCOMMAND[name]}` setting"
+            settings[var].parse(text)  # raises on a value the daemon would reject
 
         # Probes on the HTTP port, the only one the network policies admit.
         port = HTTP_PORT[name]
