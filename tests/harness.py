@@ -10,14 +10,17 @@ import os
 import shutil
 import signal
 import stat
+import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -232,3 +235,30 @@ def metric_families() -> dict[str, tuple[str, ...]]:
             labels = tuple(metric._labelnames) or (("version",) if family.type == "info" else ())
             found[family.name + suffix] = labels
     return found
+
+
+# Command-line tools the deployment checks run; the Python ones come from
+# requirements-deploy-checks.txt, in $DEPLOY_CHECKS_BIN (a virtual environment's bin) or on PATH.
+TOOL_HINTS = {"kubectl": "install kubectl (1.27+ for its built-in kustomize v5)",
+              "shellcheck": "apt-get install shellcheck", "promtool": "apt-get install prometheus",
+              "prometheus": "apt-get install prometheus"}
+
+
+def tool(name: str) -> str:
+    """Path of a command-line tool, or skip the test naming what to install."""
+    found = shutil.which(name, path=os.environ.get("DEPLOY_CHECKS_BIN")) or shutil.which(name)
+    return found or pytest.skip(f"{name} is not installed: "
+                                f"{TOOL_HINTS.get(name, 'pip install -r requirements-deploy-checks.txt')}")
+
+
+def kustomize(directory: Path) -> str:
+    """`kubectl kustomize directory`: the rendered YAML (skips without kubectl)."""
+    result = subprocess.run([tool("kubectl"), "kustomize", str(directory)], capture_output=True,
+                            text=True, check=False, timeout=100)
+    assert result.returncode == 0, f"kubectl kustomize {directory}:\n{result.stderr}"
+    return result.stdout
+
+
+def documents(text: str) -> list[dict[str, Any]]:
+    """The non-empty documents of a multi-document YAML text."""
+    return [doc for doc in yaml.safe_load_all(text) if doc]

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import copy
 import re
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from harness import documents, kustomize
 
 celpy = pytest.importorskip("celpy", reason="cel-python is not installed: pip install -e '.[test]'")
 
@@ -44,18 +42,9 @@ KUBERNETES_ONLY = ("quantity(", "isQuantity(", "url(", "isURL(", "ip(", "isIP(",
                    ".findAll(", "format(", "authorizer", "?.", ".orValue(", "optional.", "semver(")
 
 
-def render(directory: Path) -> list[dict[str, Any]]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed (it renders the kustomizations)")
-    out = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True,
-                         check=True, timeout=60).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
-
-
 @pytest.fixture(scope="module")
 def rendered() -> list[dict[str, Any]]:
-    return render(OVERLAY)
+    return documents(kustomize(OVERLAY))
 
 
 @pytest.fixture(scope="module")
@@ -164,9 +153,9 @@ def test_the_device_plugin_daemonset_pod_is_admitted(rendered: list[dict[str, An
 
 def test_every_other_rendered_pod_is_admitted(rendered: list[dict[str, Any]],
                                               policy: dict[str, Any]) -> None:
-    pods = [pod_from_template(d) for d in rendered + render(EXAMPLES)
+    pods = [pod_from_template(d) for d in rendered + documents(kustomize(EXAMPLES))
             if d["kind"] in ("DaemonSet", "Deployment")]
-    pods += [defaulted(d) for d in render(EXAMPLES) if d["kind"] == "Pod"]
+    pods += [defaulted(d) for d in documents(kustomize(EXAMPLES)) if d["kind"] == "Pod"]
     pods.append(defaulted({"metadata": {"name": "plain", "namespace": "default"},  # no resources
                            "spec": {"containers": [{"name": "c", "image": "busybox"}]}}))
     names = [p["metadata"]["name"] for p in pods]

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import metric_families, mknod_char, needs_kvm
+from harness import documents, kustomize, metric_families, mknod_char, needs_kvm, tool
 
 from hlplugin import config
 
@@ -55,16 +55,7 @@ HEALTHZ_BUDGET_S = 2.0  # /healthz gives the event loop this long before answeri
 KUBELET_DIR = "/var/lib/kubelet/device-plugins"
 WORKLOAD_UID = 65534
 
-PIP_HINT = "pip install -r requirements-deploy-checks.txt"
-TOOL_HINTS = {"kubectl": "install kubectl (1.27+ for its built-in kustomize v5)",
-              "shellcheck": "apt-get install shellcheck"}
 CHECKOV_ENV = {"BC_SKIP_MAPPING": "TRUE", "CKV_SKIP_PACKAGE_UPDATE_CHECK": "true"}
-
-
-def tool(name: str) -> str:
-    """Path of a command-line tool, or skip the test naming what to install."""
-    found = shutil.which(name, path=os.environ.get("DEPLOY_CHECKS_BIN")) or shutil.which(name)
-    return found or pytest.skip(f"{name} is not installed: {TOOL_HINTS.get(name, PIP_HINT)}")
 
 
 def run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
@@ -126,19 +117,16 @@ def steps_of(wf: dict[str, Any]) -> Iterator[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Each kustomization's output, in one directory."""
-    kubectl = tool("kubectl")
     out = tmp_path_factory.mktemp("rendered")
     sources = {name: DEPLOY / name for name in (*PLUGIN_KUSTOMIZATIONS, *EXAMPLE_KUSTOMIZATIONS)}
     for name, source in sources.items():
-        result = run([kubectl, "kustomize", str(source)])
-        assert result.returncode == 0, f"kubectl kustomize {name}:\n{result.stderr}"
-        (out / (name.replace("/", "-") + ".yaml")).write_text(result.stdout)
+        (out / (name.replace("/", "-") + ".yaml")).write_text(kustomize(source))
     return {name: out / (name.replace("/", "-") + ".yaml") for name in sources}
 
 
 @pytest.fixture(scope="module")
 def objects(rendered: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
-    return {name: [d for d in yaml.safe_load_all(path.read_text()) if d] for name, path in rendered.items()}
+    return {name: documents(path.read_text()) for name, path in rendered.items()}
 
 
 def test_no_mount_over_dev_and_only_the_plugin_runs_as_root(objects: dict[str, list[dict[str, Any]]]) -> None:

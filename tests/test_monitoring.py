@@ -25,7 +25,17 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import HAVE_KVM, Node, needs_kvm, obstruct_with_directory, on_kubelet, wait_until
+from harness import (
+    HAVE_KVM,
+    Node,
+    documents,
+    kustomize,
+    needs_kvm,
+    obstruct_with_directory,
+    on_kubelet,
+    tool,
+    wait_until,
+)
 
 from hlplugin import cdi
 from hlplugin.emulator import free_port, with_parent_death
@@ -38,15 +48,6 @@ COMPONENT = DEPLOY / "components/monitoring"
 OVERLAYS = ("overlays/kind", "overlays/aks")
 OPERATIONS = ROOT / "docs/operations.md"
 RUNBOOK = "https://github.com/hyperlight-dev/hlplugin/blob/main/docs/operations.md#"
-INSTALL = {"promtool": "apt-get install prometheus", "prometheus": "apt-get install prometheus",
-           "kubectl": "install kubectl (1.27+ for its built-in kustomize v5)"}
-
-
-def tool(name: str) -> str:
-    found = shutil.which(name)
-    if found is None:
-        pytest.skip(f"{name} is not installed: {INSTALL[name]}")
-    return found
 
 
 def sh(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
@@ -61,9 +62,7 @@ def render(overlay: str, workdir: Path) -> list[dict[str, Any]]:
         "resources": [os.path.relpath(DEPLOY / overlay, workdir)],
         "components": [os.path.relpath(COMPONENT, workdir)],
     }))
-    result = sh([tool("kubectl"), "kustomize", str(workdir)])
-    assert result.returncode == 0, result.stderr
-    return [d for d in yaml.safe_load_all(result.stdout) if d]
+    return documents(kustomize(workdir))
 
 
 def only(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -131,7 +130,7 @@ def test_component_renders_on_every_overlay(overlay: str, tmp_path: Path) -> Non
     assert targets == {"node": ["__meta_kubernetes_pod_node_name"],
                        "daemonset": ["__meta_kubernetes_pod_label_app_kubernetes_io_name"]}
     assert monitor["metadata"]["name"] == rule["metadata"]["name"] == "hyperlight"
-    without = sh([tool("kubectl"), "kustomize", str(DEPLOY / overlay)]).stdout
+    without = kustomize(DEPLOY / overlay)
     assert "PodMonitor" not in without and "PrometheusRule" not in without, "off by default"
     assert [o for o in objects if o not in (monitor, rule)] == [d for d in yaml.safe_load_all(without) if d]
 

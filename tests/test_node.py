@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import yaml
-from harness import wait_until
+from harness import documents, kustomize, wait_until
 from podnode import (
     Container,
     Node,
@@ -63,12 +62,6 @@ pytestmark = [
     pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)} on PATH (apt-get install "
                        "podman runc mmdebstrap; kubectl renders the kustomizations)"),
 ]
-
-
-def render(directory: Path) -> list[dict[str, Any]]:
-    out = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True,
-                         check=True, timeout=60).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
 def pod_of(doc: dict[str, Any]) -> dict[str, Any]:
@@ -168,8 +161,8 @@ def image() -> str:
 
 @pytest.fixture(scope="module")
 def cluster(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    rendered = render(OVERLAY)
-    examples = render(EXAMPLES)
+    rendered = documents(kustomize(OVERLAY))
+    examples = documents(kustomize(EXAMPLES))
     root = tmp_path_factory.mktemp("node")
     # Short: unix socket paths are limited to 107 bytes.
     plugin_dir = Path(tempfile.mkdtemp(prefix="hln-", dir="/tmp"))
