@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 
 import grpc
 import pytest
-from harness import HAVE_KVM, Node, needs_root, on_kubelet, scrape, value, wait_metric
+from harness import HAVE_KVM, Node, mknod_char, needs_root, on_kubelet, scrape, value, wait_metric
 
 from hlplugin import __version__
 from hlplugin.emulator import AdmissionError
@@ -25,8 +24,7 @@ def make_dev_dir(root: Path) -> Path:
     """A host /dev view holding a char node with the real /dev/kvm's numbers (root only)."""
     dev = root / "host-dev"
     dev.mkdir()
-    rdev = os.stat("/dev/kvm").st_rdev if HAVE_KVM else os.makedev(10, 232)
-    os.mknod(dev / "kvm", stat.S_IFCHR | 0o600, rdev)
+    mknod_char(dev / "kvm", os.stat("/dev/kvm").st_rdev if HAVE_KVM else os.makedev(10, 232))
     return dev
 
 
@@ -87,7 +85,7 @@ async def test_grants_exactly_the_device_refuses_without_it_and_every_family_mov
 
         # The device comes back: granted again without a restart, to several containers too.
         os.unlink(dev / "kvm")
-        os.mknod(dev / "kvm", stat.S_IFCHR | 0o600, rdev)
+        mknod_char(dev / "kvm", rdev)
         await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1, timeout=5)
         await kubelet.allocate(ACCESS, [["device-access-kvm"]])  # the slot is the admitted pod's
         await proc.wait_http("/readyz", 200)

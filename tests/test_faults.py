@@ -76,9 +76,7 @@ def fresh_node(root: Path, *, dev: bool = False) -> Node:
     views = [root / "dev", root / "host-dev"] if dev else []
     for d in views:
         d.mkdir(parents=True)
-        if os.statvfs(d).f_flag & os.ST_NODEV:
-            pytest.skip(f"{d} is on a nodev filesystem")
-        os.mknod(d / "kvm", stat.S_IFCHR | 0o600, KVM_RDEV)
+        harness.mknod_char(d / "kvm", KVM_RDEV)
     node = Node.make(root, *views)
     node.cdi_dir.mkdir(parents=True, exist_ok=True)
     (node.cdi_dir / "vendor-gpu.json").write_bytes(SIBLING)
@@ -442,14 +440,7 @@ async def test_registration_failure_is_bounded_then_recovers(tmp_path: Path, kin
                     s, "hyperlight_registrations_total", result="failure") >= 3, GUARD),
                     "hyperlight_registrations_total", result="failure")
                 row.facts["attempts"] = f"{failures:.0f} failed in {time.monotonic() - began:.1f}s"
-                if mode:
-                    logged = [m for m in proc.messages() if "registration of" in m]
-                    assert logged, "the failure was not logged"
-                    if mode == "hang":
-                        assert "DEADLINE_EXCEEDED" in logged[0], logged
-                        assert kubelet.register_calls >= 3
-                else:
-                    await wait_until(lambda: (node.plugin_dir / SOCKET).exists(), GUARD)
+                # Why each attempt failed, logged once: test_lifecycle's registration failures.
                 r = Rig(node, kubelet, proc)
                 assert not (await r.conditions(503))["registered"]["ok"]
                 await r.live()
@@ -702,6 +693,7 @@ async def test_sigkill_in_the_middle_of_repairs_leaves_no_temp_file_nor_torn_spe
         await r.admit()
         counts = result["counts"]
         assert set(counts) <= {"desired", "stale"}, result
+        assert counts["desired"] > 0 and counts["stale"] > 0, result  # it read both: a real race
         row.facts.update(kills=kills, temp_files_left_by_kills=leftovers,
                          temp_files_after_restart=0, reads=sum(counts.values()),
                          torn=0, tampered=result["tampered"])
