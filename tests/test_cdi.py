@@ -288,15 +288,6 @@ async def test_a_wrong_or_missing_spec_is_repaired_once_and_reported(
     assert sum(rig.repairs(c) for c in CAUSES) == 1
 
 
-def block_until_read(rig: Rig) -> None:
-    """Hold the event loop (deliberately blocking) until the runner's helper finished its read:
-    the result is then in, but the loop has not seen it, so whatever races it comes first."""
-    deadline = time.monotonic() + 10
-    while rig.rec.producer.runner.busy:
-        assert time.monotonic() < deadline, "the read never finished"
-        time.sleep(0.001)
-
-
 @pytest.mark.parametrize("shared", ["pass", "read"])
 async def test_a_change_made_while_a_shared_pass_or_read_ran_is_never_answered_as_right(
         cdi_dir: Path, shared: str) -> None:
@@ -310,7 +301,12 @@ async def test_a_change_made_while_a_shared_pass_or_read_ran_is_never_answered_a
     # One loop step at a time, so the read's completion is not yet seen when it has started.
     while rig.rec.producer.runner.calls == calls:  # noqa: ASYNC110
         await asyncio.sleep(0)
-    block_until_read(rig)
+    # Hold the loop (deliberately blocking) until the helper finished its read: the result is
+    # then in, but the loop has not seen it, so the change below races it and comes first.
+    deadline = time.monotonic() + 10
+    while rig.rec.producer.runner.busy:
+        assert time.monotonic() < deadline, "the read never finished"
+        time.sleep(0.001)  # noqa: ASYNC251 (blocking, on purpose)
     temp = cdi_dir / "tamper"
     temp.write_bytes(STALE)
     os.replace(temp, rig.path)  # atomically, as a tamperer or a stale writer would
