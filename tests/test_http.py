@@ -11,7 +11,6 @@ import json
 import os
 import socket
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -63,23 +62,6 @@ def get(port: int, path: str, method: str = "GET") -> tuple[int, dict[str, str],
     status_line, *header_lines = head.decode().split("\r\n")
     headers = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}
     return int(status_line.split()[1]), headers, body
-
-
-@contextlib.contextmanager
-def stalled_clients(port: int) -> Iterator[list[socket.socket]]:
-    """Connections that never finish a request: silent, half a request line, half the headers."""
-    payloads = [b""] * 6 + [b"GET /hea"] * 3 + [b"GET /healthz HTTP/1.1\r\nHost: x\r\n"] * 3
-    conns = []
-    try:
-        for payload in payloads:
-            conn = socket.create_connection(("127.0.0.1", port), timeout=5)
-            if payload:
-                conn.sendall(payload)
-            conns.append(conn)
-        yield conns
-    finally:
-        for conn in conns:
-            conn.close()
 
 
 def still_open(conn: socket.socket) -> bool:
@@ -156,7 +138,12 @@ async def test_without_a_device_every_series_is_there_readyz_explains_and_bad_re
         # Half-open connections (the server drops them at its whole-request deadline) hold
         # nothing another client needs: every answer in this block comes while they are connected.
         before = socket_fds(proc.pid)
-        with stalled_clients(port) as conns:
+        stalled = [b""] * 6 + [b"GET /hea"] * 3 + [b"GET /healthz HTTP/1.1\r\nHost: x\r\n"] * 3
+        with contextlib.ExitStack() as stack:  # silent, half a request line, half the headers
+            conns = [stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=5))
+                     for _ in stalled]
+            for conn, payload in zip(conns, stalled, strict=True):
+                conn.sendall(payload)
             await wait_until(lambda: socket_fds(proc.pid) >= before + len(conns), 10,
                              "the server accepting every stalled client")
             assert ready["status"] == "not ready"
