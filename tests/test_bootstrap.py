@@ -76,13 +76,9 @@ async def test_grants_exactly_the_device_refuses_without_it_and_every_family_mov
         assert {key for key in m if key[0].startswith("hyperlight_")} == first
         ready = json.loads(await proc.wait_http("/readyz", 503))
         assert ready["conditions"]["device"]["ok"] is False
-        (dev / "kvm").write_text("a regular file is not a device")
-        await proc.wait_http("/readyz", 503)
-        with pytest.raises(AdmissionError):
-            await kubelet.allocate(ACCESS, [["device-access-kvm"]])
+        # (A regular file there instead: test_http's bootstrap case names it.)
 
         # The device comes back: granted again without a restart, to several containers too.
-        os.unlink(dev / "kvm")
         mknod_char(dev / "kvm", rdev)
         await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1, timeout=5)
         await kubelet.allocate(ACCESS, [["device-access-kvm"]])  # the slot is the admitted pod's
