@@ -288,15 +288,6 @@ async def test_a_wrong_or_missing_spec_is_repaired_once_and_reported(
     assert sum(rig.repairs(c) for c in CAUSES) == 1
 
 
-def block_until_read(rig: Rig) -> None:
-    """Hold the event loop (deliberately blocking) until the runner's helper finished its read:
-    the result is then in, but the loop has not seen it, so whatever races it comes first."""
-    deadline = time.monotonic() + 10
-    while rig.rec.producer.runner.busy:
-        assert time.monotonic() < deadline, "the read never finished"
-        time.sleep(0.001)
-
-
 @pytest.mark.parametrize("shared", ["pass", "read"])
 async def test_a_change_made_while_a_shared_pass_or_read_ran_is_never_answered_as_right(
         cdi_dir: Path, shared: str) -> None:
@@ -310,7 +301,12 @@ async def test_a_change_made_while_a_shared_pass_or_read_ran_is_never_answered_a
     # One loop step at a time, so the read's completion is not yet seen when it has started.
     while rig.rec.producer.runner.calls == calls:  # noqa: ASYNC110
         await asyncio.sleep(0)
-    block_until_read(rig)
+    # Hold the loop (deliberately blocking) until the helper finished its read: the result is
+    # then in, but the loop has not seen it, so the change below races it and comes first.
+    deadline = time.monotonic() + 10
+    while rig.rec.producer.runner.busy:
+        assert time.monotonic() < deadline, "the read never finished"
+        time.sleep(0.001)  # noqa: ASYNC251 (blocking, on purpose)
     temp = cdi_dir / "tamper"
     temp.write_bytes(STALE)
     os.replace(temp, rig.path)  # atomically, as a tamperer or a stale writer would
@@ -654,7 +650,8 @@ async def test_a_symlink_or_directory_swapped_in_during_repairs_is_never_replace
 @pytest.mark.timeout(60)
 async def test_run_removes_crash_leftovers_repairs_promptly_and_touches_nothing_else(
         cdi_dir: Path, tmp_path: Path) -> None:
-    """Also: a reader never sees the spec torn, empty or missing while the repairs replace it."""
+    """That a reader never sees the spec torn, empty or missing while repairs replace it is
+    test_faults' SIGKILL and atomic replacement rows, readers in other processes."""
     sibling = cdi_dir / "vendor.example.json"
     sibling.write_bytes(b'{"cdiVersion": "0.3.0", "kind": "example.com/x", "devices": []}\n')
     os.chmod(sibling, 0o600)
@@ -678,40 +675,18 @@ async def test_run_removes_crash_leftovers_repairs_promptly_and_touches_nothing_
     assert not any(p.exists() for p in leftovers)
     leftovers[0].write_bytes(b"partial")  # run() removes it at start
     timings: dict[str, float] = {}
-    seen = {"desired": 0, "stale": 0, "missing": 0, "torn": 0}
-    stop = threading.Event()
-
-    def reader() -> None:
-        while not stop.is_set():
-            try:
-                with open(rig.path, "rb") as f:
-                    data = f.read()
-            except FileNotFoundError:
-                seen["missing"] += 1
-                continue
-            seen["desired" if data == DESIRED else "stale" if data == STALE else "torn"] += 1
-
     # With a 60 s interval, only the watcher can explain a repair within the guard.
     async with running(rig.rec):
         await wait_until(lambda: rig.cdi.ok)
         assert not leftovers[0].exists()
         assert_desired(rig.path)
-        tamper, thread = cdi_dir / "tamper.json.new", threading.Thread(target=reader)
-        thread.start()
-        try:
-            for i in range(300):
-                tamper.write_bytes(STALE)  # replaced atomically, so any torn read would be ours
-                if i % 2:
-                    os.chmod(tamper, 0o600)
-                os.rename(tamper, rig.path)
-                await wait_until(lambda: spec_is_exact(rig.path, DESIRED), step=0.001)
-            await wait_until(lambda: sum(seen.values()) >= 3000, 30, "3000 reads")
-        finally:
-            stop.set()
-            thread.join()
-        print("reads:", seen)
-        assert seen["torn"] == 0 and seen["missing"] == 0, seen
-        assert seen["desired"] > 0 and seen["stale"] > 0, seen
+        tamper = cdi_dir / "tamper.json.new"
+        for i in range(300):
+            tamper.write_bytes(STALE)  # replaced atomically
+            if i % 2:
+                os.chmod(tamper, 0o600)
+            os.rename(tamper, rig.path)
+            await wait_until(lambda: spec_is_exact(rig.path, DESIRED), step=0.001)
         await wait_until(lambda: rig.repairs("stale") == 300)  # counted just after the rename
         rig.path.unlink()
         timings["deleted"] = await wait_until(lambda: spec_is_exact(rig.path, DESIRED))

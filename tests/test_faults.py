@@ -76,9 +76,7 @@ def fresh_node(root: Path, *, dev: bool = False) -> Node:
     views = [root / "dev", root / "host-dev"] if dev else []
     for d in views:
         d.mkdir(parents=True)
-        if os.statvfs(d).f_flag & os.ST_NODEV:
-            pytest.skip(f"{d} is on a nodev filesystem")
-        os.mknod(d / "kvm", stat.S_IFCHR | 0o600, KVM_RDEV)
+        harness.mknod_char(d / "kvm", KVM_RDEV)
     node = Node.make(root, *views)
     node.cdi_dir.mkdir(parents=True, exist_ok=True)
     (node.cdi_dir / "vendor-gpu.json").write_bytes(SIBLING)
@@ -340,9 +338,7 @@ class Fault:
 def obstruction(kind: str, make: Callable[[Path], None], described: str) -> Fault:
     return Fault(f"Non-regular CDI path: {kind}", "cdi", described, described,
                  inject=lambda r: obstruct(r.spec, make), undo=lambda r: remove_obstruction(r.spec),
-                 # still there, untouched (the symlink's target is a kept sibling)
-                 still=lambda r: not stat.S_ISREG(os.lstat(r.spec).st_mode)
-                 and not spec_is_exact(r.spec, DESIRED), watch=0.3, root=False,
+                 root=False,
                  facts={"refused": f"FAILED_PRECONDITION ({described})", "readyz": 503,
                         "healthz": 200, "restarts": 0})
 
@@ -361,9 +357,7 @@ FAULTS = [
     obstruction("symlink", lambda p: os.symlink("vendor-gpu.json", p), "a symlink"),
     obstruction("FIFO", os.mkfifo, "a FIFO"),
     Fault("Read-only CDI storage", "cdi", "Read-only file system", "Read-only file system",
-          inject=read_only_store, watch=1.0, mount=("--bind", "STORE"),
-          still=lambda r: not (r.node.root / "cdi-store" / SPEC_FILE).exists()
-          and temp_files(r.node.root / "cdi-store") == [],
+          inject=read_only_store, mount=("--bind", "STORE"),
           undo=lambda r: sh("mount", "-o", "remount,bind,rw", str(r.node.cdi_dir)),
           facts={"refused": "FAILED_PRECONDITION (EROFS)", "readyz": 503, "healthz": 200,
                  "restarts": 0, **BACKOFF}),
@@ -405,9 +399,10 @@ async def test_fault_withdraws_every_slot_keeps_liveness_and_recovers_without_re
             assert not fault.ok or conditions[fault.ok]["ok"], conditions
             await r.live()
             details = await r.refused(fault.condition, fault.refusal)
-            # For the CDI faults, a bounded watch that the retries write nothing meanwhile: the
-            # reconciler retries 0.1 s after a failure, doubling (0.1, 0.3, 0.7 s ...), so each
-            # watch (0.3-1 s, begun after the failure was seen) spans at least two retries.
+            # For ENOSPC, a bounded watch that the retries write nothing meanwhile: the reconciler
+            # retries 0.1 s after a failure, doubling (0.1, 0.3, 0.7 s ...), so 0.5 s begun after
+            # the failure was seen spans at least two. (The other CDI rows' obstruction or storage
+            # left alone while retried: test_cdi's hostile-path test, in process.)
             await asyncio.sleep(fault.watch)
             assert fault.still(r), f"{fault.name}: changed while failing"
             began = time.monotonic()
@@ -442,14 +437,7 @@ async def test_registration_failure_is_bounded_then_recovers(tmp_path: Path, kin
                     s, "hyperlight_registrations_total", result="failure") >= 3, GUARD),
                     "hyperlight_registrations_total", result="failure")
                 row.facts["attempts"] = f"{failures:.0f} failed in {time.monotonic() - began:.1f}s"
-                if mode:
-                    logged = [m for m in proc.messages() if "registration of" in m]
-                    assert logged, "the failure was not logged"
-                    if mode == "hang":
-                        assert "DEADLINE_EXCEEDED" in logged[0], logged
-                        assert kubelet.register_calls >= 3
-                else:
-                    await wait_until(lambda: (node.plugin_dir / SOCKET).exists(), GUARD)
+                # Why each attempt failed, logged once: test_lifecycle's registration failures.
                 r = Rig(node, kubelet, proc)
                 assert not (await r.conditions(503))["registered"]["ok"]
                 await r.live()
@@ -702,6 +690,7 @@ async def test_sigkill_in_the_middle_of_repairs_leaves_no_temp_file_nor_torn_spe
         await r.admit()
         counts = result["counts"]
         assert set(counts) <= {"desired", "stale"}, result
+        assert counts["desired"] > 0 and counts["stale"] > 0, result  # it read both: a real race
         row.facts.update(kills=kills, temp_files_left_by_kills=leftovers,
                          temp_files_after_restart=0, reads=sum(counts.values()),
                          torn=0, tampered=result["tampered"])
