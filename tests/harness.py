@@ -24,6 +24,7 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
+from hlplugin.deviceplugin.conditions import HealthTracker
 from hlplugin.emulator import DaemonProcess, KubeletEmulator
 from hlplugin.metrics import Metrics
 
@@ -262,3 +263,10 @@ def kustomize(directory: Path) -> str:
 def documents(text: str) -> list[dict[str, Any]]:
     """The non-empty documents of a multi-document YAML text."""
     return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def healthy_tracker() -> HealthTracker:
+    """A tracker whose one required condition holds: a servicer in process advertises Healthy."""
+    tracker = HealthTracker(required=("device",))
+    tracker.set_condition("device", True)
+    return tracker

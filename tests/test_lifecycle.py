@@ -16,13 +16,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import wait_until
+from harness import healthy_tracker, wait_until
 
 from hlplugin import cli, config, names
 from hlplugin.bootstrap import SOCKET as ACCESS_SOCKET
 from hlplugin.bootstrap import DeviceAccessPlugin
 from hlplugin.deviceplugin import files
-from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.conditions import HealthState
 from hlplugin.deviceplugin.daemon import plugin_readiness
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.emulator import KubeletEmulator
@@ -31,12 +31,6 @@ from hlplugin.plugin import HypervisorPlugin
 
 RESOURCE = "hyperlight.dev/hypervisor"
 ACCESS = "hyperlight.dev/device-access"
-
-
-def healthy_tracker() -> HealthTracker:
-    tracker = HealthTracker(required=("device",))
-    tracker.set_condition("device", True)
-    return tracker
 
 
 def short_dir() -> Path:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import wait_until
+from harness import healthy_tracker, wait_until
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
@@ -45,12 +45,6 @@ async def served(plugin: TrackedDevicePlugin
             finally:
                 plugin.close_streams()
                 await server.stop(grace=1)
-
-
-def healthy_tracker() -> HealthTracker:
-    tracker = HealthTracker(required=("device",))
-    tracker.set_condition("device", True)
-    return tracker
 
 
 def make_plugin(tracker: HealthTracker, count: int = 4, hypervisor: str = "kvm") -> HypervisorPlugin:
