@@ -1,5 +1,6 @@
 """PluginLifecycle in-process against the kubelet emulator, over real unix sockets: re-registration
-after the kubelet ends its stream, why registration fails, and the socket path limit's edge."""
+after a kubelet restart, a deleted socket or an ended stream, why registration fails, and the
+socket path limit's edge."""
 
 from __future__ import annotations
 
@@ -66,6 +67,42 @@ def sample(metrics: Metrics, name: str, **labels: str) -> float:
 def series(metrics: Metrics) -> set[tuple[str, frozenset[tuple[str, str]]]]:
     return {(s.name, frozenset(s.labels.items())) for family in metrics.registry.collect()
             for s in family.samples if s.name.startswith("hyperlight_")}
+
+
+# --- a restarted kubelet, or our socket deleted: a fresh server, registered ---------------------
+
+
+@pytest.mark.parametrize("event", ["kubelet restart", "socket deleted"])
+async def test_a_restarted_kubelet_or_a_deleted_socket_gets_a_fresh_server_registered(
+        event: str) -> None:
+    """The kubelet deletes every plugin socket when it restarts; the lifecycle notices (inotify on
+    the directory), stops the old server, ending its stream, and registers a new one."""
+    plugin_dir = short_dir()
+    kubelet = KubeletEmulator(plugin_dir)
+    await kubelet.start()
+    metrics = Metrics()
+    try:
+        # Rechecks a minute apart: only the directory's inotify watch can notice within the guard.
+        async with lifecycle(plugin_dir, metrics=metrics, recheck_interval=60) as plugin:
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
+            socket = plugin_dir / "hyperlight.sock"
+            for round_ in (1, 2):
+                served = os.stat(socket).st_ctime_ns  # the inode number may be reused
+                calls = kubelet.register_calls
+                if event == "kubelet restart":
+                    await kubelet.restart()  # deletes plugin sockets, as the kubelet does
+                else:
+                    socket.unlink()  # a kubelet that restarted unseen, or an operator's rm
+                await kubelet.wait_for(lambda c=calls: kubelet.register_calls > c  # type: ignore[misc]
+                                       and kubelet.allocatable(RESOURCE) == 4)
+                await kubelet.wait_for(lambda: plugin.open_streams == 1 and plugin.registered)
+                assert os.stat(socket).st_ctime_ns != served  # a fresh server's socket
+                assert sample(metrics, "hyperlight_registrations_total",
+                              result="success") == round_ + 1
+            await kubelet.admit(RESOURCE)
+            assert sample(metrics, "hyperlight_registrations_total", result="failure") == 0
+    finally:
+        await kubelet.stop()
 
 
 # --- the kubelet ends its stream and stays up (issue 11 #3) --------------------------------------
