@@ -6,9 +6,9 @@ holds) when a watched name changes (inotify through DirWatcher, polling where in
 every ``interval`` seconds (with capped exponential backoff while failing, if asked), and on
 demand (``ensure(max_age)``: a pass that began at most ``max_age`` before the call, in flight or
 done, is shared, so a burst of callers costs one pass, and a caller that gives up never stops
-it). Passes that block (file systems, ioctls) run in
-the producer's BoundedRunner: past the budget the pass reports its condition failing with the
-timeout as the reason, and the event loop, a lock or a caller never waits longer than that.
+it). Passes that block (file systems, ioctls) run in the producer's BoundedRunner: past the
+budget the pass reports its condition failing with the timeout as the reason, and the event loop,
+a lock or a caller never waits longer than that.
 
 Watchers run supervised: one that dies is logged once and restarted; the periodic pass covers the
 gap, so a dead watcher never silently leaves a producer on polling alone.
