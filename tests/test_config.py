@@ -19,11 +19,18 @@ Cli = Callable[..., tuple[int, str, str]]
 
 
 @pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Iterator[Cli]:
+def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
     """`hlplugin ARGV` in-process with ``env`` on top of ours: (exit code, stdout, stderr). The
-    root logger, which the command configures, is put back afterwards."""
+    root logger, which the command configures, is put back afterwards. The daemons' directories
+    and port point at a scratch directory: should a regression let a usage error through, the
+    daemon it starts touches nothing of the machine's (its kubelet or CDI directories)."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    scratch = tmp_path_factory.mktemp("cli")
+    for name, value in (("HYPERLIGHT_PLUGIN_DIR", scratch), ("HYPERLIGHT_CDI_DIR", scratch),
+                        ("HYPERLIGHT_HTTP_ADDRESS", "127.0.0.1:0")):
+        monkeypatch.setenv(name, str(value))
 
     def hlplugin(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
         for name, value in (env or {}).items():
