@@ -89,17 +89,24 @@ async def daemon(args: Sequence[str], env: dict[str, str] | None = None, *,
 
 
 @contextlib.asynccontextmanager
-async def on_kubelet(node: Node, args: Sequence[str], env: dict[str, str] | None = None, *,
-                     mode: str = "normal") -> AsyncIterator[tuple[KubeletEmulator, Daemon]]:
-    """A kubelet emulator on ``node`` (``mode`` as KubeletEmulator's), then the daemon started
-    with ``args``; the daemon is stopped first on the way out, then the kubelet."""
-    kubelet = KubeletEmulator(node.plugin_dir, mode=mode)
+async def emulator(plugin_dir: Path, mode: str = "normal") -> AsyncIterator[KubeletEmulator]:
+    """A kubelet emulator serving in ``plugin_dir`` (``mode`` as KubeletEmulator's) for the block."""
+    kubelet = KubeletEmulator(plugin_dir, mode=mode)
     await kubelet.start()
     try:
-        async with daemon(args, env, graceful=True) as proc:
-            yield kubelet, proc
+        yield kubelet
     finally:
         await kubelet.stop()
+
+
+@contextlib.asynccontextmanager
+async def on_kubelet(node: Node, args: Sequence[str], env: dict[str, str] | None = None, *,
+                     mode: str = "normal") -> AsyncIterator[tuple[KubeletEmulator, Daemon]]:
+    """A kubelet emulator on ``node``, then the daemon started with ``args``; the daemon is
+    stopped first on the way out, then the kubelet."""
+    async with emulator(node.plugin_dir, mode) as kubelet, \
+            daemon(args, env, graceful=True) as proc:
+        yield kubelet, proc
 
 
 async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0,

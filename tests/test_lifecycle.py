@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import healthy_tracker, wait_until
+from harness import emulator, healthy_tracker, wait_until
 
 from hlplugin import cli, config, names
 from hlplugin.bootstrap import SOCKET as ACCESS_SOCKET
@@ -78,31 +78,27 @@ async def test_a_restarted_kubelet_or_a_deleted_socket_gets_a_fresh_server_regis
     """The kubelet deletes every plugin socket when it restarts; the lifecycle notices (inotify on
     the directory), stops the old server, ending its stream, and registers a new one."""
     plugin_dir = short_dir()
-    kubelet = KubeletEmulator(plugin_dir)
-    await kubelet.start()
     metrics = Metrics()
-    try:
-        # Rechecks a minute apart: only the directory's inotify watch can notice within the guard.
-        async with lifecycle(plugin_dir, metrics=metrics, recheck_interval=60) as plugin:
-            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
-            socket = plugin_dir / "hyperlight.sock"
-            for round_ in (1, 2):
-                served = os.stat(socket).st_ctime_ns  # the inode number may be reused
-                calls = kubelet.register_calls
-                if event == "kubelet restart":
-                    await kubelet.restart()  # deletes plugin sockets, as the kubelet does
-                else:
-                    socket.unlink()  # a kubelet that restarted unseen, or an operator's rm
-                await kubelet.wait_for(lambda c=calls: kubelet.register_calls > c  # type: ignore[misc]
-                                       and kubelet.allocatable(RESOURCE) == 4)
-                await kubelet.wait_for(lambda: plugin.open_streams == 1 and plugin.registered)
-                assert os.stat(socket).st_ctime_ns != served  # a fresh server's socket
-                assert sample(metrics, "hyperlight_registrations_total",
-                              result="success") == round_ + 1
-            await kubelet.admit(RESOURCE)
-            assert sample(metrics, "hyperlight_registrations_total", result="failure") == 0
-    finally:
-        await kubelet.stop()
+    # Rechecks a minute apart: only the directory's inotify watch can notice within the guard.
+    async with (emulator(plugin_dir) as kubelet,
+                lifecycle(plugin_dir, metrics=metrics, recheck_interval=60) as plugin):
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
+        socket = plugin_dir / "hyperlight.sock"
+        for round_ in (1, 2):
+            served = os.stat(socket).st_ctime_ns  # the inode number may be reused
+            calls = kubelet.register_calls
+            if event == "kubelet restart":
+                await kubelet.restart()  # deletes plugin sockets, as the kubelet does
+            else:
+                socket.unlink()  # a kubelet that restarted unseen, or an operator's rm
+            await kubelet.wait_for(lambda c=calls: kubelet.register_calls > c  # type: ignore[misc]
+                                   and kubelet.allocatable(RESOURCE) == 4)
+            await kubelet.wait_for(lambda: plugin.open_streams == 1 and plugin.registered)
+            assert os.stat(socket).st_ctime_ns != served  # a fresh server's socket
+            assert sample(metrics, "hyperlight_registrations_total",
+                          result="success") == round_ + 1
+        await kubelet.admit(RESOURCE)
+        assert sample(metrics, "hyperlight_registrations_total", result="failure") == 0
 
 
 # --- the kubelet ends its stream and stays up (issue 11 #3) --------------------------------------
@@ -112,26 +108,22 @@ async def test_stream_ended_by_the_kubelet_registers_anew_after_the_grace(
         caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="hlplugin.deviceplugin.lifecycle"):
         plugin_dir = short_dir()
-        kubelet = KubeletEmulator(plugin_dir)
-        await kubelet.start()
         metrics = Metrics()
-        try:
-            async with lifecycle(plugin_dir, metrics=metrics, stream_grace=0.3) as plugin:
-                await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
-                await kubelet.wait_for(lambda: plugin.open_streams == 1)
-                for round_ in (1, 2):
-                    calls = kubelet.register_calls
-                    await kubelet.end_stream(RESOURCE)  # the kubelet stays up, kubelet.sock too
-                    assert kubelet.allocatable(RESOURCE) == 0
-                    await kubelet.wait_for(lambda c=calls: kubelet.register_calls > c  # type: ignore[misc]
-                                           and kubelet.allocatable(RESOURCE) == 4)
-                    await kubelet.wait_for(lambda: plugin.open_streams == 1 and plugin.registered)
-                    assert sample(metrics, "hyperlight_reregistrations_total",
-                                  reason="stream_ended") == round_
-                await kubelet.admit(RESOURCE)
-                assert sample(metrics, "hyperlight_registrations_total", result="success") == 3
-        finally:
-            await kubelet.stop()
+        async with (emulator(plugin_dir) as kubelet,
+                    lifecycle(plugin_dir, metrics=metrics, stream_grace=0.3) as plugin):
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
+            await kubelet.wait_for(lambda: plugin.open_streams == 1)
+            for round_ in (1, 2):
+                calls = kubelet.register_calls
+                await kubelet.end_stream(RESOURCE)  # the kubelet stays up, kubelet.sock too
+                assert kubelet.allocatable(RESOURCE) == 0
+                await kubelet.wait_for(lambda c=calls: kubelet.register_calls > c  # type: ignore[misc]
+                                       and kubelet.allocatable(RESOURCE) == 4)
+                await kubelet.wait_for(lambda: plugin.open_streams == 1 and plugin.registered)
+                assert sample(metrics, "hyperlight_reregistrations_total",
+                              reason="stream_ended") == round_
+            await kubelet.admit(RESOURCE)
+            assert sample(metrics, "hyperlight_registrations_total", result="success") == 3
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warned == ["the kubelet ended its ListAndWatch stream of hyperlight.dev/hypervisor and "
                       "opened none for 0.3 s; registering anew"] * 2
@@ -139,26 +131,22 @@ async def test_stream_ended_by_the_kubelet_registers_anew_after_the_grace(
 
 async def test_a_stream_that_reopens_within_the_grace_changes_nothing() -> None:
     plugin_dir = short_dir()
-    kubelet = KubeletEmulator(plugin_dir)
-    await kubelet.start()
     metrics = Metrics()
-    try:
-        async with lifecycle(plugin_dir, metrics=metrics, stream_grace=30) as plugin:
-            await kubelet.wait_for(lambda: plugin.open_streams == 1)
-            await kubelet.end_stream(RESOURCE)
-            await kubelet.wait_for(lambda: plugin.open_streams == 0)
-            assert plugin.registered  # within the grace: still the same registration
-            assert kubelet.register_calls == 1
-            assert sample(metrics, "hyperlight_reregistrations_total",
-                          reason="stream_ended") == 0
-            readiness = plugin_readiness(lambda: plugin, healthy_tracker())
-            assert readiness()["listandwatch"] == (False, "the kubelet has no ListAndWatch open")
-            # Losing the kubelet: not registered either, and alive (not restarted).
-            await kubelet.stop(remove_socket=True)
-            await wait_until(lambda: not readiness()["registered"][0])
-            await wait_until(plugin.alive)
-    finally:
-        await kubelet.stop()
+    async with (emulator(plugin_dir) as kubelet,
+                lifecycle(plugin_dir, metrics=metrics, stream_grace=30) as plugin):
+        await kubelet.wait_for(lambda: plugin.open_streams == 1)
+        await kubelet.end_stream(RESOURCE)
+        await kubelet.wait_for(lambda: plugin.open_streams == 0)
+        assert plugin.registered  # within the grace: still the same registration
+        assert kubelet.register_calls == 1
+        assert sample(metrics, "hyperlight_reregistrations_total",
+                      reason="stream_ended") == 0
+        readiness = plugin_readiness(lambda: plugin, healthy_tracker())
+        assert readiness()["listandwatch"] == (False, "the kubelet has no ListAndWatch open")
+        # Losing the kubelet: not registered either, and alive (not restarted).
+        await kubelet.stop(remove_socket=True)
+        await wait_until(lambda: not readiness()["registered"][0])
+        await wait_until(plugin.alive)
 
 
 # --- registration failures say why and count every attempt (issue 12) ----------------------------
@@ -202,14 +190,10 @@ async def test_registration_failure_names_its_cause_and_counts_every_attempt(
                 if broken is not None:
                     await broken.stop(remove_socket=True)
                 if cause != "refused":  # a refusal is checked: the rest is for the others
-                    kubelet = KubeletEmulator(plugin_dir)
-                    await kubelet.start()
-                    try:
+                    async with emulator(plugin_dir) as kubelet:
                         await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
                         assert readiness()["registered"] == (True, "")
                         assert plugin.problem == ""
-                    finally:
-                        await kubelet.stop()
         finally:
             if broken is not None:
                 await broken.stop()
@@ -243,19 +227,17 @@ async def test_longest_accepted_plugin_dir_binds_and_registers() -> None:
     assert names.LONGEST_SOCKET == ACCESS_SOCKET
     assert config.socket_path_problem(plugin_dir) == ""
 
-    kubelet = KubeletEmulator(plugin_dir)
-    await kubelet.start()
     tracker = healthy_tracker()
     plugin = PluginLifecycle(plugin_dir, ACCESS_SOCKET, ACCESS,
                              lambda: DeviceAccessPlugin(
                                  "kvm", tracker, functools.partial(asyncio.sleep, 0, True)))
-    task = asyncio.create_task(plugin.run())
-    try:
-        await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
-    finally:
-        task.cancel()
-        await asyncio.wait({task})
-        await kubelet.stop()
+    async with emulator(plugin_dir) as kubelet:
+        task = asyncio.create_task(plugin.run())
+        try:
+            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
+        finally:
+            task.cancel()
+            await asyncio.wait({task})
 
 
 async def test_one_byte_longer_plugin_dir_exits_2_naming_the_flag(

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import Node, daemon, needs_kvm, needs_root, on_kubelet, wait_until
+from harness import Node, daemon, emulator, needs_kvm, needs_root, on_kubelet, wait_until
 
-from hlplugin.emulator import AdmissionError, KubeletEmulator
+from hlplugin.emulator import AdmissionError
 
 RESOURCE = "hyperlight.dev/hypervisor"
 CDI_NAME = "hyperlight.dev/hypervisor=kvm"
@@ -111,9 +111,7 @@ async def test_starts_without_kubelet_or_socket_path_then_stops_on_a_signal(
         # Not a wait for an event: the kubelet comes half a second late, once the daemon has
         # looked for it and gone to wait, so that only kubelet.sock's appearance can wake it.
         await asyncio.sleep(0.5)
-        kubelet = KubeletEmulator(node.plugin_dir)
-        await kubelet.start()
-        try:
+        async with emulator(node.plugin_dir) as kubelet:
             await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2, timeout=10)
             # SIGTERM or SIGINT: a quick exit that removes the socket and keeps the spec.
             spec = (node.cdi_dir / "hyperlight.json").read_bytes()
@@ -126,8 +124,6 @@ async def test_starts_without_kubelet_or_socket_path_then_stops_on_a_signal(
             assert (node.plugin_dir / "kubelet.sock").exists()
             assert (node.cdi_dir / "hyperlight.json").read_bytes() == spec
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 0)
-        finally:
-            await kubelet.stop()
 
 
 @needs_kvm
