@@ -1,7 +1,7 @@
 """The generic device-plugin lifecycle, shared by both daemons: serve, register, watch, restart.
 
 One ``PluginLifecycle`` drives one resource-specific servicer (see ``PluginServicer``). It keeps
-the kubelet's rules (see ../shared/notes/kubelet-device-manager.md):
+the kubelet's rules (see docs/kubelet.md):
 
 - Register is synchronous and the kubelet dials us inside it, so we serve before registering.
 - The kubelet deletes every socket when it restarts and then creates kubelet.sock anew: when our
@@ -12,6 +12,10 @@ the kubelet's rules (see ../shared/notes/kubelet-device-manager.md):
   kubelet.sock counts as a failed attempt per backoff step, so every cause shows the same way.
 - The kubelet may end its ListAndWatch stream and stay up (its endpoint stops): a registered
   instance with no stream for ``stream_grace`` seconds is stopped and a fresh one registers.
+- A kubelet that exits ends the stream too, but leaves its kubelet.sock dead until a new kubelet
+  replaces it: from the stream's end we wait for that new socket (up to ``kubelet_wait`` s,
+  uncounted) rather than dial the dead one; only a kubelet.sock that still listens after the grace
+  means the kubelet stayed up.
 """
 
 from __future__ import annotations
@@ -20,8 +24,7 @@ import asyncio
 import contextlib
 import logging
 import os
-import stat
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,6 +33,10 @@ import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from hlplugin.deviceplugin.grpcserver import new_server
+from hlplugin.deviceplugin.grpcserver import to_completion as _to_completion
+from hlplugin.deviceplugin.kubeletsock import Identity, dir_problem, kubelet_problem, listens
+from hlplugin.deviceplugin.kubeletsock import socket_identity as _socket_identity
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.producer import Wakeup
 from hlplugin.deviceplugin.watch import DirWatcher
@@ -66,47 +73,6 @@ class ServicerFactory(Protocol):
     def __call__(self) -> PluginServicer: ...
 
 
-Identity = tuple[int, int, int]
-
-
-def _socket_identity(path: Path) -> Identity | None:
-    """(device, inode, ctime) of a unix socket at ``path``; None when missing or not a socket.
-    The ctime tells a new socket from an old one whose inode number the filesystem reused."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
-
-
-async def _to_completion(work: Coroutine[Any, Any, None]) -> None:
-    """Finish bounded clean-up even when cancelled meanwhile, then re-raise the cancellation.
-
-    The daemon re-cancels every 0.25 s while stopping (see run_daemon); a server.stop() cut short
-    leaves a running server that the garbage collector shuts down after the loop has closed,
-    printing a traceback, and leaves its socket behind.
-    """
-    task = asyncio.ensure_future(work)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    task.result()
-
-
-def new_server(servicer: PluginServicer) -> grpc.aio.Server:
-    """A gRPC server for ``servicer`` that refuses requests larger than it accepts, before they are
-    parsed (RESOURCE_EXHAUSTED)."""
-    server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", servicer.max_request_bytes)])
-    pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
-    return server
-
-
 @dataclass
 class _Instance:
     server: grpc.aio.Server
@@ -127,6 +93,7 @@ class PluginLifecycle:
         max_backoff: float = 5.0,
         recheck_interval: float = 1.0,
         stream_grace: float = 3.0,
+        kubelet_wait: float = 30.0,
         metrics: DevicePluginMetrics | None = None,
     ) -> None:
         self.plugin_dir = plugin_dir
@@ -139,11 +106,16 @@ class PluginLifecycle:
         self._max_backoff = max_backoff
         self._recheck = recheck_interval
         self._stream_grace = stream_grace
+        self._kubelet_wait = kubelet_wait
         self._metrics = metrics
         self._wakeup = Wakeup(DirWatcher(plugin_dir, {socket_name, KUBELET_SOCKET},
                                          poll_interval=recheck_interval))
         self._instance: _Instance | None = None
         self._kubelet_identity: Identity | None = None
+        # The kubelet.sock of a kubelet that ended our stream, not to be dialled before a new one
+        # appears or, without one, before ``_quiet_until`` (loop time): a kubelet restarting.
+        self._dead_kubelet: Identity | None = None
+        self._quiet_until = 0.0
         self._problem = ""  # the kind of lasting failure last logged, so a retry loop logs it once
         self._failures = 0
         self.registered = False
@@ -258,8 +230,13 @@ class PluginLifecycle:
             if not self._socket_is_ours(instance):
                 return "lost"
             kubelet = _socket_identity(self.kubelet_path)
-            if kubelet is not None:
+            quiet = self._quiet_until - asyncio.get_running_loop().time()
+            if kubelet is not None and (kubelet != self._dead_kubelet or quiet <= 0):
                 break
+            if quiet > 0:  # a restarting kubelet: its new socket is due, nothing has failed
+                self.problem = "waiting for the kubelet to restart (it ended our ListAndWatch stream)"
+                await self._sleep_or_kubelet(quiet)
+                continue
             if wait is None:
                 self._fail("no kubelet.sock", self._kubelet_problem())
             await self._sleep_or_kubelet(backoff if wait is None else wait)
@@ -290,7 +267,7 @@ class PluginLifecycle:
             return "failed"
         self._count("success")
         self.registered = True
-        self._kubelet_identity = kubelet
+        self._kubelet_identity, self._dead_kubelet, self._quiet_until = kubelet, None, 0.0
         after = f" after {self._failures} failed attempts" if self._failures else ""
         self._problem, self._failures, self.problem = "", 0, ""
         log.info("registered %s with the kubelet%s", self.resource_name, after)
@@ -312,8 +289,10 @@ class PluginLifecycle:
 
     async def _wait_until_lost(self, instance: _Instance) -> str:
         """"lost" when our socket or kubelet.sock changed; "stream_ended" when the kubelet has had
-        no ListAndWatch stream open for the grace period (it opens one right after Register, and
-        ends it when its endpoint fails while it stays up), which only a new registration mends."""
+        no ListAndWatch stream open for the grace period and still listens (it opens one right
+        after Register, and ends it when its endpoint fails while it stays up), which only a new
+        registration mends; "kubelet_gone" when it stopped listening and no new kubelet.sock came
+        within ``kubelet_wait`` of the stream's end."""
         loop = asyncio.get_running_loop()
         idle_since: float | None = loop.time()
         streamed = False
@@ -326,11 +305,21 @@ class PluginLifecycle:
             limit: float | None = None
             if instance.servicer.open_streams:
                 idle_since, streamed = None, True
+                self._dead_kubelet, self._quiet_until = None, 0.0
             else:
                 if idle_since is None:
                     idle_since = loop.time()
+                    log.info("the kubelet ended its ListAndWatch stream of %s; waiting for a new "
+                             "stream or a new kubelet.sock", self.resource_name)
+                    self._dead_kubelet = self._kubelet_identity
+                    self._quiet_until = idle_since + self._kubelet_wait
                 limit = idle_since + self._stream_grace - loop.time()
-                if limit <= 0:
+                if limit <= 0 and streamed and not listens(self.kubelet_path):
+                    limit = self._quiet_until - loop.time()  # the kubelet exited: await the next
+                    if limit <= 0:
+                        return "kubelet_gone"  # the dead socket's failures now count, as any
+                elif limit <= 0:
+                    self._dead_kubelet, self._quiet_until = None, 0.0
                     what = ("ended its ListAndWatch stream of %s and opened none for %.1f s"
                             if streamed else
                             "opened no ListAndWatch stream of %s within %.1f s of Register")
@@ -371,20 +360,10 @@ class PluginLifecycle:
         await self._wakeup.wait(pulse, self._recheck if limit is None else min(limit, self._recheck))
 
     def _dir_problem(self) -> str:
-        try:
-            st = os.stat(self.plugin_dir)
-        except FileNotFoundError:
-            return (f"{self.plugin_dir} does not exist (is --plugin-dir the kubelet's "
-                    f"device-plugins directory?)")
-        except OSError as exc:
-            return f"cannot use {self.plugin_dir}: {exc.strerror} (errno {exc.errno})"
-        return "" if stat.S_ISDIR(st.st_mode) else f"{self.plugin_dir} is not a directory"
+        return dir_problem(self.plugin_dir)
 
     def _kubelet_problem(self) -> str:
-        if os.path.lexists(self.kubelet_path):
-            return f"{self.kubelet_path} is not a socket"
-        return (self._dir_problem() or f"no kubelet.sock at {self.kubelet_path} (is the kubelet "
-                f"running, and is --plugin-dir its device-plugins directory?)")
+        return kubelet_problem(self.kubelet_path)
 
     def _explain(self, error: BaseException) -> str:
         if not isinstance(error, RegistrationFailed):
