@@ -101,6 +101,65 @@ async def test_a_restarted_kubelet_or_a_deleted_socket_gets_a_fresh_server_regis
         assert sample(metrics, "hyperlight_registrations_total", result="failure") == 0
 
 
+# --- a real kubelet restart: the stream ends, kubelet.sock stays dead, then a new one (issue 21) ---
+
+
+async def test_a_real_kubelet_restart_counts_no_failure_and_logs_no_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Down longer than the stream grace: the lifecycle waits for the new kubelet.sock instead of
+    dialling the dead one (which failed, counted and warned, 5-6 times on a real kubelet)."""
+    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.lifecycle"):
+        plugin_dir = short_dir()
+        metrics = Metrics()
+        async with (emulator(plugin_dir) as kubelet,
+                    lifecycle(plugin_dir, metrics=metrics, stream_grace=0.2) as plugin):
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4 and plugin.registered)
+            caplog.clear()
+            await kubelet.restart(down=2.0)
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4 and plugin.registered)
+            await kubelet.admit(RESOURCE)
+            assert sample(metrics, "hyperlight_registrations_total", result="failure") == 0
+            assert sample(metrics, "hyperlight_registrations_total", result="success") == 2
+            assert sample(metrics, "hyperlight_reregistrations_total", reason="stream_ended") == 0
+    records = [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert [r for r in records if r.levelno >= logging.WARNING] == []
+    assert [r.getMessage() for r in records] == [
+        "the kubelet ended its ListAndWatch stream of hyperlight.dev/hypervisor; waiting for a new "
+        "stream or a new kubelet.sock",
+        "kubelet restarted or our socket was removed; registering anew",
+        "registered hyperlight.dev/hypervisor with the kubelet",
+    ]
+
+
+async def test_a_kubelet_down_past_the_wait_counts_and_warns_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """No new kubelet.sock within ``kubelet_wait`` of the stream's end: from then on the attempts
+    count as failures (the dead socket is unreachable), warned once, as any lasting failure."""
+    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.lifecycle"):
+        plugin_dir = short_dir()
+        metrics = Metrics()
+        loop = asyncio.get_running_loop()
+        async with (emulator(plugin_dir) as kubelet,
+                    lifecycle(plugin_dir, metrics=metrics, stream_grace=0.2, kubelet_wait=1.5,
+                              max_backoff=0.2) as plugin):
+            await kubelet.wait_for(lambda: plugin.registered)
+            caplog.clear()
+            await kubelet.stop()  # a crash: kubelet.sock stays, dead
+            stopped = loop.time()
+            await wait_until(lambda: sample(metrics, "hyperlight_registrations_total",
+                                            result="failure") > 0)
+            assert loop.time() - stopped >= 1.5, "counted a failure within the wait"
+            await wait_until(lambda: sample(metrics, "hyperlight_registrations_total",
+                                            result="failure") >= 3)
+            assert "is unreachable" in plugin.status
+            await kubelet.start()
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4 and plugin.registered)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "is unreachable" in warned[0], warned
+    last = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO][-1]
+    assert last.startswith("registered hyperlight.dev/hypervisor with the kubelet after "), last
+
+
 # --- the kubelet ends its stream and stays up (issue 11 #3) --------------------------------------
 
 

@@ -149,7 +149,7 @@ def test_every_alert_names_node_severity_and_runbook(rules: dict[str, Any]) -> N
         assert rule["alert"].lower() in anchors, f"docs/operations.md has no heading {where}"
     assert len(names) == len(set(names))
     assert {"HyperlightDeviceUnhealthy", "HyperlightCDISpecRepairedRepeatedly",
-            "HyperlightAllocationRefused", "HyperlightRegistrationFailing",
+            "HyperlightCapacityWithdrawn", "HyperlightRegistrationFailing",
             "HyperlightDaemonNotReady", "HyperlightDaemonRestarting"} <= set(names)
 
 
