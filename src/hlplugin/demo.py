@@ -36,7 +36,7 @@ from hlplugin import cdi, config, probe
 from hlplugin.deviceplugin import files
 from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET
-from hlplugin.emulator import AdmissionError, DaemonProcess, KubeletEmulator
+from hlplugin.emulator import CHECKPOINT, AdmissionError, DaemonProcess, KubeletEmulator
 from hlplugin.names import DEVICE_ACCESS_RESOURCE as ACCESS_RESOURCE
 from hlplugin.names import HYPERVISOR_RESOURCE, LONGEST_SOCKET
 
@@ -262,7 +262,7 @@ class Demo:
         self.timings.append(("stop both daemons", time.monotonic() - stopped))
         for daemon, code in zip(self.daemons, codes, strict=True):
             self.item(f"{daemon.name:<19} exited {code}")
-        left = sorted(p.name for p in plugin_dir.iterdir() if p.name != KUBELET_SOCKET)
+        left = sorted(p.name for p in plugin_dir.iterdir() if p.name not in (KUBELET_SOCKET, CHECKPOINT))
         spec_kept = (cdi_dir / cdi.SPEC_FILE).exists()
         self.item(f"plugin sockets left: {', '.join(left) or 'none'}; CDI spec "
                   f"{'kept for containers already running' if spec_kept else 'missing'}")
