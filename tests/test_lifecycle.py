@@ -131,6 +131,28 @@ async def test_a_real_kubelet_restart_counts_no_failure_and_logs_no_warning(
     ]
 
 
+async def test_our_socket_deleted_before_the_dead_kubelet_sock_is_not_dialled() -> None:
+    """The new kubelet deletes the sockets one by one: ours may go while the dead kubelet.sock
+    is still there. The fresh server waits for the new kubelet.sock rather than dial the dead one."""
+    plugin_dir = short_dir()
+    metrics = Metrics()
+    async with (emulator(plugin_dir) as kubelet,
+                lifecycle(plugin_dir, metrics=metrics, stream_grace=0.2) as plugin):
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4 and plugin.registered)
+        socket = plugin_dir / "hyperlight.sock"
+        served = os.stat(socket).st_ctime_ns
+        await kubelet.stop()  # exits: the stream ends, kubelet.sock stays, dead
+        await wait_until(lambda: plugin.open_streams == 0)
+        socket.unlink()  # the new kubelet's first deletion
+        await wait_until(lambda: socket.exists() and os.stat(socket).st_ctime_ns != served)
+        await wait_until(lambda: plugin.status == "waiting for the kubelet to restart (it ended "
+                                                  "our ListAndWatch stream)")
+        assert sample(metrics, "hyperlight_registrations_total", result="failure") == 0
+        await kubelet.start()  # deletes the rest (the dead kubelet.sock too), serves anew
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4 and plugin.registered)
+        assert sample(metrics, "hyperlight_registrations_total", result="failure") == 0
+
+
 async def test_a_kubelet_down_past_the_wait_counts_and_warns_once(
         caplog: pytest.LogCaptureFixture) -> None:
     """No new kubelet.sock within ``kubelet_wait`` of the stream's end: from then on the attempts
