@@ -153,6 +153,21 @@ async def test_our_socket_deleted_before_the_dead_kubelet_sock_is_not_dialled() 
         assert sample(metrics, "hyperlight_registrations_total", result="failure") == 0
 
 
+async def test_a_kubelet_that_ended_our_stream_but_listens_is_not_waited_for() -> None:
+    """The kubelet ended the stream and stayed up, and our socket went too: its kubelet.sock
+    still listens, so the fresh server registers at once, not after the restart wait."""
+    plugin_dir = short_dir()
+    async with (emulator(plugin_dir) as kubelet,
+                lifecycle(plugin_dir, stream_grace=60, kubelet_wait=60) as plugin):
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4 and plugin.registered)
+        calls = kubelet.register_calls
+        await kubelet.end_stream(RESOURCE)
+        await wait_until(lambda: plugin.open_streams == 0)
+        (plugin_dir / "hyperlight.sock").unlink()
+        await kubelet.wait_for(lambda: kubelet.register_calls > calls
+                               and kubelet.allocatable(RESOURCE) == 4, timeout=20)
+
+
 async def test_a_kubelet_down_past_the_wait_counts_and_warns_once(
         caplog: pytest.LogCaptureFixture) -> None:
     """No new kubelet.sock within ``kubelet_wait`` of the stream's end: from then on the attempts

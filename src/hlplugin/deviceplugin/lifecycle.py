@@ -231,7 +231,8 @@ class PluginLifecycle:
                 return "lost"
             kubelet = _socket_identity(self.kubelet_path)
             quiet = self._quiet_until - asyncio.get_running_loop().time()
-            if kubelet is not None and (kubelet != self._dead_kubelet or quiet <= 0):
+            dead = kubelet == self._dead_kubelet and not listens(self.kubelet_path)
+            if kubelet is not None and (not dead or quiet <= 0):
                 break
             if quiet > 0:  # a restarting kubelet: its new socket is due, nothing has failed
                 self.problem = "waiting for the kubelet to restart (it ended our ListAndWatch stream)"
