@@ -1,8 +1,9 @@
-"""A kubelet device-manager emulator and a daemon-process driver, for the tests and `hlplugin demo`.
+"""A kubelet device-manager emulator, for the tests and `hlplugin demo` (the daemon-process driver
+they use is daemonproc.py, re-exported here).
 
 It reproduces what a device plugin can observe of the kubelet, by the rules in docs/kubelet.md
-(tests/test_emulator.py checks each): it deletes every socket in the plugin directory when it
-starts, validates Register, dials the plugin's endpoint inside Register and calls
+(tests/test_emulator.py checks its restart and reboot against them): it deletes every socket in
+the plugin directory when it starts, validates Register, dials the plugin's endpoint inside Register and calls
 GetDevicePluginOptions, keeps one ListAndWatch stream per resource, counts only Healthy devices as
 allocatable, marks a resource's devices unhealthy when any of its streams ends, and fails pod
 admission when no device of a requested resource is healthy or Allocate returns an error.
