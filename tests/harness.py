@@ -25,8 +25,9 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from hlplugin.deviceplugin.conditions import HealthTracker
-from hlplugin.emulator import DaemonProcess, KubeletEmulator
 from hlplugin.metrics import Metrics
+from hlplugin.tools.emulator import KubeletEmulator
+from hlplugin.tools.process import DaemonProcess
 
 HAVE_KVM = os.path.exists("/dev/kvm") and os.access("/dev/kvm", os.R_OK | os.W_OK)
 IS_ROOT = os.geteuid() == 0

@@ -18,7 +18,7 @@ import pytest
 from harness import needs_kvm
 
 from hlplugin import cli
-from hlplugin.demo import demo
+from hlplugin.tools.demo import demo
 
 
 @pytest.fixture

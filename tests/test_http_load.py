@@ -26,7 +26,7 @@ import yaml
 from harness import Daemon, Node, needs_kvm, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from hlplugin.emulator import KubeletEmulator
+from hlplugin.tools.emulator import KubeletEmulator
 
 pytestmark = [needs_kvm, pytest.mark.slow]
 

@@ -39,8 +39,8 @@ from podnode import (
 )
 
 from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.cdi import check_file, render_spec
-from hlplugin.emulator import KubeletEmulator
+from hlplugin.cdi_spec import check_file, render_spec
+from hlplugin.tools.emulator import KubeletEmulator
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
