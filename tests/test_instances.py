@@ -1,0 +1,194 @@
+"""One instance per node and resource (issue 20 #6): a second instance on the same plugin
+directory leaves a live instance's socket alone and waits NotReady naming it, takes over as soon
+as it goes away, and takes a stale socket file at once. In-process against the kubelet emulator,
+and once with two real daemons."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import pytest
+from harness import Node, daemon, emulator, healthy_tracker, needs_kvm, on_kubelet, wait_until
+
+from hlplugin.deviceplugin.conditions import HealthState
+from hlplugin.deviceplugin.daemon import plugin_readiness
+from hlplugin.deviceplugin.holder import find_holder
+from hlplugin.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.plugin import HypervisorPlugin
+
+RESOURCE = "hyperlight.dev/hypervisor"
+SOCKET = "hyperlight.sock"
+HELD = "is served by another instance"
+
+
+def short_dir() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="hlp-", dir="/tmp"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+@asynccontextmanager
+async def lifecycle(plugin_dir: Path, **options: float) -> AsyncIterator[PluginLifecycle]:
+    tracker = healthy_tracker()
+
+    async def gate() -> HealthState:
+        return tracker.state
+
+    plugin = PluginLifecycle(plugin_dir, SOCKET, RESOURCE,
+                             lambda: HypervisorPlugin("kvm", 4, tracker, gate), **options)
+    task = asyncio.create_task(plugin.run())
+    try:
+        yield plugin
+    finally:
+        task.cancel()
+        await asyncio.wait({task})
+
+
+def listener(path: Path) -> socket.socket:
+    """A process of our own answering on ``path``: another instance, as the kernel sees it."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    sock.listen(8)
+    return sock
+
+
+def warnings_about_holder(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and HELD in r.getMessage()]
+
+
+async def test_a_second_instance_waits_unready_naming_the_first_then_takes_over(
+        caplog: pytest.LogCaptureFixture) -> None:
+    plugin_dir = short_dir()
+    path = plugin_dir / SOCKET
+    caplog.set_level(logging.INFO, logger="hlplugin.deviceplugin.lifecycle")
+    async with emulator(plugin_dir) as kubelet:
+        first_stack = AsyncExitStack()
+        first = await first_stack.enter_async_context(lifecycle(plugin_dir))
+        try:
+            await kubelet.wait_for(lambda: first.registered and kubelet.allocatable(RESOURCE) == 4)
+            served = os.stat(path).st_ino
+            # The newcomer looks every 20 ms: on main it took the socket at once, and the two
+            # took turns for ever (4 -> 20 registrations in 10 s, allocatable 0).
+            async with lifecycle(plugin_dir, recheck_interval=0.02) as second:
+                readiness = plugin_readiness(lambda: second, healthy_tracker())
+                await wait_until(lambda: HELD in second.status, what="the newcomer names the other")
+                assert second.status == (f"{path} is served by another instance, pid {os.getpid()} "
+                                         f"(uid {os.geteuid()}); waiting for it to go away")
+                assert readiness()["registered"] == (False, second.status)
+                # A bounded watch, 1 s (about 50 looks): nothing changes hands.
+                with pytest.raises(TimeoutError):
+                    await kubelet.wait_for(lambda: kubelet.register_calls != 1
+                                           or kubelet.allocatable(RESOURCE) != 4, timeout=1.0)
+                assert first.registered and not second.registered
+                assert os.stat(path).st_ino == served
+                assert len(warnings_about_holder(caplog)) == 1  # logged once, not per look
+
+                # The first goes away (a pod stopped): the newcomer takes over and registers.
+                await first_stack.aclose()
+                gone = time.monotonic()
+                await kubelet.wait_for(lambda: kubelet.register_calls == 2
+                                       and kubelet.allocatable(RESOURCE) == 4)
+                took = time.monotonic() - gone
+                await kubelet.wait_for(lambda: second.registered and second.open_streams == 1)
+                assert readiness()["registered"] == (True, "")
+                print(f"handover: allocatable back at 4 {took * 1000:.0f} ms after the first stopped")
+                await kubelet.admit(RESOURCE)
+        finally:
+            await first_stack.aclose()
+    assert len(warnings_about_holder(caplog)) == 1
+    assert any("went away; taking over" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_stale_socket_file_is_taken_at_once() -> None:
+    """A SIGKILLed process leaves its socket file, and nobody answers on it."""
+    plugin_dir = short_dir()
+    path = plugin_dir / SOCKET
+    async with emulator(plugin_dir) as kubelet:
+        listener(path).close()  # the file stays: connections are refused
+        assert path.exists() and find_holder(path) is None
+        # Rechecks a minute apart: only taking the stale file at once passes the guard.
+        async with lifecycle(plugin_dir, recheck_interval=60) as plugin:
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4, timeout=10)
+            assert plugin.registered
+
+
+async def test_a_holder_that_dies_is_noticed_at_once_and_its_file_taken() -> None:
+    """The holder is killed: its socket file stays, but our connection to it ends at once."""
+    plugin_dir = short_dir()
+    path = plugin_dir / SOCKET
+    async with emulator(plugin_dir) as kubelet:
+        other = listener(path)
+        async with lifecycle(plugin_dir, recheck_interval=60) as plugin:
+            await wait_until(lambda: HELD in plugin.status)
+            assert kubelet.register_calls == 0
+            other.close()  # as the kernel does for a killed process; the file stays
+            assert path.exists()
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4, timeout=10)
+            assert plugin.registered and plugin.status == ""
+
+
+async def test_the_incumbent_does_not_fight_for_a_socket_taken_over(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Something live replaced our socket (an older release that removes any socket): we stop
+    serving and wait; we never remove its socket, and take the name back when it is gone."""
+    caplog.set_level(logging.INFO, logger="hlplugin.deviceplugin.lifecycle")
+    plugin_dir = short_dir()
+    path = plugin_dir / SOCKET
+    async with emulator(plugin_dir) as kubelet, \
+            lifecycle(plugin_dir, recheck_interval=60) as plugin:
+        await kubelet.wait_for(lambda: plugin.registered and kubelet.allocatable(RESOURCE) == 4)
+        aside = plugin_dir / "other.sock"
+        other = listener(aside)
+        os.replace(aside, path)
+        theirs = os.stat(path).st_ino
+        await wait_until(lambda: HELD in plugin.status and plugin.open_streams == 0)
+        assert os.stat(path).st_ino == theirs  # still theirs: not removed by us or by gRPC
+        assert kubelet.register_calls == 1
+        other.close()
+        os.unlink(path)
+        await kubelet.wait_for(lambda: kubelet.register_calls == 2
+                               and kubelet.allocatable(RESOURCE) == 4, timeout=10)
+        assert plugin.registered
+    assert len(warnings_about_holder(caplog)) == 1
+
+
+@needs_kvm
+async def test_two_daemons_on_one_node_one_serves_the_other_waits(tmp_path: Path) -> None:
+    node = Node.make(tmp_path)
+    args = node.serve_args("--device-count", "10")
+    async with on_kubelet(node, args) as (kubelet, first):
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 10, timeout=20)
+        await first.wait_http("/readyz", 200)
+        async with daemon(args) as second:
+            body = json.loads(await second.wait_http("/readyz", 503, timeout=20))
+            reason = body["conditions"]["registered"]["reason"]
+            assert reason == (f"{node.plugin_dir / SOCKET} is served by another instance, "
+                              f"pid {first.pid} (uid {os.geteuid()}); waiting for it to go away")
+            # A bounded watch, 2 s: on main the two took turns (allocatable ended at 0).
+            with pytest.raises(TimeoutError):
+                await kubelet.wait_for(lambda: kubelet.register_calls != 1
+                                       or kubelet.allocatable(RESOURCE) != 10, timeout=2.0)
+            assert (await first.get("/readyz"))[0] == 200
+            assert (await second.get("/healthz"))[0] == 200  # waiting is not a restart loop
+            assert sum(HELD in m for m in second.messages()) == 1
+
+            # The first is SIGKILLed: its socket file stays, and the second takes it at once.
+            await first.signal(signal.SIGKILL)
+            assert (node.plugin_dir / SOCKET).exists()
+            await kubelet.wait_for(lambda: kubelet.register_calls == 2
+                                   and kubelet.allocatable(RESOURCE) == 10, timeout=10)
+            await second.wait_http("/readyz", 200)
+            assert sum(HELD in m for m in second.messages()) == 1
