@@ -27,6 +27,7 @@ from hlplugin.deviceplugin.conditions import HealthState
 from hlplugin.deviceplugin.daemon import plugin_readiness
 from hlplugin.deviceplugin.holder import find_holder
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.emulator import KubeletEmulator
 from hlplugin.plugin import HypervisorPlugin
 
 RESOURCE = "hyperlight.dev/hypervisor"
@@ -65,6 +66,15 @@ def listener(path: Path) -> socket.socket:
     return sock
 
 
+async def time_at_zero(kubelet: KubeletEmulator) -> float:
+    """How long the resource's allocatable is 0 before it is 4 again (the kubelet marks every
+    device unhealthy when a stream ends, until the plugin registers anew)."""
+    await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 0)
+    began = time.monotonic()
+    await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
+    return time.monotonic() - began
+
+
 def warnings_about_holder(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.levelno == logging.WARNING and HELD in r.getMessage()]
@@ -98,14 +108,17 @@ async def test_a_second_instance_waits_unready_naming_the_first_then_takes_over(
                 assert len(warnings_about_holder(caplog)) == 1  # logged once, not per look
 
                 # The first goes away (a pod stopped): the newcomer takes over and registers.
+                outage = asyncio.create_task(time_at_zero(kubelet))
                 await first_stack.aclose()
                 gone = time.monotonic()
                 await kubelet.wait_for(lambda: kubelet.register_calls == 2
                                        and kubelet.allocatable(RESOURCE) == 4)
                 took = time.monotonic() - gone
+                zero = await outage
                 await kubelet.wait_for(lambda: second.registered and second.open_streams == 1)
                 assert readiness()["registered"] == (True, "")
-                print(f"handover: allocatable back at 4 {took * 1000:.0f} ms after the first stopped")
+                print(f"handover: allocatable 0 for {zero * 1000:.0f} ms; back at 4 "
+                      f"{took * 1000:.0f} ms after the first's stop returned")
                 await kubelet.admit(RESOURCE)
         finally:
             await first_stack.aclose()
