@@ -25,7 +25,7 @@ from harness import Node, daemon, emulator, healthy_tracker, needs_kvm, on_kubel
 from hlplugin import names
 from hlplugin.deviceplugin.conditions import HealthState
 from hlplugin.deviceplugin.daemon import plugin_readiness
-from hlplugin.deviceplugin.holder import find_holder
+from hlplugin.deviceplugin.holder import Held, find_holder, private_path, publish
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.emulator import KubeletEmulator
 from hlplugin.plugin import HypervisorPlugin
@@ -126,9 +126,11 @@ async def test_a_second_instance_waits_unready_naming_the_first_then_takes_over(
     assert any("went away; taking over" in r.getMessage() for r in caplog.records)
 
 
-async def test_a_kubelet_restart_with_two_instances_leaves_one_serving() -> None:
+async def test_a_kubelet_restart_with_two_instances_leaves_one_serving(
+        caplog: pytest.LogCaptureFixture) -> None:
     """The restarted kubelet deletes the socket: both instances race for the name, and one wins
     for good (gRPC's own clean-up never removes the winner's socket)."""
+    caplog.set_level(logging.INFO, logger="hlplugin.deviceplugin.lifecycle")
     plugin_dir = short_dir()
     async with emulator(plugin_dir) as kubelet, \
             lifecycle(plugin_dir, recheck_interval=0.05) as first, \
@@ -149,6 +151,35 @@ async def test_a_kubelet_restart_with_two_instances_leaves_one_serving() -> None
                                        or kubelet.allocatable(RESOURCE) != 4, timeout=1.0)
             assert settled - calls == 1, round_  # one registration per restart, as alone
         await kubelet.admit(RESOURCE)
+    # Logged once at the start, and again only by a loser that had been registered meanwhile.
+    assert 1 <= len(warnings_about_holder(caplog)) <= 4
+
+
+def test_find_holder_and_publish_tell_a_live_socket_from_a_stale_one() -> None:
+    directory = short_dir()
+    path = directory / SOCKET
+    assert find_holder(path) is None  # nothing there
+    ours = private_path(path)
+    assert len(ours.name) <= len(path.name) and ours.parent == path.parent
+    mine = listener(ours)
+    path.write_text("")
+    assert find_holder(path) is None  # not a socket: the caller refuses it...
+    with pytest.raises(FileExistsError):
+        publish(ours, path)  # ...and so does publish
+    path.unlink()
+    live = listener(path)
+    holder = find_holder(path)
+    assert holder is not None
+    assert (holder.pid, holder.uid) == (os.getpid(), os.geteuid())
+    holder.close()
+    with pytest.raises(Held, match=f"pid {os.getpid()}"):
+        publish(ours, path)  # never over a live socket
+    assert ours.exists()
+    live.close()  # now stale: the file stays, nobody answers
+    assert find_holder(path) is None
+    publish(ours, path)
+    assert not ours.exists() and find_holder(path) is not None
+    mine.close()
 
 
 async def test_a_stale_socket_file_is_taken_at_once() -> None:

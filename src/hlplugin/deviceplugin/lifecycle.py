@@ -150,7 +150,7 @@ class PluginLifecycle:
         self._kubelet_identity: Identity | None = None
         self._problem = ""  # the kind of lasting failure last logged, so a retry loop logs it once
         self._failures = 0
-        self._holder = ""  # the other instance last logged as serving our socket
+        self._holder = ""  # the other instance logged as serving our socket since we registered
         self.registered = False
         self.problem = ""  # why the latest attempt could not register, for /readyz
 
@@ -321,7 +321,7 @@ class PluginLifecycle:
         self.registered = True
         self._kubelet_identity = kubelet
         after = f" after {self._failures} failed attempts" if self._failures else ""
-        self._problem, self._failures, self.problem = "", 0, ""
+        self._problem, self._failures, self.problem, self._holder = "", 0, "", ""
         log.info("registered %s with the kubelet%s", self.resource_name, after)
         return "registered"
 
