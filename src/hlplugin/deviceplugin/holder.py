@@ -10,7 +10,9 @@ the cases apart:
   is full): held. The newcomer leaves it alone and waits. The kernel names the listener
   (SO_PEERCRED: its pid, 0 when that is in another pid namespace, and its uid), and the
   connection kept open to it ends the moment that process exits or stops serving, so a holder
-  that dies is noticed at once, not at the next poll.
+  that dies is noticed at once, not at the next poll. (A gRPC server closes a connection that
+  never speaks HTTP/2 after about a minute; the wait then looks again: a waiting instance costs
+  the holder one idle connection and one reconnect a minute, and nothing in its log.)
 
 A server must not bind the path itself, though: gRPC removes whatever socket is at its address
 when it stops, so a server stopping after another took the path over would remove the other's
