@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from hlplugin import cdi, config
+from hlplugin import cdi_spec, config
 from hlplugin.cli import build_parser, main
+from hlplugin.tools.emulator import KUBELET_MAX_MESSAGE
 
 Cli = Callable[..., tuple[int, str, str]]
 
@@ -47,7 +48,9 @@ def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 
 
 def resolve(argv: list[str], env: dict[str, str]) -> tuple[config.Settings, list[str]]:
-    return config.resolve(build_parser().parse_args(["serve", *argv]), config.SERVE_OPTIONS, "serve", env)
+    resolution = config.resolve_sources(build_parser().parse_args(["serve", *argv]), config.SERVE_OPTIONS,
+                                        "serve", env)
+    return resolution.settings, resolution.warnings
 
 
 MAX = config.MAX_DEVICE_COUNT
@@ -125,10 +128,10 @@ def test_device_list_at_the_ceiling_fits_the_kubelet_message_limit_twice_over() 
     message = plugin._lists[False]
     assert len(message.devices) == config.MAX_DEVICE_COUNT
     assert {d.health for d in message.devices} == {"Unhealthy"}
-    assert message.ByteSize() * 2 <= config.KUBELET_MAX_MESSAGE
+    assert message.ByteSize() * 2 <= KUBELET_MAX_MESSAGE
     # ... while twice the ceiling's worth is more than half way to it: the ceiling is not arbitrary.
     bigger = HypervisorPlugin("mshv", 4 * config.MAX_DEVICE_COUNT, HealthTracker(required=()), gate)
-    assert bigger._lists[False].ByteSize() > config.KUBELET_MAX_MESSAGE
+    assert bigger._lists[False].ByteSize() > KUBELET_MAX_MESSAGE
 
 
 def test_provenance_of_every_setting() -> None:
@@ -186,7 +189,7 @@ def test_help_names_every_flag_and_its_twin(cli: Cli) -> None:
 def test_cdi_prints_the_spec_the_daemon_writes_or_checks_a_file_against_it(cli: Cli, tmp_path: Path) -> None:
     code, out, _ = cli("cdi", "--hypervisor", "kvm", "--device-uid", "1000", "--device-gid", "1001")
     assert code == 0
-    assert out.encode() == cdi.render_spec("kvm", 1000, 1001)
+    assert out.encode() == cdi_spec.render_spec("kvm", 1000, 1001)
     assert json.loads(out)["kind"] == "hyperlight.dev/hypervisor"
     assert json.loads(out)["cdiVersion"] == "0.3.0"
     # It accepts the serve command line.
@@ -194,12 +197,12 @@ def test_cdi_prints_the_spec_the_daemon_writes_or_checks_a_file_against_it(cli: 
                          "--hypervisor", "kvm", "--device-count", "5",
                          "--http-address", "127.0.0.1:0", "--cdi-annotations")
     assert code == 0, err
-    assert out.encode() == cdi.render_spec("kvm", 65534, 65534)
+    assert out.encode() == cdi_spec.render_spec("kvm", 65534, 65534)
     # --check: an exact file exits 0, differences exit 1.
     written = tmp_path / "hyperlight.json"
-    written.write_bytes(cdi.render_spec("kvm", 65534, 65534))
+    written.write_bytes(cdi_spec.render_spec("kvm", 65534, 65534))
     assert cli("cdi", "--hypervisor", "kvm", "--check", str(written))[0] == 0
-    written.write_bytes(cdi.render_spec("kvm", 0, 65534))
+    written.write_bytes(cdi_spec.render_spec("kvm", 0, 65534))
     code, _, err = cli("cdi", "--hypervisor", "kvm", "--check", str(written))
     assert code == 1
     assert '"uid": 0' in err and '"uid": 65534' in err
@@ -211,4 +214,4 @@ def test_cdi_prints_the_spec_the_daemon_writes_or_checks_a_file_against_it(cli: 
     # Environment twins apply (last: they stay set for the rest of the test).
     code, out, _ = cli("cdi", env={"HYPERLIGHT_HYPERVISOR": "mshv", "DEVICE_UID": "7",
                                    "DEVICE_GID": "8"})
-    assert out.encode() == cdi.render_spec("mshv", 7, 8)
+    assert out.encode() == cdi_spec.render_spec("mshv", 7, 8)

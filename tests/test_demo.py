@@ -18,8 +18,8 @@ import pytest
 from harness import needs_kvm
 
 from hlplugin import cli
-from hlplugin.demo import demo
-from hlplugin.emulator import CHECKPOINT
+from hlplugin.tools.demo import demo
+from hlplugin.tools.emulator import CHECKPOINT
 
 
 @pytest.fixture

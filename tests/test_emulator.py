@@ -20,7 +20,7 @@ from harness import emulator, wait_until
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.kubeletsock import listens, socket_identity
-from hlplugin.emulator import CHECKPOINT, AdmissionError, Pod
+from hlplugin.tools.emulator import CHECKPOINT, AdmissionError, Pod
 
 ACCESS = "hyperlight.dev/device-access"
 

@@ -26,9 +26,9 @@ from hlplugin.deviceplugin import files
 from hlplugin.deviceplugin.conditions import HealthState
 from hlplugin.deviceplugin.daemon import plugin_readiness
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
-from hlplugin.emulator import KubeletEmulator
 from hlplugin.metrics import Metrics
 from hlplugin.plugin import HypervisorPlugin
+from hlplugin.tools.emulator import KubeletEmulator
 
 RESOURCE = "hyperlight.dev/hypervisor"
 ACCESS = "hyperlight.dev/device-access"

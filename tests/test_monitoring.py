@@ -37,8 +37,8 @@ from harness import (
     wait_until,
 )
 
-from hlplugin import cdi
-from hlplugin.emulator import free_port, with_parent_death
+from hlplugin import cdi_spec
+from hlplugin.tools.process import free_port, with_parent_death
 
 pytestmark = pytest.mark.prometheus
 
@@ -280,7 +280,7 @@ async def test_live_prometheus_fires_and_resolves_device_unhealthy(
     target["for"] = "3s"
 
     node = Node.make(tmp_path / "node")
-    spec = node.cdi_dir / cdi.SPEC_FILE
+    spec = node.cdi_dir / cdi_spec.SPEC_FILE
     async with on_kubelet(node, node.serve_args("--device-count", "4")) as (kubelet, proc):
         await kubelet.wait_for(lambda: kubelet.allocatable("hyperlight.dev/hypervisor") == 4)
         prometheus = Prometheus(tmp_path, proc.port, live)

@@ -38,7 +38,7 @@ from test_node import (
 from test_node import image as image  # the image fixture (re-exported: pytest finds it here)
 from test_node import pytestmark as node_marks
 
-from hlplugin.emulator import KubeletEmulator
+from hlplugin.tools.emulator import KubeletEmulator
 
 pytestmark = node_marks
 GUEST_LOOP = Path(__file__).parent / "data" / "guest_loop.py"

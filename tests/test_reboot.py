@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from harness import Node, daemon, emulator, needs_kvm
 
-from hlplugin.emulator import AdmissionError, Pod
+from hlplugin.tools.emulator import AdmissionError, Pod
 
 ACCESS = "hyperlight.dev/device-access"
 HYPERVISOR = "hyperlight.dev/hypervisor"

@@ -12,7 +12,7 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from hlplugin import __version__, config, logs
+from hlplugin import __version__, cdi_spec, config, logs
 
 log = logging.getLogger("hlplugin")
 
@@ -94,10 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "cdi":
         return _cdi(settings, args.check)
     if args.command == "doctor":
-        from hlplugin.doctor import doctor
+        from hlplugin.tools.doctor import doctor
 
         return doctor(settings, as_json=args.json)
-    from hlplugin.demo import demo
+    from hlplugin.tools.demo import demo
 
     return demo(keep=args.keep)
 
@@ -113,18 +113,17 @@ def _run(coroutine: Coroutine[Any, Any, None]) -> int:
 
 
 def _cdi(settings: config.Settings, check: Path | None) -> int:
-    from hlplugin import cdi
 
     hypervisor = settings.detect_hypervisor()
     if hypervisor is None:
         print(f"hlplugin cdi: no mshv or kvm device under {settings.dev_dir}; pass --hypervisor",
               file=sys.stderr)
         return 1
-    desired = cdi.render_spec(hypervisor, settings.device_uid, settings.device_gid)
+    desired = cdi_spec.render_spec(hypervisor, settings.device_uid, settings.device_gid)
     if check is None:
         sys.stdout.buffer.write(desired)
         return 0
-    ok, difference = cdi.check_file(check, desired)
+    ok, difference = cdi_spec.check_file(check, desired)
     if not ok:
         print(difference, file=sys.stderr)
     return 0 if ok else 1

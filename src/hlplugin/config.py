@@ -30,7 +30,6 @@ HYPERVISORS = ("kvm", "mshv")
 # "Unhealthy", the longest form) serialize to 1.24 MB: 3.4x under the limit. The daemon's peak RSS
 # at that count is in docs/security.md (it, not the message, is what a larger count would cost).
 MAX_DEVICE_COUNT = 50_000
-KUBELET_MAX_MESSAGE = 4 * 1024 * 1024
 
 # Durations: a tiny interval makes a periodic check a busy loop (a device check runs a VM, about
 # 1.3 ms: at 1 s that is 0.1 % of a core); a timeout under 0.1 s fails checks on a loaded
@@ -356,17 +355,6 @@ def resolve_sources(
     if "host_dev_dir" in names and settings.host_dev_dir is None:
         warnings.append("host device identity check is off (--host-dev-dir is empty)")
     return Resolution(settings, warnings, sources)
-
-
-def resolve(
-    args: argparse.Namespace,
-    names: Sequence[str],
-    command: str,
-    environ: Mapping[str, str] | None = None,
-) -> tuple[Settings, list[str]]:
-    """Combine flags, environment and defaults; return the settings and the warnings to log."""
-    resolution = resolve_sources(args, names, command, environ)
-    return resolution.settings, resolution.warnings
 
 
 def log_warnings(warnings: Sequence[str]) -> None:

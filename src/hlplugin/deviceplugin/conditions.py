@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -61,13 +60,11 @@ class HealthTracker:
     every producer has reported once.
     """
 
-    def __init__(self, required: tuple[str, ...] = (), clock: Callable[[], float] = time.monotonic):
-        self._clock = clock
+    def __init__(self, required: tuple[str, ...] = ()):
         initial = {name: Condition(False, "not checked yet") for name in required}
         self._state = HealthState(MappingProxyType(initial), 0)
         self._changed = asyncio.Event()
         self._listeners: list[Listener] = []
-        self.last_check: dict[str, float] = {}
 
     @property
     def state(self) -> HealthState:
@@ -79,7 +76,6 @@ class HealthTracker:
 
     def set_condition(self, name: str, ok: bool, reason: str = "") -> None:
         """Record a completed check; only a real change bumps the generation and wakes waiters."""
-        self.last_check[name] = self._clock()
         new = Condition(ok, "" if ok else (reason or "unknown failure"))
         old_state = self._state
         if old_state.conditions.get(name) == new:

@@ -16,6 +16,9 @@ the kubelet's rules (see docs/kubelet.md):
   replaces it: from the stream's end we wait for that new socket (up to ``kubelet_wait`` s,
   uncounted) rather than dial the dead one; only a kubelet.sock that still listens after the grace
   means the kubelet stayed up.
+- One instance per socket (see holder.py): a socket another live process answers on is never
+  taken (the kubelet keeps the latest registration, so the two would take turns for ever); we
+  wait NotReady naming it, and take over as soon as it goes away. A stale file is taken at once.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.grpcserver import new_server
 from hlplugin.deviceplugin.grpcserver import to_completion as _to_completion
+from hlplugin.deviceplugin.holder import Held, Holder, private_path, publish, wait_until_free
 from hlplugin.deviceplugin.kubeletsock import Identity, dir_problem, kubelet_problem, listens
 from hlplugin.deviceplugin.kubeletsock import socket_identity as _socket_identity
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
@@ -118,6 +122,7 @@ class PluginLifecycle:
         self._quiet_until = 0.0
         self._problem = ""  # the kind of lasting failure last logged, so a retry loop logs it once
         self._failures = 0
+        self._holder = ""  # the other instance logged as serving our socket since we registered
         self.registered = False
         self.problem = ""  # why the latest attempt could not register, for /readyz
 
@@ -138,7 +143,10 @@ class PluginLifecycle:
         async with self._wakeup.running():
             while True:
                 try:
+                    await self._wait_until_free()
                     instance = await self._start()
+                except Held:
+                    continue  # another instance published first: wait for it
                 except (OSError, RuntimeError) as exc:
                     problem = self._dir_problem()
                     self._fail("serve" if not problem else "plugin dir",
@@ -182,8 +190,9 @@ class PluginLifecycle:
         servicer = self._make_servicer()
         servicer.on_streams_changed = self._wakeup.fire
         server = new_server(servicer)
+        bound = private_path(self.socket_path)  # see holder.py: never gRPC's address to remove
         try:
-            server.add_insecure_port(f"unix://{self.socket_path}")
+            server.add_insecure_port(f"unix://{bound}")
         except BaseException:
             await _to_completion(server.stop(None))  # never leave a server to the GC
             raise
@@ -192,9 +201,11 @@ class PluginLifecycle:
         failure: BaseException | None = None
         try:
             await _to_completion(server.start())
+            publish(bound, self.socket_path)
         except BaseException as exc:
             failure = exc
-        instance = _Instance(server, servicer, _socket_identity(self.socket_path))
+        instance = _Instance(server, servicer,
+                             None if failure else _socket_identity(self.socket_path))
         self._instance = instance
         if failure is not None:
             await self._stop(instance)
@@ -206,7 +217,7 @@ class PluginLifecycle:
         if instance.identity is None and self._instance is not instance:
             return  # already stopped
         self.registered = False
-        ours = self._socket_is_ours(instance)
+        ours, identity = self._socket_is_ours(instance), instance.identity
         # From here the instance counts as gone, so liveness does not ask a server that is
         # stopping on purpose.
         instance.identity = None
@@ -214,11 +225,29 @@ class PluginLifecycle:
         try:
             await _to_completion(instance.server.stop(grace=0.2))
         finally:
-            if ours:
+            # Unless another instance has taken the path over meanwhile.
+            if ours and _socket_identity(self.socket_path) == identity:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.socket_path)
             if self._instance is instance:
                 self._instance = None
+
+    async def _wait_until_free(self) -> None:
+        """While another live instance serves our socket, leave it: wait NotReady, naming it (logged
+        once per instance), until it goes away."""
+        took_over = False
+
+        def held(holder: Holder) -> None:
+            nonlocal took_over
+            self.problem = (f"{self.socket_path} is served by another instance, "
+                            f"{holder.describe()}; waiting for it to go away")
+            if holder.describe() != self._holder:
+                log.warning("%s (this one stays unready until then)", self.problem)
+                self._holder, took_over = holder.describe(), True
+
+        await wait_until_free(self.socket_path, lambda: self._wait(self._wakeup.pulse()), held)
+        if took_over:
+            log.info("the other instance serving %s went away; taking over", self.socket_path)
 
     async def _register_when_possible(self, instance: _Instance) -> str:
         """Wait for a kubelet, then register; "lost" when our socket vanished meanwhile. Each
@@ -270,7 +299,7 @@ class PluginLifecycle:
         self.registered = True
         self._kubelet_identity, self._dead_kubelet, self._quiet_until = kubelet, None, 0.0
         after = f" after {self._failures} failed attempts" if self._failures else ""
-        self._problem, self._failures, self.problem = "", 0, ""
+        self._problem, self._failures, self.problem, self._holder = "", 0, "", ""
         log.info("registered %s with the kubelet%s", self.resource_name, after)
         return "registered"
 

@@ -19,7 +19,7 @@ import inotify_simple
 log = logging.getLogger(__name__)
 
 # Entries created, removed, renamed or re-permissioned. Enough for sockets and device nodes, and
-# it leaves out open/close/write, which every user of /dev/kvm causes.
+# it leaves out open/close/write, which every user of a device node causes.
 NODE_EVENTS = (
     inotify_simple.flags.CREATE
     | inotify_simple.flags.DELETE

@@ -1,12 +1,12 @@
-"""A kubelet device-manager emulator, for the tests and `hlplugin demo` (the daemon-process driver
-they use is daemonproc.py, re-exported here).
+"""A kubelet device-manager emulator, for the tests, the benchmarks and `hlplugin demo`.
 
 It reproduces what a device plugin can observe of the kubelet, by the rules in docs/kubelet.md
 (tests/test_emulator.py checks its restart and reboot against them): it deletes every socket in
-the plugin directory when it starts, validates Register, dials the plugin's endpoint inside Register and calls
-GetDevicePluginOptions, keeps one ListAndWatch stream per resource, counts only Healthy devices as
-allocatable, marks a resource's devices unhealthy when any of its streams ends, and fails pod
-admission when no device of a requested resource is healthy or Allocate returns an error.
+the plugin directory when it starts, validates Register, dials the plugin's endpoint inside
+Register and calls GetDevicePluginOptions, keeps one ListAndWatch stream per resource, counts only
+Healthy devices as allocatable, marks a resource's devices unhealthy when any of its streams ends,
+and fails pod admission when no device of a requested resource is healthy or Allocate returns an
+error.
 
 ``restart`` is a real kubelet's restart: streams end as it exits, its kubelet.sock stays dead
 while it is down, and the new kubelet deletes every socket before it serves. ``reboot`` is a node
@@ -39,15 +39,14 @@ import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-from hlplugin.daemonproc import DaemonProcess, free_port, with_parent_death
 from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET, Context
 from hlplugin.deviceplugin.watch import wait_event
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AdmissionError", "DaemonProcess", "KubeletEmulator", "Pod", "free_port",
-           "no_healthy_devices", "with_parent_death"]
-
+# The kubelet's gRPC client takes messages up to 4 MiB (gRPC's default): a larger ListAndWatch
+# answer fails its stream, and the node's capacity drops to 0.
+KUBELET_MAX_MESSAGE = 4 * 1024 * 1024
 CHECKPOINT = "kubelet_internal_checkpoint"
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _RESOURCE = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
@@ -245,7 +244,9 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             self.rejections.append(problem)
             # The kubelet returns a plain error, which reaches the plugin as UNKNOWN.
             await context.abort(grpc.StatusCode.UNKNOWN, problem)
-        channel = grpc.aio.insecure_channel(f"unix://{self.plugin_dir / request.endpoint}")
+        channel = grpc.aio.insecure_channel(
+            f"unix://{self.plugin_dir / request.endpoint}",
+            options=[("grpc.max_receive_message_length", KUBELET_MAX_MESSAGE)])
         try:
             stub = pb_grpc.DevicePluginStub(channel)
             options = await stub.GetDevicePluginOptions(

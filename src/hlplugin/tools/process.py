@@ -1,5 +1,8 @@
-"""A real `hlplugin` daemon as a child process, for the tests and `hlplugin demo`: on a free
-loopback port, killed with its parent, its JSON log lines kept in memory."""
+"""A driver for one real `hlplugin` daemon process, for the tests, the benchmarks and `hlplugin demo`.
+
+It starts the daemon on a free loopback port with JSON logs, keeps its log lines, reads its HTTP
+probes, and when the daemon does not stop in time asks it where it hangs before killing it.
+"""
 
 from __future__ import annotations
 
