@@ -27,8 +27,8 @@ from hlplugin.deviceplugin.conditions import HealthState
 from hlplugin.deviceplugin.daemon import plugin_readiness
 from hlplugin.deviceplugin.holder import Held, find_holder, private_path, publish
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
-from hlplugin.emulator import KubeletEmulator
 from hlplugin.plugin import HypervisorPlugin
+from hlplugin.tools.emulator import KubeletEmulator
 
 RESOURCE = "hyperlight.dev/hypervisor"
 SOCKET = "hyperlight.sock"
