@@ -28,12 +28,12 @@ from test_node import (
     EXAMPLES,
     HYPERVISOR,
     KVM,
-    OVERLAY,
     PLUGIN_DIR,
     Cluster,
     Loop,
     one,
     pod_of,
+    render_plugins,
 )
 from test_node import image as image  # the image fixture (re-exported: pytest finds it here)
 from test_node import pytestmark as node_marks
@@ -68,7 +68,7 @@ def make_kvm_node(path: Path) -> None:
 def node(image: str, tmp_path: Path) -> Iterator[tuple[Cluster, Path]]:
     """A node of its own whose hostPath /dev is a directory holding a kvm node (so the test can
     break the device view without touching the machine's /dev)."""
-    rendered = documents(kustomize(OVERLAY))
+    rendered = documents(render_plugins())
     examples = documents(kustomize(EXAMPLES))
     plugin_dir = Path(tempfile.mkdtemp(prefix="hlw-", dir="/tmp"))
     cdi_dir = tmp_path / "cdi"
