@@ -43,22 +43,14 @@ from hlplugin.deviceplugin.kubeletsock import Identity, dir_problem, kubelet_pro
 from hlplugin.deviceplugin.kubeletsock import socket_identity as _socket_identity
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.producer import Wakeup
+from hlplugin.deviceplugin.registration import RegistrationFailed, explain, register_with
 from hlplugin.deviceplugin.watch import DirWatcher
 
 log = logging.getLogger(__name__)
 
 KUBELET_SOCKET = "kubelet.sock"
-API_VERSION = "v1beta1"
-
 
 Context = grpc.aio.ServicerContext[Any, Any]
-
-
-class RegistrationFailed(Exception):
-    def __init__(self, code: str, details: str) -> None:
-        super().__init__(f"{code}: {details}")
-        self.code = code
-        self.details = details
 
 
 class PluginServicer(pb_grpc.DevicePluginServicer):
@@ -273,7 +265,9 @@ class PluginLifecycle:
             if wait is None:
                 backoff = min(backoff * 2, self._max_backoff)
             wait = None
-        register = asyncio.create_task(self._register(), name="register")
+        register = asyncio.create_task(register_with(
+            self.kubelet_path, self.socket_path.name, self.resource_name, self._register_timeout),
+            name="register")
         try:
             while not register.done():
                 pulse = self._wakeup.pulse()
@@ -293,7 +287,7 @@ class PluginLifecycle:
         if error is not None:
             kind = error.code if isinstance(error, RegistrationFailed) else type(error).__name__
             self._fail(f"register {kind}", f"registration of {self.resource_name} with the "
-                       f"kubelet failed: {self._explain(error)}")
+                       f"kubelet failed: {explain(error, self._register_timeout, self.kubelet_path)}")
             return "failed"
         self._count("success")
         self.registered = True
@@ -302,20 +296,6 @@ class PluginLifecycle:
         self._problem, self._failures, self.problem, self._holder = "", 0, "", ""
         log.info("registered %s with the kubelet%s", self.resource_name, after)
         return "registered"
-
-    async def _register(self) -> None:
-        request = pb.RegisterRequest(
-            version=API_VERSION,
-            endpoint=self.socket_path.name,
-            resource_name=self.resource_name,
-            options=pb.DevicePluginOptions(),
-        )
-        async with grpc.aio.insecure_channel(f"unix://{self.kubelet_path}") as channel:
-            try:
-                await pb_grpc.RegistrationStub(channel).Register(
-                    request, timeout=self._register_timeout, wait_for_ready=False)
-            except grpc.aio.AioRpcError as exc:
-                raise RegistrationFailed(exc.code().name, exc.details() or "") from None
 
     async def _wait_until_lost(self, instance: _Instance) -> str:
         """"lost" when our socket or kubelet.sock changed; "stream_ended" when the kubelet has had
@@ -394,16 +374,6 @@ class PluginLifecycle:
 
     def _kubelet_problem(self) -> str:
         return kubelet_problem(self.kubelet_path)
-
-    def _explain(self, error: BaseException) -> str:
-        if not isinstance(error, RegistrationFailed):
-            return f"{type(error).__name__}: {error}"
-        if error.code == "DEADLINE_EXCEEDED":
-            return (f"Register timed out after {self._register_timeout:g} s ({error.code}: the "
-                    f"kubelet at {self.kubelet_path} did not answer)")
-        if error.code == "UNAVAILABLE":
-            return f"the kubelet at {self.kubelet_path} is unreachable ({error})"
-        return f"the kubelet refused with {error}"
 
     def _fail(self, kind: str, problem: str) -> None:
         """An attempt that could not register: counted, and shown by /readyz."""
