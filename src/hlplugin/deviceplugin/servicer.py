@@ -17,6 +17,7 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.lifecycle import Context, PluginServicer
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
+from hlplugin.deviceplugin.quoting import quote
 
 log = logging.getLogger(__name__)
 
@@ -30,17 +31,8 @@ UNHEALTHY = "Unhealthy"
 MAX_STREAMS = 8
 MAX_CONTAINERS = 128
 MAX_ID_BYTES = 128
-QUOTE_CHARS = 64
 # The server's receive limit: room for every advertised ID in one request, plus this much.
 REQUEST_SLACK_BYTES = 64 * 1024
-
-
-def quote(text: str, limit: int = QUOTE_CHARS) -> str:
-    """``text`` for a message or log line: cut to ``limit`` characters, then escaped (repr), so
-    neither a huge input nor a control character reaches a client or the log as it came."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}... ({len(text.encode(errors='replace'))} bytes)"
 
 
 class TrackedDevicePlugin(PluginServicer):
