@@ -14,6 +14,7 @@ from typing import NoReturn
 import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
+from hlplugin.deviceplugin import repeats
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.lifecycle import Context, PluginServicer
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
@@ -55,6 +56,9 @@ class TrackedDevicePlugin(PluginServicer):
         self.on_streams_changed: Callable[[], None] | None = None
         self._closed = False
         self._refusing = False
+        # A kubelet retrying a pod on an unhealthy node, or a client in a loop: one line per
+        # refusal (message) and interval; the allocations counter counts each.
+        self.refusals = repeats.RepeatedLines(log)
         self._wake = asyncio.Event()
         self._follower: asyncio.Task[None] | None = None
         # Built once: a 2,000-device list is the same message on every transition.
@@ -178,5 +182,6 @@ class TrackedDevicePlugin(PluginServicer):
                       result: str) -> NoReturn:
         if self.metrics is not None:
             self.metrics.allocations.labels(result=result).inc()
-        log.warning("refused Allocate: %s", message, extra={"result": result})
+        self.refusals.log((result, message), logging.WARNING, "refused Allocate: %s", message,
+                          extra={"result": result})
         await context.abort(code, message)
