@@ -212,6 +212,23 @@ async def test_a_spec_overwritten_100_times_a_second_is_logged_once_and_counted_
     assert len(repaired) <= 2, repaired  # and the start's first write (cause: missing)
 
 
+async def test_the_longest_path_setting_is_shown_bounded_and_crashes_nothing(tmp_path: Path) -> None:
+    """--dev-dir as long as the kernel takes (4,095 bytes), with `auto`: its /dev/mshv is too
+    long (ENAMETOOLONG), which is "no device there"; every line and /readyz show the path cut."""
+    longest = ("/" + "/".join(["d" * 255] * 17))[:4095]
+    node = Node.make(tmp_path)
+    async with daemon(["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", longest],
+                      graceful=True) as proc:
+        await wait_until(lambda: any(m.startswith("no hypervisor device under")
+                                     for m in proc.messages()), 15)
+        status, body = await proc.http("/readyz")
+        assert status == 503
+        reason = json.loads(body)["conditions"]["hypervisor"]["reason"]
+        assert reason.endswith("... (4095 bytes)") and len(reason) < 400, reason
+    assert not any("uncaught" in m or "Traceback" in m for m in proc.raw)
+    assert max(len(line) for line in proc.raw) < 3000, max(proc.raw, key=len)[:300]
+
+
 async def test_text_is_the_default_one_line_per_event(tmp_path: Path) -> None:
     dev = tmp_path / "dev"
     dev.mkdir()
