@@ -63,6 +63,7 @@ def test_a_repeating_cause_is_logged_at_once_then_once_an_interval_with_its_coun
         "repaired spec (trigger: t600) (600 times in the last 60 s)"]  # the latest, counted
     assert records[1].repeated == 600 and records[1].cause == "malformed"  # type: ignore[attr-defined]
     assert all(r.levelno == logging.INFO for r in records)
+    assert records[0].filename == "test_repeats.py"  # the line that logged it, as logger.log says
     clock.now = 1060 + INTERVAL
     lines.flush()  # the interval's end: what waits is written
     assert records[-1].getMessage() == "repaired spec (trigger: t999) (399 times in the last 60 s)"

@@ -27,6 +27,7 @@ INTERVAL = 60.0
 # Causes remembered at once; past it, a new cause shares one line with the others past it.
 MAX_CAUSES = 64
 _OTHERS = object()
+_NOBODY = object()  # no cause's event is happening now (a timer's flush)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class RepeatedLines:
         self._causes: dict[Hashable, _Cause] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = 0.0
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
 
     def log(self, key: Hashable, level: int, msg: str, *args: object,
             extra: Mapping[str, Any] | None = None) -> None:
@@ -78,12 +80,13 @@ class RepeatedLines:
         if any(c.waiting for c in self._causes.values()):
             self._arm(now)
 
-    def _write_due(self, now: float, fresh: Hashable = None) -> None:
+    def _write_due(self, now: float, fresh: Hashable = _NOBODY) -> None:
         due = [(key, c) for key, c in self._causes.items()
                if c.waiting and (c.logged is None or now - c.logged >= self.interval)]
         for key, cause in sorted(due, key=lambda item: item[1].seen):
             if key == fresh and cause.waiting == 1:  # happening now, first since its last line
-                self.logger.log(cause.level, "%s", cause.message, extra=cause.extra)
+                # stacklevel: the record names the line that called log(), as logger.log would.
+                self.logger.log(cause.level, "%s", cause.message, extra=cause.extra, stacklevel=3)
             else:
                 since = now - (cause.logged if cause.logged is not None else cause.seen)
                 self.logger.log(cause.level, "%s (%d %s in the last %.0f s)", cause.message,
@@ -103,15 +106,15 @@ class RepeatedLines:
         the next line of any cause then writes what is due)."""
         due = min(c.logged for c in self._causes.values() if c.waiting and c.logged is not None)
         due += self.interval
-        if self._timer is not None and not self._timer.cancelled() and self._timer_due <= due:
-            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
         if self._timer is not None:
+            if self._timer_loop is loop and self._timer_due <= due:
+                return  # one that ends earlier is set
             self._timer.cancel()
-        self._timer_due = due
+        self._timer_due, self._timer_loop = due, loop
         self._timer = loop.call_later(max(due - now, 0.0), self._fire)
 
     def _fire(self) -> None:
