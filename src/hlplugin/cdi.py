@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hlplugin.cdi_spec import MAX_READ, MODE, SPEC_FILE, well_formed
+from hlplugin.deviceplugin import repeats
 from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import Condition, HealthTracker
 from hlplugin.deviceplugin.ownedfile import NotRegular, OwnedFile
@@ -64,8 +65,10 @@ class CdiReconciler:
         max_backoff: float = 10.0,
         budget: float = DEFAULT_BUDGET,
         clock: Callable[[], float] = time.monotonic,
+        log_interval: float = repeats.INTERVAL,
     ) -> None:
         self.cdi_dir = cdi_dir
+        self.lines = repeats.RepeatedLines(log, log_interval, clock=clock)
         self.file = OwnedFile(cdi_dir, SPEC_FILE, MODE)
         self.path = self.file.path
         self.desired = desired
@@ -179,10 +182,10 @@ class CdiReconciler:
 
     def _publish(self, outcome: _Outcome, trigger: str) -> None:
         """On the event loop: the pass's outcome to the condition, the tracker, metrics and log."""
-        if outcome.repaired:
-            log.info("repaired CDI spec %s (cause: %s, trigger: %s)", self.path,
-                     outcome.repaired, trigger,
-                     extra={"cause": outcome.repaired, "trigger": trigger})
+        if outcome.repaired:  # one line per cause and interval; the counter counts each
+            self.lines.log(outcome.repaired, logging.INFO, "repaired CDI spec %s (cause: %s, "
+                           "trigger: %s)", self.path, outcome.repaired, trigger,
+                           extra={"cause": outcome.repaired, "trigger": trigger})
             if self._metrics is not None:
                 self._metrics.cdi_repairs.labels(cause=outcome.repaired).inc()
         if outcome.refused and self._metrics is not None:
@@ -191,7 +194,7 @@ class CdiReconciler:
         if self._tracker is not None:
             self._tracker.set_condition(CONDITION, new.ok, new.reason)
         elif not new.ok and new != self.condition:
-            log.warning("CDI spec unhealthy: %s", new.reason)
+            self.lines.log(new.reason, logging.WARNING, "CDI spec unhealthy: %s", new.reason)
         self.condition = new
 
     def _pass(self) -> _Outcome:

@@ -10,9 +10,11 @@ import signal
 import sys
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hlplugin import __version__, cdi_spec, config, logs
+from hlplugin.deviceplugin import files
+from hlplugin.deviceplugin.quoting import clip, quote
 
 log = logging.getLogger("hlplugin")
 
@@ -26,8 +28,27 @@ _COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors quote a bounded, escaped prefix of what they were given: argparse's own
+    messages (an unrecognized argument, a value after a switch) would echo it whole."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(logs.escape(clip(message, _MAX_ERROR_CHARS)))
+
+
+# Room for every message of ours (each quotes a bounded prefix) and argparse's.
+_MAX_ERROR_CHARS = 1024
+
+
+def _file(text: str) -> Path:
+    problem = files.path_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return Path(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hlplugin",
         description="Kubernetes device plugin for Hyperlight micro-VMs. Every option has an "
                     "environment twin; a flag wins over its twin.")
@@ -38,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(subparser=sub)  # errors found after parsing print this command's usage
         config.add_options(sub, options, name)
         if name == "cdi":
-            sub.add_argument("--check", type=Path, metavar="FILE",
+            sub.add_argument("--check", type=_file, metavar="FILE",
                              help="exit 0 when FILE is exactly the spec, 1 with a difference")
         elif name == "doctor":
             sub.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -116,8 +137,8 @@ def _cdi(settings: config.Settings, check: Path | None) -> int:
 
     hypervisor = settings.detect_hypervisor()
     if hypervisor is None:
-        print(f"hlplugin cdi: no mshv or kvm device under {settings.dev_dir}; pass --hypervisor",
-              file=sys.stderr)
+        print(f"hlplugin cdi: no mshv or kvm device under "
+              f"{quote(str(settings.dev_dir), files.PATH_CHARS)}; pass --hypervisor", file=sys.stderr)
         return 1
     desired = cdi_spec.render_spec(hypervisor, settings.device_uid, settings.device_gid)
     if check is None:

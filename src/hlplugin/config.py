@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hlplugin.deviceplugin import files
+from hlplugin.deviceplugin.quoting import clip, quote
 from hlplugin.names import LONGEST_SOCKET
 
 UINT32_MAX = 4_294_967_295
@@ -90,16 +91,24 @@ def _choice(*choices: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = text.strip().lower()
         if value not in choices:
-            raise ValueError(f"must be one of {', '.join(choices)}, got {text!r}")
+            raise ValueError(f"must be one of {', '.join(choices)}, got {quote(text)}")
         return value
 
     return parse
 
 
 def _path(text: str) -> Path:
+    """An absolute path the kernel takes (PATH_MAX, NAME_MAX): one it would refuse with
+    ENAMETOOLONG is refused here, not met as an OSError wherever it is first used."""
     if not text:
         raise ValueError("must not be empty")
-    return Path(os.path.abspath(text))  # a unix:// socket address needs an absolute path
+    problem = files.path_problem(text)
+    absolute = os.path.abspath(text)  # a unix:// socket address needs an absolute path
+    if not problem and absolute != text:  # the working directory counts too
+        problem = files.path_problem(absolute)
+    if problem:
+        raise ValueError(problem)
+    return Path(absolute)
 
 
 def _optional_path(text: str) -> Path | None:
@@ -142,7 +151,7 @@ def _bool(text: str) -> bool:
         return True
     if value in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(f"must be true or false, got {text!r}")
+    raise ValueError(f"must be true or false, got {quote(text)}")
 
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -176,7 +185,7 @@ class Settings:
         if self.hypervisor != "auto":
             return self.hypervisor
         for name in ("mshv", "kvm"):
-            if (self.dev_dir / name).exists():
+            if os.path.exists(self.dev_dir / name):  # never raises: EACCES, EIO... are absent
                 return name
         return None
 
@@ -313,14 +322,14 @@ class Resolution:
 
 
 def show(value: Any) -> str:
-    """A setting as an operator would type it."""
+    """A setting as an operator would type it (a path cut after files.PATH_CHARS characters)."""
     if isinstance(value, tuple):
         return f"{value[0]}:{value[1]}"
     if isinstance(value, bool):
         return str(value).lower()
     if value is None:
         return "(empty)"
-    return str(value)
+    return clip(str(value), files.PATH_CHARS)
 
 
 def resolve_sources(

@@ -14,7 +14,7 @@ import grpc
 
 from hlplugin import cdi, cdi_spec
 from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.config import Settings
+from hlplugin.config import Settings, show
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon
 from hlplugin.deviceplugin.lifecycle import Context, PluginLifecycle
@@ -104,4 +104,4 @@ async def serve(settings: Settings) -> None:
     await run_daemon(DaemonSpec(
         "hlplugin serve", settings.http_address, tracker, metrics,
         functools.partial(wait_for_hypervisor, settings), setup,
-        pending={"hypervisor": f"no mshv or kvm device under {settings.dev_dir}"}))
+        pending={"hypervisor": f"no mshv or kvm device under {show(settings.dev_dir)}"}))

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+
+from hlplugin.deviceplugin import repeats
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,10 @@ class HealthTracker:
     every producer has reported once.
     """
 
-    def __init__(self, required: tuple[str, ...] = ()):
+    def __init__(self, required: tuple[str, ...] = (), clock: Callable[[], float] = time.monotonic,
+                 *, log_interval: float = repeats.INTERVAL) -> None:
+        self._clock = clock
+        self.lines = repeats.RepeatedLines(log, log_interval, clock=clock)
         initial = {name: Condition(False, "not checked yet") for name in required}
         self._state = HealthState(MappingProxyType(initial), 0)
         self._changed = asyncio.Event()
@@ -83,12 +89,15 @@ class HealthTracker:
         conditions = dict(old_state.conditions)
         conditions[name] = new
         self._state = HealthState(MappingProxyType(conditions), old_state.generation + 1)
+        # Each state (and reason) its own cause: a flap is logged when it first happens, then
+        # counted, at most one line per state and interval; the listeners see every transition.
         if ok:
-            log.info("condition %s is healthy", name, extra={"condition": name})
+            self.lines.log((name, True), logging.INFO, "condition %s is healthy", name,
+                           extra={"condition": name})
         else:
-            log.warning(
-                "condition %s is unhealthy: %s", name, new.reason,
-                extra={"condition": name, "reason": new.reason},
+            self.lines.log(
+                (name, False, new.reason), logging.WARNING, "condition %s is unhealthy: %s", name,
+                new.reason, extra={"condition": name, "reason": new.reason},
             )
         for listener in self._listeners:
             listener(old_state, self._state)
