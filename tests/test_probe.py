@@ -80,9 +80,15 @@ NOT_KVM = {"step": "KVM_GET_API_VERSION", "errno": errno.ENOTTY, "path": "{path}
 NOT_CHAR = {"reason": "not_char_device"}
 Make = Callable[[Path], object] | None
 REFUSALS: list[tuple[str, str, Make, Callable[[Path], None], dict[str, Any], str]] = [
-    ("kvm-missing", "kvm", None, probe_kvm, {"step": "open", "errno": errno.ENOENT, "reason": "open"},
-     "open on {path} failed: [Errno 2] No such file or directory"),
-    ("kvm-regular-file", "kvm", Path.touch, lambda p: probe_kvm(p, guest=False), NOT_KVM, ENOTTY),
+    ("kvm-missing", "kvm", None, probe_kvm, {"step": "lstat", "errno": errno.ENOENT, "reason": "open"},
+     f"device {{path}} {MISSING}"),
+    # Only a character device is opened, and never through a symlink (upstream: lstat, O_NOFOLLOW).
+    ("kvm-regular-file", "kvm", Path.touch, lambda p: probe_kvm(p, guest=False), NOT_CHAR,
+     f"device {{path}} {REGULAR}"),
+    ("kvm-symlink-to-the-real-node", "kvm", _symlink(SELF), probe_kvm, NOT_CHAR,
+     f"device {{path}} {SYMLINK}"),
+    ("kvm-symlink-by-dir", "kvm", _symlink(SELF), lambda p: probe_device("kvm", p.parent, guest=False),
+     NOT_CHAR, f"device {{path}} {SYMLINK}"),
     ("kvm-char-device-not-kvm", "kvm", _char(NULL_NUMBERS), probe_kvm, NOT_KVM, ENOTTY),
     ("kvm-char-device-not-kvm-by-dir", "kvm", _char(NULL_NUMBERS), lambda p: probe_device("kvm", p.parent),
      NOT_KVM, ENOTTY),
@@ -98,6 +104,8 @@ REFUSALS: list[tuple[str, str, Make, Callable[[Path], None], dict[str, Any], str
     ("identity-other-numbers", "kvm", _char(os.makedev(1, 5)), HOST_TWIN, {"reason": "identity_mismatch"},
      f"host device node {{path}} is 1:5, but {SELF} is {SELF_NUMBERS}"),
     ("identity-device-missing", "kvm", None, ITSELF, {"errno": errno.ENOENT}, f"device {{path}} {MISSING}"),
+    ("identity-device-symlink-to-the-real-node", "kvm", _symlink(SELF), ITSELF, NOT_CHAR,
+     f"device {{path}} {SYMLINK}"),
     ("identity-device-regular-file", "kvm", Path.touch, ITSELF, NOT_CHAR, f"device {{path}} {REGULAR}"),
 ]
 ROOT_ONLY = {"kvm-char-device-not-kvm", "kvm-char-device-not-kvm-by-dir", "identity-other-numbers"}

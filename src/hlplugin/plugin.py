@@ -88,9 +88,9 @@ async def serve(settings: Settings) -> None:
         await monitor.check()
 
         async def gate() -> HealthState:
+            # CDI: the inotify-vouched read. The device: a check that began after this Allocate.
             await reconciler.ensure()
-            await monitor.ensure_fresh(1.0)
-            return tracker.state
+            return await monitor.for_allocate()
 
         lifecycle = PluginLifecycle(
             settings.plugin_dir, SOCKET, RESOURCE,
