@@ -18,7 +18,7 @@ from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import Condition, HealthState, HealthTracker
 from hlplugin.deviceplugin.producer import Producer
 from hlplugin.deviceplugin.watch import DirWatcher
-from hlplugin.probe import check_host_identity, probe_device
+from hlplugin.probe import check_host_identity, close_deferred, probe_device
 
 if TYPE_CHECKING:
     from hlplugin.metrics import Metrics
@@ -74,6 +74,7 @@ class DeviceMonitor:
         self.producer = Producer(f"probe-{hypervisor}", self._pass, watch=watch,
                                  interval=interval, budget=budget, linger=1.0, clock=clock)
         self.runner = self.producer.runner
+        self.runner.after = close_deferred  # the Allocate check's VM closes after its answer
         self._allocate_checks = SharedCheck(self._allocate_pass)
 
     @property

@@ -18,7 +18,6 @@ import errno as errno_mod
 import fcntl
 import mmap
 import os
-import queue
 import stat
 import struct
 import threading
@@ -158,8 +157,9 @@ def kvm_api_version(path: Path) -> int:
 def probe_kvm(path: Path, guest: bool = True, *, close_later: bool = False) -> None:
     """Raise ProbeError unless ``path`` is a KVM that creates a VM (with ``guest``: and runs it).
 
-    With ``close_later`` a VM that was created is torn down by a thread of its own (closing it is
-    half the check's time), so the caller has its answer as soon as the VM exists."""
+    With ``close_later`` (and no guest) the VM and the node stay open until close_deferred() in
+    the same thread: closing them is half the check's time, so a helper can hand the answer out
+    first and close after."""
     with ExitStack() as stack:
         kvm = _open(path, stack)
         _api_version(kvm, path)
@@ -168,38 +168,21 @@ def probe_kvm(path: Path, guest: bool = True, *, close_later: bool = False) -> N
         if guest:
             _run_guest(kvm, vm, path, stack)
         elif close_later:
-            _CLOSER.put(stack.pop_all())
+            close_deferred()  # at most one left open per thread, whoever runs this
+            _DEFERRED.stack = stack.pop_all()
 
 
-class _Closer:
-    """Closes what a check is done with, in one daemon thread that sleeps when there is nothing
-    to close. Bounded: past ``limit`` waiting (a teardown that hangs), the caller closes its own."""
+_DEFERRED = threading.local()  # per helper thread: the ExitStack of the VM a check left open
 
-    def __init__(self, limit: int = 16) -> None:
-        self.limit = limit
-        self._queue: queue.SimpleQueue[ExitStack] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
 
-    def put(self, stack: ExitStack) -> None:
-        if self._queue.qsize() >= self.limit:
+def close_deferred() -> None:
+    """Close the VM that a ``close_later`` check left open in this thread (if any): its helper
+    calls this once the check's result is out (BoundedRunner.after)."""
+    stack: ExitStack | None = getattr(_DEFERRED, "stack", None)
+    _DEFERRED.stack = None
+    if stack is not None:
+        with suppress(OSError):  # a failed close of a check's own descriptor
             stack.close()
-            return
-        self._queue.put(stack)
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="hlplugin-probe-closer",
-                                                daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            stack = self._queue.get()
-            with suppress(OSError):  # a failed close of a check's own descriptor
-                stack.close()
-
-
-_CLOSER = _Closer()
 
 
 def _run_guest(kvm: int, vm: int, path: Path, stack: ExitStack) -> None:
