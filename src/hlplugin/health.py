@@ -31,8 +31,9 @@ _IDENTITY = "host_identity"
 class DeviceMonitor:
     """Feeds conditions "device" and "host_identity" of a HealthTracker: a pass on a Producer.
 
-    Checks run periodically, at once when the device node or its host twin changes, and before an
-    Allocate (``ensure_fresh``). Every check runs in the producer's BoundedRunner, so a hung kernel
+    Checks run periodically, at once when the device node or its host twin changes, and in every
+    Allocate (``for_allocate``: without the guest run). Every check runs in the producer's
+    BoundedRunner (the periodic and the Allocate checks alike, one helper), so a hung kernel
     costs at most one stuck thread and a "timed out" condition, never a hung daemon. Checks run as
     their own tasks: a caller that gives up (a cancelled Allocate) neither stops a check nor fails
     the device; the result is recorded either way.
