@@ -6,7 +6,7 @@ the same checks run inside a workload container to check what it was given.
 A KVM check lstats the node (a character device; a symlink is refused, never followed), opens it
 with O_NOFOLLOW, asks for the API version, creates a VM and (with ``guest``) runs a
 three-instruction real-mode guest to its ``hlt``: a node that merely exists, or a VM that cannot
-run, is not a usable device. Without the guest it is the upstream plugin's check (about 0.45 ms),
+run, is not a usable device. Without the guest it is the upstream plugin's check (0.2-0.45 ms),
 the one every Allocate runs. MSHV is only checked for being a character device that opens
 read/write (no VM is created: the upstream check, nothing here can verify more).
 """
