@@ -209,6 +209,9 @@ async def hammer(stub: pb_grpc.DevicePluginStub, calls: int, concurrency: int) -
     return {"p50": pct(latencies, 50), "p99": pct(latencies, 99), "rate": rate}
 
 
+ALLOCATE_BUDGET = {1: 2.0, 16: 1.2}  # Allocate p50 / the empty grpc.aio server's, by concurrency
+
+
 async def bench_allocate(tmp: Path, p: Profile) -> None:
     async with served(tmp, "allocate") as (node, _, _), baseline_server(node.root) as (base, base_pid), \
             grpc.aio.insecure_channel(base) as bch, grpc.aio.insecure_channel(target(node)) as dch:
@@ -224,8 +227,11 @@ async def bench_allocate(tmp: Path, p: Profile) -> None:
                            for who in ("hlplugin", "baseline"))
             ratios = [d["p50"] / b["p50"] for d, b in zip(runs["hlplugin"], runs["baseline"], strict=True)]
             ratio = statistics.median(ratios)
+            # Issue 21's budget for a device check per Allocate: 2x the floor alone, 1.2x at 16
+            # (concurrent Allocates share one check).
+            most = ALLOCATE_BUDGET[concurrency]
             record(f"Allocate p50, concurrency {concurrency}", ms(ours["p50"]), "ms",
-                   goal="<= 1.5x baseline p50", met=ratio <= 1.5, baseline=ms(base_["p50"]),
+                   goal=f"<= {most:g}x baseline p50", met=ratio <= most, baseline=ms(base_["p50"]),
                    ratio=round(ratio, 2),
                    ratios=[round(r, 2) for r in ratios], calls=p.allocs, repeats=p.repeats)
             record(f"Allocate p99, concurrency {concurrency}", ms(ours["p99"]), "ms",

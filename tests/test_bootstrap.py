@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import grpc
 import pytest
-from harness import HAVE_KVM, Node, mknod_char, needs_root, on_kubelet, scrape, value, wait_metric
+from harness import HAVE_KVM, Node, mknod_char, needs_kvm, needs_root, on_kubelet, scrape, value, wait_metric
 
+from hlplugin import hvnode
+from hlplugin.api import deviceplugin_pb2 as pb
+from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from hlplugin.bootstrap import DeviceAccessPlugin, node_watch
+from hlplugin.deviceplugin.conditions import HealthTracker
+from hlplugin.deviceplugin.lifecycle import new_server
 from hlplugin.tools.emulator import AdmissionError
 
 ACCESS = "hyperlight.dev/device-access"
@@ -28,6 +36,7 @@ def make_dev_dir(root: Path) -> Path:
 
 
 @needs_root
+@needs_kvm  # the bootstrap grants only the node with the kernel's kvm numbers (none without KVM)
 async def test_grants_exactly_the_device_refuses_without_it_and_every_family_moves(
         tmp_path: Path) -> None:
     node = Node.make(tmp_path)
@@ -90,3 +99,97 @@ async def test_grants_exactly_the_device_refuses_without_it_and_every_family_mov
             await kubelet.restart()
             await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1, timeout=10)
             await kubelet.admit(ACCESS)
+
+
+# --- the node must be the hypervisor, not merely a character device --------------------------------
+
+NULL = Path("/dev/null")  # a character device that is not a hypervisor
+
+
+def fake_sys(root: Path, **numbers: str) -> Path:
+    """A sysfs root whose misc class lists ``numbers`` (name -> "MAJOR:MINOR")."""
+    sys_dir = root / "sys"
+    (sys_dir / "class" / "misc").mkdir(parents=True)
+    for name, text in numbers.items():
+        (sys_dir / "class" / "misc" / name).mkdir()
+        (sys_dir / "class" / "misc" / name / "dev").write_text(text + "\n")
+    return sys_dir
+
+
+def test_the_hypervisor_numbers_come_from_sysfs_else_proc_misc_and_unknown_says_why(
+        tmp_path: Path) -> None:
+    sys_dir = fake_sys(tmp_path, kvm="10:232", mshv="10:58", broken="ten")
+    assert hvnode.misc_numbers("kvm", sys_dir) == os.makedev(10, 232)
+    assert hvnode.misc_numbers("mshv", sys_dir) == os.makedev(10, 58)
+    with pytest.raises(LookupError, match="holds 'ten', not MAJOR:MINOR"):
+        hvnode.misc_numbers("broken", sys_dir)
+    with pytest.raises(LookupError, match="the kernel has no misc device gone"):
+        hvnode.misc_numbers("gone", sys_dir)
+    # No misc class in sysfs (not mounted): /proc/misc names the minor; the major is misc's, 10.
+    proc_misc = tmp_path / "misc"
+    proc_misc.write_text(" 58 mshv\n232 kvm\n183 hw_random\n")
+    no_sysfs = tmp_path / "empty"
+    no_sysfs.mkdir()
+    assert hvnode.misc_numbers("kvm", no_sysfs, proc_misc) == os.makedev(10, 232)
+    assert hvnode.misc_numbers("mshv", no_sysfs, proc_misc) == os.makedev(10, 58)
+    with pytest.raises(LookupError, match="does not list it"):
+        hvnode.misc_numbers("xen", no_sysfs, proc_misc)
+    with pytest.raises(LookupError, match="cannot read"):
+        hvnode.misc_numbers("kvm", no_sysfs, tmp_path / "absent")
+    if HAVE_KVM:  # the real kernel's, both ways
+        assert hvnode.misc_numbers("kvm") == os.stat("/dev/kvm").st_rdev
+        assert hvnode.misc_numbers("kvm", no_sysfs) == os.stat("/dev/kvm").st_rdev
+
+
+def test_a_character_device_that_is_not_the_hypervisor_is_refused_saying_why(tmp_path: Path) -> None:
+    sys_dir = fake_sys(tmp_path, kvm="10:232")
+    assert hvnode.node_problem(NULL, "kvm", sys_dir) == "/dev/null is device 1:3, not kvm (10:232)"
+    assert hvnode.node_problem(NULL, "mshv", sys_dir).startswith(
+        "cannot tell whether /dev/null is mshv: the kernel has no misc device mshv")
+    (tmp_path / "kvm").symlink_to("/dev/kvm" if HAVE_KVM else NULL)
+    assert hvnode.node_problem(tmp_path / "kvm", "kvm", sys_dir) == (
+        f"{tmp_path / 'kvm'} is not a character device (a symlink)")
+    if HAVE_KVM:
+        assert hvnode.node_problem(Path("/dev/kvm"), "kvm") == ""
+
+
+@needs_root
+async def test_dev_null_numbers_at_the_device_path_are_never_advertised_or_granted(
+        tmp_path: Path) -> None:
+    """A char node with /dev/null's numbers where kvm belongs (the injected sysfs says kvm is
+    10:232): Unhealthy and Allocate refused with the reason; the kvm numbers there: granted."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    node = mknod_char(dev / "kvm", os.stat(NULL).st_rdev)
+    tracker = HealthTracker(required=("device",))
+    watch = node_watch(tracker, node, sys_dir=fake_sys(tmp_path, kvm="10:232"))
+    assert not await watch.check("start")
+    assert tracker.state.reasons == {"device": f"{node} is device 1:3, not kvm (10:232)"}
+    plugin = DeviceAccessPlugin("kvm", tracker, lambda: watch.ensure(0.0, "allocate"))
+    request = pb.AllocateRequest(container_requests=[
+        pb.ContainerAllocateRequest(devices_ids=["device-access-kvm"])])
+    sock = Path(tempfile.mkdtemp(prefix="hlp-", dir="/tmp")) / "b.sock"
+    server = new_server(plugin)
+    server.add_insecure_port(f"unix://{sock}")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{sock}") as channel:
+            stub = pb_grpc.DevicePluginStub(channel)
+            stream = stub.ListAndWatch(pb.Empty())
+            first = await stream.read()
+            assert [d.health for d in first.devices] == ["Unhealthy"]
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Allocate(request, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert refused.value.details() == (
+                f"cannot grant /dev/kvm: device: {node} is device 1:3, not kvm (10:232)")
+            node.unlink()
+            mknod_char(node, os.makedev(10, 232))  # the hypervisor's numbers: granted (never opened)
+            answer = await stub.Allocate(request, timeout=10)
+            assert [d.host_path for d in answer.container_responses[0].devices] == ["/dev/kvm"]
+            assert [d.health for d in (await stream.read()).devices] == ["Healthy"]
+            stream.cancel()
+    finally:
+        plugin.close_streams()
+        await server.stop(None)
+        shutil.rmtree(sock.parent, ignore_errors=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hlplugin import cdi_spec, config
+from hlplugin import aliases, cdi_spec, config
 from hlplugin.cli import build_parser, main
 from hlplugin.tools.emulator import KUBELET_MAX_MESSAGE
 
@@ -309,3 +309,43 @@ def test_no_oserror_from_a_path_setting_escapes(command: str, cli: Cli, tmp_path
     assert "no mshv or kvm device under" in err or command == "doctor", err[:500]
     if command == "cdi":
         bounded(err, 500)
+
+
+# --- the upstream plugin's variable names ----------------------------------------------------------
+
+@pytest.mark.parametrize(("env", "argv", "want", "warned"), [
+    ({"HOST_DEVICE_DIR": "/upstream"}, [], Path("/upstream"), ""),
+    ({"HOST_DEVICE_DIR": "/same", "HYPERLIGHT_HOST_DEV_DIR": "/same/"}, [], Path("/same"), ""),
+    ({"HOST_DEVICE_DIR": "/upstream", "HYPERLIGHT_HOST_DEV_DIR": "/ours"}, [], Path("/ours"),
+     "HOST_DEVICE_DIR='/upstream' (the upstream plugin's name) disagrees with "
+     "HYPERLIGHT_HOST_DEV_DIR='/ours'; using HYPERLIGHT_HOST_DEV_DIR"),
+    ({"HOST_DEVICE_DIR": "/upstream", "HYPERLIGHT_HOST_DEV_DIR": ""}, [], None, "disagrees"),
+    ({"HOST_DEVICE_DIR": ""}, [], Path("/host-dev"), ""),  # empty is unset, as upstream reads it
+    ({"HOST_DEVICE_DIR": "/upstream", "HYPERLIGHT_HOST_DEV_DIR": "/ours"}, ["--host-dev-dir", "/flag"],
+     Path("/flag"), ""),  # a flag wins over both, and their quarrel does not matter
+])
+def test_the_upstream_host_device_dir_is_an_alias_and_ours_wins_saying_so(
+        env: dict[str, str], argv: list[str], want: Path | None, warned: str) -> None:
+    parser = build_parser()
+    for command, names in (("serve", config.SERVE_OPTIONS), ("doctor", config.DOCTOR_OPTIONS)):
+        resolution = config.resolve_sources(parser.parse_args([command, *argv]), names, command, env)
+        assert resolution.settings.host_dev_dir == want
+        shown = [w for w in resolution.warnings if "upstream" in w]
+        if warned:
+            assert len(shown) == 1 and warned in shown[0], shown
+        else:
+            assert shown == []
+        if env.get("HOST_DEVICE_DIR") and "HYPERLIGHT_HOST_DEV_DIR" not in env and not argv:
+            assert resolution.sources["host_dev_dir"] == config.ENVIRONMENT
+
+
+def test_every_upstream_variable_is_read_under_its_own_name_or_an_alias() -> None:
+    """DEVICE_COUNT, DEVICE_UID and DEVICE_GID are ours too; HOST_DEVICE_DIR is an alias."""
+    ours = {o.env for o in config.OPTIONS.values()}
+    for variable in ("DEVICE_COUNT", "DEVICE_UID", "DEVICE_GID"):
+        assert variable in ours
+    assert set(aliases.UPSTREAM.values()) == {"HOST_DEVICE_DIR"}
+    settings, _ = resolve([], {"HOST_DEVICE_DIR": "/x", "DEVICE_COUNT": "7", "DEVICE_UID": "1",
+                               "DEVICE_GID": "2"})
+    assert (settings.host_dev_dir, settings.device_count, settings.device_uid,
+            settings.device_gid) == (Path("/x"), 7, 1, 2)

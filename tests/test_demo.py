@@ -123,7 +123,7 @@ def test_demo_without_a_hypervisor_explains_and_shows_the_rest(
         f"no kvm or mshv under {dev}",
         "hyperlight.dev/hypervisor     capacity 2000   allocatable    0",
         "hlplugin serve      /readyz 503 not ready",
-        f"device: open on {dev / 'kvm'} failed",
+        f"device: device {dev / 'kvm'} is missing",
         "could not allocate a hypervisor slot: Allocate(kvm-0) anyway: FAILED_PRECONDITION",
         "skipped: no allocation", "(cause: malformed, trigger: ",
         "could not grant device access: Allocate(device-access-kvm) anyway: FAILED_PRECONDITION",

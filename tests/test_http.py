@@ -115,7 +115,7 @@ async def test_without_a_device_every_series_is_there_readyz_explains_and_bad_re
         await wait_until(lambda: "hypervisor device" in " ".join(proc.messages()))
         condition, want = (
             ("host_identity", f"device {dev / 'kvm'} is not a character device (a regular file)")
-            if kind == "serve" else ("device", f"{dev / 'kvm'} is not a character device"))
+            if kind == "serve" else ("device", f"{dev / 'kvm'} is not a character device (a regular file)"))
 
         async def explained() -> bool:  # the readiness this answers is set just after that line
             body = json.loads((await proc.get("/readyz"))[1])

@@ -23,6 +23,7 @@ from hlplugin.config import Settings
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.lifecycle import new_server
 from hlplugin.deviceplugin.servicer import MAX_CONTAINERS, MAX_ID_BYTES, MAX_STREAMS, TrackedDevicePlugin
+from hlplugin.health import wait_for_hypervisor
 from hlplugin.metrics import Metrics
 from hlplugin.plugin import HypervisorPlugin
 
@@ -127,6 +128,25 @@ def test_auto_prefers_mshv_over_kvm(tmp_path: Path) -> None:
     (tmp_path / "mshv").touch()
     assert Settings(dev_dir=tmp_path).detect_hypervisor() == "mshv"
     assert Settings(dev_dir=tmp_path, hypervisor="kvm").detect_hypervisor() == "kvm"
+
+
+async def test_auto_never_follows_a_symlink_at_either_name_and_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Detection is by lstat (upstream): a symlink at /dev/mshv or /dev/kvm is passed over,
+    whatever it points at, and the wait's warning names it."""
+    (tmp_path / "mshv").symlink_to("/dev/null")
+    (tmp_path / "kvm").symlink_to("/dev/null")
+    settings = Settings(dev_dir=tmp_path)
+    assert settings.detect_hypervisor() is None
+    with caplog.at_level(logging.WARNING, logger="hlplugin.health"):
+        waiting = asyncio.create_task(wait_for_hypervisor(settings))
+        await wait_until(lambda: "waiting for one" in caplog.text)
+        assert "mshv is a symlink (not followed)" in caplog.text
+        assert "kvm is a symlink (not followed)" in caplog.text
+        (tmp_path / "kvm").unlink()
+        (tmp_path / "kvm").touch()  # a node that is not a symlink: detected (the probe judges it)
+        async with asyncio.timeout(10):
+            assert await waiting == "kvm"  # and the symlink at mshv is not preferred
 
 
 async def test_cancelled_streams_leave_no_task_and_streams_past_the_bound_are_refused(

@@ -18,7 +18,14 @@ import pytest
 from harness import GUARD, Gate, mknod_char, needs_kvm, needs_root, wait_until
 
 from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
-from hlplugin.probe import ProbeError, check_host_identity, probe_device, probe_kvm, probe_mshv
+from hlplugin.probe import (
+    ProbeError,
+    check_host_identity,
+    close_deferred,
+    probe_device,
+    probe_kvm,
+    probe_mshv,
+)
 
 KVM = Path("/dev/kvm")
 SELF = KVM if KVM.exists() else Path("/dev/null")  # the device whose host twin is checked
@@ -93,9 +100,15 @@ NOT_KVM = {"step": "KVM_GET_API_VERSION", "errno": errno.ENOTTY, "path": "{path}
 NOT_CHAR = {"reason": "not_char_device"}
 Make = Callable[[Path], object] | None
 REFUSALS: list[tuple[str, str, Make, Callable[[Path], None], dict[str, Any], str]] = [
-    ("kvm-missing", "kvm", None, probe_kvm, {"step": "open", "errno": errno.ENOENT, "reason": "open"},
-     "open on {path} failed: [Errno 2] No such file or directory"),
-    ("kvm-regular-file", "kvm", Path.touch, lambda p: probe_kvm(p, guest=False), NOT_KVM, ENOTTY),
+    ("kvm-missing", "kvm", None, probe_kvm, {"step": "lstat", "errno": errno.ENOENT, "reason": "open"},
+     f"device {{path}} {MISSING}"),
+    # Only a character device is opened, and never through a symlink (upstream: lstat, O_NOFOLLOW).
+    ("kvm-regular-file", "kvm", Path.touch, lambda p: probe_kvm(p, guest=False), NOT_CHAR,
+     f"device {{path}} {REGULAR}"),
+    ("kvm-symlink-to-the-real-node", "kvm", _symlink(SELF), probe_kvm, NOT_CHAR,
+     f"device {{path}} {SYMLINK}"),
+    ("kvm-symlink-by-dir", "kvm", _symlink(SELF), lambda p: probe_device("kvm", p.parent, guest=False),
+     NOT_CHAR, f"device {{path}} {SYMLINK}"),
     ("kvm-char-device-not-kvm", "kvm", _char(NULL_NUMBERS), probe_kvm, NOT_KVM, ENOTTY),
     ("kvm-char-device-not-kvm-by-dir", "kvm", _char(NULL_NUMBERS), lambda p: probe_device("kvm", p.parent),
      NOT_KVM, ENOTTY),
@@ -111,6 +124,8 @@ REFUSALS: list[tuple[str, str, Make, Callable[[Path], None], dict[str, Any], str
     ("identity-other-numbers", "kvm", _char(os.makedev(1, 5)), HOST_TWIN, {"reason": "identity_mismatch"},
      f"host device node {{path}} is 1:5, but {SELF} is {SELF_NUMBERS}"),
     ("identity-device-missing", "kvm", None, ITSELF, {"errno": errno.ENOENT}, f"device {{path}} {MISSING}"),
+    ("identity-device-symlink-to-the-real-node", "kvm", _symlink(SELF), ITSELF, NOT_CHAR,
+     f"device {{path}} {SYMLINK}"),
     ("identity-device-regular-file", "kvm", Path.touch, ITSELF, NOT_CHAR, f"device {{path}} {REGULAR}"),
 ]
 ROOT_ONLY = {"kvm-char-device-not-kvm", "kvm-char-device-not-kvm-by-dir", "identity-other-numbers"}
@@ -257,3 +272,44 @@ async def test_one_helper_at_a_time_stuck_waited_for_or_cancelled(gate: Gate) ->
     assert await asyncio.gather(*(runner.run(other) for _ in range(10))) == [2] * 10
     assert peak == 1
     assert runner.threads_started == 14
+
+
+async def test_after_runs_once_the_answer_is_out_and_a_stuck_one_stalls_the_next_call(
+        gate: Gate) -> None:
+    """A lingering helper runs ``after`` past its caller's answer, before the next call; stuck in
+    it, the helper is stuck as in a call: the next call times out and no helper is added."""
+    runner = BoundedRunner(budget=GUARD, linger=GUARD)
+    order: list[str] = []
+    answered = threading.Event()
+
+    def cleanup() -> None:
+        answered.wait(GUARD)  # blocks until the caller has its answer: the answer went first
+        order.append("after")
+
+    runner.after = cleanup
+    assert await runner.run(lambda: order.append("call") or 1) == 1
+    answered.set()
+    assert await runner.run(lambda: order.append("next") or 2) == 2
+    assert order[:3] == ["call", "after", "next"]  # (and "after" again, once "next" is out)
+
+    runner.after = gate  # stuck after the next answer
+    assert await runner.run(lambda: 3) == 3
+    await wait_until(gate.started.is_set)
+    with pytest.raises(CheckFailed, match=r"timed out after 0\.2s"):
+        await runner.run(lambda: 4, budget=0.2)
+    assert runner.threads_started == 1
+    gate.release.set()
+    runner.after = None
+    assert await runner.run(lambda: 5) == 5  # the stuck cleanup ended: the helper goes on
+
+
+@needs_kvm
+def test_a_check_that_closes_later_leaves_one_vm_open_until_close_deferred() -> None:
+    before = open_fds()
+    probe_kvm(KVM, guest=False, close_later=True)
+    assert len(open_fds() - before) == 2  # the node and the VM, until the helper closes them
+    probe_kvm(KVM, guest=False, close_later=True)  # the previous one is closed first: never more
+    assert len(open_fds() - before) == 2
+    close_deferred()
+    assert open_fds() == before
+    close_deferred()  # nothing left: a no-op

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import grpc
 
+from hlplugin import hvnode
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.config import Settings, show
 from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import HealthTracker
 from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon
-from hlplugin.deviceplugin.files import char_device
 from hlplugin.deviceplugin.lifecycle import Context, PluginLifecycle
 from hlplugin.deviceplugin.producer import Producer
 from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
@@ -27,15 +27,6 @@ from hlplugin.health import wait_for_hypervisor
 from hlplugin.metrics import Metrics
 from hlplugin.names import DEVICE_ACCESS_RESOURCE as RESOURCE
 from hlplugin.names import DEVICE_ACCESS_SOCKET as SOCKET
-
-
-def node_problem(path: Path) -> str:
-    """Why ``path`` is not a usable character device node, or "" when it is."""
-    try:
-        _, kind = char_device(path)
-    except OSError as exc:
-        return f"{path}: {exc.strerror} (errno {exc.errno})"
-    return f"{path} is not a character device" if kind else ""
 
 
 class DeviceAccessPlugin(TrackedDevicePlugin):
@@ -65,13 +56,16 @@ class DeviceAccessPlugin(TrackedDevicePlugin):
 
 
 def node_watch(tracker: HealthTracker, node: Path, recheck: float = 10.0,
-               budget: float = 2.0) -> Producer:
-    """Keeps condition "device" equal to "the node exists as a character device": a pass on
-    changes to the node's name, every ``recheck`` seconds, in a runner (a hung /dev times out)."""
+               budget: float = 2.0, sys_dir: Path = hvnode.SYS_DIR) -> Producer:
+    """Keeps condition "device" equal to "the node is the hypervisor's": a character device (no
+    symlink) with the numbers the kernel gave the hypervisor named like it (hvnode: sysfs, else
+    /proc/misc), not merely some character device. A pass on changes to the node's name, every
+    ``recheck`` seconds, in a runner (a hung /dev times out)."""
+    problem_of = functools.partial(hvnode.node_problem, node, node.name, sys_dir)
 
     async def check(trigger: str) -> bool:
         try:
-            problem = await producer.runner.run(functools.partial(node_problem, node))
+            problem = await producer.runner.run(problem_of)
         except CheckFailed as exc:
             problem = f"{node}: {exc}"
         tracker.set_condition("device", not problem, problem)
@@ -82,12 +76,13 @@ def node_watch(tracker: HealthTracker, node: Path, recheck: float = 10.0,
     return producer
 
 
-async def bootstrap(settings: Settings) -> None:
+async def bootstrap(settings: Settings, *, sys_dir: Path = hvnode.SYS_DIR) -> None:
     metrics = Metrics()
     tracker = HealthTracker(required=("device",))
 
     async def setup(hv: str) -> Started:
-        watch = node_watch(tracker, settings.dev_dir / hv, budget=settings.probe_timeout)
+        watch = node_watch(tracker, settings.dev_dir / hv, budget=settings.probe_timeout,
+                           sys_dir=sys_dir)
         await watch.check("start")  # before registering; run() goes on from here
         lifecycle = PluginLifecycle(
             settings.plugin_dir, SOCKET, RESOURCE,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from hlplugin import aliases, hvnode
 from hlplugin.deviceplugin import files
 from hlplugin.deviceplugin.quoting import clip, quote
 from hlplugin.names import LONGEST_SOCKET
@@ -181,13 +182,11 @@ class Settings:
     register_timeout: float = 5.0
 
     def detect_hypervisor(self) -> str | None:
-        """The configured hypervisor, or for ``auto`` the present node (mshv over kvm, as upstream)."""
+        """The configured hypervisor, or for ``auto`` the present node (mshv over kvm, as upstream;
+        by lstat, so a symlink at either name does not count)."""
         if self.hypervisor != "auto":
             return self.hypervisor
-        for name in ("mshv", "kvm"):
-            if os.path.exists(self.dev_dir / name):  # never raises: EACCES, EIO... are absent
-                return name
-        return None
+        return hvnode.detect(self.dev_dir)
 
 
 # Every option's default is its Settings field's: declared once, there.
@@ -348,13 +347,15 @@ def resolve_sources(
         default = DEFAULT_OVERRIDES.get(command, {}).get(name, option.default)
         value = getattr(args, name, _UNSET)
         source = FLAG
-        if value is _UNSET and option.env and option.env in env:
-            raw = env[option.env]
+        variable = None if value is not _UNSET else aliases.variable(
+            option.env, aliases.UPSTREAM.get(name), option.parse, env, warnings)
+        if variable is not None:
+            raw = env[variable]
             source = ENVIRONMENT
             try:
                 value = option.parse(raw)
             except ValueError as exc:
-                warnings.append(f"ignoring {option.env}={raw[:40]!r}: {exc}; using the default "
+                warnings.append(f"ignoring {variable}={raw[:40]!r}: {exc}; using the default "
                                 f"{default!r}")
         if value is _UNSET:
             value, source = default, DEFAULT

@@ -3,20 +3,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from hlplugin import hvnode
 from hlplugin.config import HYPERVISORS, Settings, show
 from hlplugin.deviceplugin.bounded import CheckFailed
-from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.conditions import Condition, HealthState, HealthTracker
 from hlplugin.deviceplugin.producer import Producer
 from hlplugin.deviceplugin.watch import DirWatcher
-from hlplugin.probe import check_host_identity, probe_device
+from hlplugin.probe import check_host_identity, close_deferred, probe_device
 
 if TYPE_CHECKING:
     from hlplugin.metrics import Metrics
@@ -29,8 +31,9 @@ _IDENTITY = "host_identity"
 class DeviceMonitor:
     """Feeds conditions "device" and "host_identity" of a HealthTracker: a pass on a Producer.
 
-    Checks run periodically, at once when the device node or its host twin changes, and before an
-    Allocate (``ensure_fresh``). Every check runs in the producer's BoundedRunner, so a hung kernel
+    Checks run periodically, at once when the device node or its host twin changes, and in every
+    Allocate (``for_allocate``: without the guest run). Every check runs in the producer's
+    BoundedRunner (the periodic and the Allocate checks alike, one helper), so a hung kernel
     costs at most one stuck thread and a "timed out" condition, never a hung daemon. Checks run as
     their own tasks: a caller that gives up (a cancelled Allocate) neither stops a check nor fails
     the device; the result is recorded either way.
@@ -49,6 +52,7 @@ class DeviceMonitor:
         metrics: Metrics | None = None,
         device_probe: Callable[[], None] | None = None,
         identity_probe: Callable[[], None] | None = None,
+        allocate_probe: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.tracker = tracker
@@ -56,6 +60,10 @@ class DeviceMonitor:
         self.metrics = metrics
         self._device_probe = device_probe or functools.partial(
             probe_device, hypervisor, dev_dir, guest_check)
+        # Allocate's own check: the upstream one (no guest run), injectable like the others.
+        self._allocate_probe = allocate_probe or (
+            device_probe if device_probe is not None
+            else functools.partial(probe_device, hypervisor, dev_dir, False, close_later=True))
         self._identity_probe = identity_probe
         if identity_probe is None and host_dev_dir is not None:
             self._identity_probe = functools.partial(
@@ -63,9 +71,12 @@ class DeviceMonitor:
         watch = [DirWatcher(dev_dir, {hypervisor})]
         if host_dev_dir is not None:
             watch.append(DirWatcher(host_dev_dir, {hypervisor}))
+        # A helper thread lingers between checks, so one check per Allocate starts no thread.
         self.producer = Producer(f"probe-{hypervisor}", self._pass, watch=watch,
-                                 interval=interval, budget=budget, clock=clock)
+                                 interval=interval, budget=budget, linger=1.0, clock=clock)
         self.runner = self.producer.runner
+        self.runner.after = close_deferred  # the Allocate check's VM closes after its answer
+        self._allocate_checks = SharedCheck(self._allocate_pass)
 
     @property
     def checks(self) -> int:
@@ -86,17 +97,56 @@ class DeviceMonitor:
         await self.producer.ensure(max_age)
         return self.tracker.state
 
+    async def for_allocate(self) -> HealthState:
+        """The device (and host identity) as a check that began after this call finds them: the
+        upstream check (no guest run; the periodic check runs the guest). Concurrent callers share
+        the check in flight if it began after they called, else the next one; a caller that gives
+        up leaves it running. The answer is that check's own, never a later or earlier one's.
+
+        A failure is recorded at once (every stream goes Unhealthy). A success while a condition
+        is failing (the guest failed, or an earlier Allocate's check did) runs the full check, so
+        the device comes back only as the periodic check would bring it back."""
+        return await self._allocate_checks.fresh()
+
     async def run(self) -> None:
         """Check now (unless a check already ran), then every ``interval`` and whenever the node
         changes, until cancelled."""
         await self.producer.run()
 
-    async def _pass(self, trigger: str) -> bool:
+    def _probes(self, device_probe: Callable[[], None]) -> list[tuple[str, Callable[[], None]]]:
         probes: list[tuple[str, Callable[[], None]]] = []
         # Identity first: a stat does not hang, so it is known even when the device probe does.
         if self._identity_probe is not None:
             probes.append((_IDENTITY, self._identity_probe))
-        probes.append((_DEVICE, self._device_probe))
+        probes.append((_DEVICE, device_probe))
+        return probes
+
+    async def _allocate_pass(self) -> HealthState:
+        results = await self._run(self._probes(self._allocate_probe))
+        conditions = self.tracker.state.conditions
+        if all(error is None for _, error in results.values()) and not all(
+                conditions[name].ok for name in (_DEVICE, _IDENTITY) if name in conditions):
+            results = await self._run(self._probes(self._device_probe))
+        for name, (duration, error) in results.items():
+            self._record(name, duration, error)
+        if self._identity_probe is None:
+            self.tracker.set_condition(_IDENTITY, True)
+        # This check's own answer, whatever else was recorded while it ran.
+        answer = dict(self.tracker.state.conditions)
+        answer.update({name: Condition(error is None, "" if error is None else _reason(error)[1])
+                       for name, (_, error) in results.items()})
+        return HealthState(answer, self.tracker.state.generation)
+
+    async def _pass(self, trigger: str) -> bool:
+        for name, (duration, error) in (await self._run(self._probes(self._device_probe))).items():
+            self._record(name, duration, error)
+        if self._identity_probe is None:
+            self.tracker.set_condition(_IDENTITY, True)
+        return self.tracker.state.healthy
+
+    async def _run(self, probes: list[tuple[str, Callable[[], None]]]
+                   ) -> dict[str, tuple[float, BaseException | None]]:
+        """Run ``probes`` in order in one helper of the runner: each one's duration and error."""
         results: dict[str, tuple[float, BaseException | None]] = {}
         running: list[str] = []
 
@@ -113,12 +163,7 @@ class DeviceMonitor:
             # Stuck before starting: nothing ran, the device is not proven usable.
             stuck = running[-1] if running and exc.step == "timeout" else _DEVICE
             results.setdefault(stuck, (time.monotonic() - started, exc))
-        for name, _ in probes:
-            if name in results:
-                self._record(name, *results[name])
-        if self._identity_probe is None:
-            self.tracker.set_condition(_IDENTITY, True)
-        return self.tracker.state.healthy
+        return {name: results[name] for name, _ in probes if name in results}
 
     def _record(self, name: str, duration: float, error: BaseException | None) -> None:
         if self.metrics is not None:
@@ -126,13 +171,50 @@ class DeviceMonitor:
         if error is None:
             self.tracker.set_condition(name, True)
             return
-        if isinstance(error, CheckFailed):
-            reason, text = error.reason, str(error)
-        else:  # an injected or unexpected failure: still a failed check, never a crash
-            reason, text = "error", f"{type(error).__name__}: {error}"
+        reason, text = _reason(error)
         if self.metrics is not None:
             self.metrics.probe_failures.labels(reason=reason).inc()
         self.tracker.set_condition(name, False, text)
+
+
+def _reason(error: BaseException) -> tuple[str, str]:
+    """A failed check's metric reason and message."""
+    if isinstance(error, CheckFailed):
+        return error.reason, str(error)
+    # An injected or unexpected failure: still a failed check, never a crash.
+    return "error", f"{type(error).__name__}: {error}"
+
+
+T = TypeVar("T")
+
+
+class SharedCheck(Generic[T]):
+    """Answers each caller from a run of ``check`` that began after the caller arrived; callers
+    share it. Runs are numbered, so "began after" needs no clock: a run in flight that began
+    before a caller is waited out (whatever it finds), then the caller shares the next one. Each
+    run is its own task: a caller that gives up never stops it."""
+
+    def __init__(self, check: Callable[[], Coroutine[Any, Any, T]]) -> None:
+        self._check = check
+        self._started = 0
+        self._latest: asyncio.Task[T] | None = None
+
+    async def fresh(self) -> T:
+        arrived = self._started
+        yielded = False
+        while True:
+            latest = self._latest
+            if latest is not None and self._started > arrived:  # began after we arrived
+                return await asyncio.shield(latest)
+            if latest is not None and not latest.done():
+                await asyncio.wait([latest])  # an earlier run: its answer is not ours
+                continue
+            if not yielded:  # one loop turn first: callers already on their way share this run
+                yielded = True
+                await asyncio.sleep(0)
+                continue
+            self._started += 1
+            self._latest = asyncio.create_task(self._check(), name="hlplugin-shared-check")
 
 
 def _timed(probe: Callable[[], None]) -> tuple[float, BaseException | None]:
@@ -150,8 +232,9 @@ async def wait_for_hypervisor(settings: Settings) -> str:
     found = settings.detect_hypervisor()
     if found is not None:
         return found
-    log.warning("no hypervisor device under %s (looked for mshv and kvm); waiting for one",
-                show(settings.dev_dir))
+    skipped = "".join(f"; {why}" for why in hvnode.skipped(settings.dev_dir))
+    log.warning("no hypervisor device under %s (looked for mshv and kvm%s); waiting for one",
+                show(settings.dev_dir), skipped)
     # aclosing: leaving the loop early must close the watcher now, not whenever the garbage
     # collector finalizes the generator (by then its inotify fd number may belong to another).
     async with contextlib.aclosing(DirWatcher(settings.dev_dir, HYPERVISORS).changes()) as changes:

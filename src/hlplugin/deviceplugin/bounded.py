@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -41,7 +42,9 @@ class BoundedRunner:
 
     With ``linger`` (seconds), a helper that finished waits that long for the next call instead
     of ending, so frequent short checks (one per Allocate) do not each start a thread; an idle
-    runner still costs nothing once it has lingered.
+    runner still costs nothing once it has lingered. Such a helper runs ``after`` (if set) once
+    each call's result is out, before it takes the next call: cleanup off the caller's path, and
+    a helper stuck in it is stuck as in a call (the next call waits for it within its budget).
     """
 
     def __init__(self, budget: float = 2.0, name: str = "bounded-check",
@@ -49,6 +52,7 @@ class BoundedRunner:
         self.budget = budget
         self.name = name
         self.linger = linger
+        self.after: Callable[[], object] | None = None
         self.threads_started = 0
         self.calls = 0
         self._lock = threading.Lock()
@@ -111,6 +115,9 @@ class BoundedRunner:
                 helper.set_exception(error)
             else:
                 helper.set_result(result)
+            if self.after is not None:
+                with contextlib.suppress(Exception):
+                    self.after()
             try:
                 job = inbox.get(timeout=self.linger)
                 continue
