@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hlplugin import config
+from hlplugin import config, durations
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -41,7 +41,8 @@ def render_options_table() -> str:
     rows = ["| flag | environment | default | used by | meaning |",
             "| --- | --- | --- | --- | --- |"]
     for name, option in config.OPTIONS.items():
-        default = _shown(option.default)
+        default = (f"`{durations.show(option.default)}`" if option.metavar == config.DURATION
+                   else _shown(option.default))
         for command, overrides in config.DEFAULT_OVERRIDES.items():
             if name in overrides:
                 default += f" ({command}: {_shown(overrides[name])})"

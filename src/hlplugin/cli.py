@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hlplugin {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, options) in _COMMANDS.items():
-        sub = commands.add_parser(name, help=help_text, description=help_text)
+        durations = any(config.OPTIONS[o].metavar == config.DURATION for o in options)
+        sub = commands.add_parser(name, help=help_text, description=help_text,
+                                  epilog=config.DURATION_HELP if durations else None)
         sub.set_defaults(subparser=sub)  # errors found after parsing print this command's usage
         config.add_options(sub, options, name)
         if name == "cdi":
