@@ -40,7 +40,8 @@ async def test_grants_exactly_the_device_refuses_without_it_and_every_family_mov
         assert resource.endpoint == "hyperlight-device-access.sock"
         assert list(resource.devices) == ["device-access-kvm"]
         ready = json.loads(await proc.wait_http("/readyz", 200))
-        assert ready == {"status": "ready", "conditions": {name: {"ok": True, "reason": ""} for name in (
+        assert ready == {"status": "ready", "ignored_settings": [],
+                         "conditions": {name: {"ok": True, "reason": ""} for name in (
             "registered", "listandwatch", "device")}}
         m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
         first = {key for key in m if key[0].startswith("hyperlight_")}

@@ -110,7 +110,8 @@ def test_invalid_env_falls_back_to_default_with_warning(name: str, value: str, s
     ([], {"HYPERLIGHT_HEALTH_INTERVAL": "1.5m"}, {"health_interval": 90.0}, ""),
     ([], {"HYPERLIGHT_PROBE_TIMEOUT": "500ms"}, {"probe_timeout": 0.5}, ""),
     ([], {"HYPERLIGHT_REGISTER_TIMEOUT": "100ms"}, {"register_timeout": 0.1}, ""),
-    (["--cdi-interval", "2m", "--probe-timeout", "250ms"], {}, {"cdi_interval": 120.0, "probe_timeout": 0.25}, ""),
+    (["--cdi-interval", "2m", "--probe-timeout", "250ms"], {},
+     {"cdi_interval": 120.0, "probe_timeout": 0.25}, ""),
     (["--register-timeout", "1m"], {}, {"register_timeout": 60.0}, ""),
 ])
 def test_valid_values_are_taken(argv: list[str], env: dict[str, str], want: dict[str, Any], warns: str,

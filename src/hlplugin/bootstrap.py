@@ -17,7 +17,7 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.config import Settings
 from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import HealthTracker
-from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon
+from hlplugin.deviceplugin.daemon import DaemonSpec, Launch, Started, run_daemon
 from hlplugin.deviceplugin.files import char_device
 from hlplugin.deviceplugin.lifecycle import Context, PluginLifecycle
 from hlplugin.deviceplugin.producer import Producer
@@ -82,7 +82,7 @@ def node_watch(tracker: HealthTracker, node: Path, recheck: float = 10.0,
     return producer
 
 
-async def bootstrap(settings: Settings) -> None:
+async def bootstrap(settings: Settings, launch: Launch | None = None) -> None:
     metrics = Metrics()
     tracker = HealthTracker(required=("device",))
 
@@ -101,4 +101,5 @@ async def bootstrap(settings: Settings) -> None:
     await run_daemon(DaemonSpec(
         "hlplugin bootstrap", settings.http_address, tracker, metrics,
         functools.partial(wait_for_hypervisor, settings), setup,
-        pending={"hypervisor": f"no mshv or kvm device under {settings.dev_dir}"}))
+        pending={"hypervisor": f"no mshv or kvm device under {settings.dev_dir}"},
+        launch=launch or Launch()))

@@ -6,13 +6,13 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import sys
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
 from hlplugin import __version__, config, logs
+from hlplugin.deviceplugin.signals import StopSignals
 
 log = logging.getLogger("hlplugin")
 
@@ -85,14 +85,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     config.log_warnings(resolution.warnings)
     if daemon:
         _limit_malloc_arenas()
+        # From here until the process exits a stop signal never kills it (deviceplugin/signals.py).
+        signals = StopSignals().install()
+        from hlplugin.deviceplugin.daemon import Launch  # imports gRPC: after capture_stderr
+
+        launch = Launch(resolution.ignored, signals)
     if args.command == "serve":
         from hlplugin.plugin import serve
 
-        return _run(serve(settings))
+        return _run(serve(settings, launch), signals)
     if args.command == "bootstrap":
         from hlplugin.bootstrap import bootstrap
 
-        return _run(bootstrap(settings))
+        return _run(bootstrap(settings, launch), signals)
     if args.command == "cdi":
         return _cdi(settings, args.check)
     if args.command == "doctor":
@@ -104,13 +109,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return demo(keep=args.keep)
 
 
-def _run(coroutine: Coroutine[Any, Any, None]) -> int:
-    with contextlib.suppress(KeyboardInterrupt):
+def _run(coroutine: Coroutine[Any, Any, None], signals: StopSignals) -> int:
+    try:
         asyncio.run(coroutine)
-    # Stopped. The interpreter still waits for worker threads, and a check stuck in the kernel
-    # (a hung filesystem) holds one until it returns: a second SIGTERM meanwhile, once asyncio
-    # has restored the default action, must not turn a clean stop into death by signal.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    finally:
+        # Stopped, the process may still wait for a helper stuck in the kernel (a hung
+        # filesystem) to return: a second SIGTERM meanwhile must not kill it.
+        signals.ignore()
     return 0
 
 

@@ -285,11 +285,13 @@ FLAG, ENVIRONMENT, DEFAULT = "flag", "environment", "default"
 @dataclass(frozen=True)
 class Resolution:
     """Settings, the warnings to log, and where each setting came from (FLAG, ENVIRONMENT or
-    DEFAULT; an invalid environment value counts as DEFAULT, since the default is what runs)."""
+    DEFAULT; an invalid environment value counts as DEFAULT, since the default is what runs);
+    ``ignored`` names the settings whose environment value was invalid (the daemons export them)."""
 
     settings: Settings
     warnings: list[str]
     sources: dict[str, str]
+    ignored: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """The effective settings grouped by source, for the one start-up line."""
@@ -325,6 +327,7 @@ def resolve_sources(
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     warnings: list[str] = []
+    ignored: list[str] = []
     for name in names:
         option = OPTIONS[name]
         default = DEFAULT_OVERRIDES.get(command, {}).get(name, option.default)
@@ -336,6 +339,7 @@ def resolve_sources(
             try:
                 value = option.parse(raw)
             except ValueError as exc:
+                ignored.append(name)
                 warnings.append(f"ignoring {option.env}={raw[:40]!r}: {exc}; using the default "
                                 f"{default!r}")
         if value is _UNSET:
@@ -345,7 +349,7 @@ def resolve_sources(
     settings = Settings(**values)
     if "host_dev_dir" in names and settings.host_dev_dir is None:
         warnings.append("host device identity check is off (--host-dev-dir is empty)")
-    return Resolution(settings, warnings, sources)
+    return Resolution(settings, warnings, sources, tuple(ignored))
 
 
 def resolve(

@@ -16,7 +16,7 @@ from hlplugin import cdi
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.config import Settings
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon
+from hlplugin.deviceplugin.daemon import DaemonSpec, Launch, Started, run_daemon
 from hlplugin.deviceplugin.lifecycle import Context, PluginLifecycle
 from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
 from hlplugin.health import DeviceMonitor, wait_for_hypervisor
@@ -69,7 +69,7 @@ class HypervisorPlugin(TrackedDevicePlugin):
         return response
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings, launch: Launch | None = None) -> None:
     """The main daemon: CDI reconciler, device monitor and the hyperlight.dev/hypervisor plugin."""
     metrics = Metrics()
     tracker = HealthTracker(required=("cdi", "device", "host_identity"))
@@ -104,4 +104,5 @@ async def serve(settings: Settings) -> None:
     await run_daemon(DaemonSpec(
         "hlplugin serve", settings.http_address, tracker, metrics,
         functools.partial(wait_for_hypervisor, settings), setup,
-        pending={"hypervisor": f"no mshv or kvm device under {settings.dev_dir}"}))
+        pending={"hypervisor": f"no mshv or kvm device under {settings.dev_dir}"},
+        launch=launch or Launch()))
