@@ -14,9 +14,14 @@
 #   PYTHON            python with the package and its test extras (python3)
 set -euo pipefail
 
-usage() {
+usage() {  # a usage error: to stderr, exit 2
     sed -n '2,15s/^# \{0,1\}//p' "$0" >&2
     exit 2
+}
+
+help() {  # asked for: to stdout, exit 0
+    sed -n '2,15s/^# \{0,1\}//p' "$0"
+    exit 0
 }
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -83,6 +88,6 @@ case "$1" in
         export HLPLUGIN_IMAGE HLPLUGIN_IMAGE_BUILT=1
         exec "${PYTHON:-python3}" -m pytest -m node "$repo/tests/test_node.py" "$@"
         ;;
-    -h|--help) usage ;;
+    -h|--help) help ;;
     *) echo "local-node: unknown command: $1" >&2; usage ;;
 esac
