@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from hlplugin import cdi, config, durations
-from hlplugin.cli import build_parser, main
+from hlplugin.cli import _not_a_directory, build_parser, main
 
 Cli = Callable[..., tuple[int, str, str]]
 
@@ -251,3 +251,41 @@ def test_help_says_what_a_duration_is(cli: Cli) -> None:
     flat = " ".join(out.split())
     assert "--cdi-interval DURATION" in flat and "1s-1h" in flat and "default 10s" in flat
     assert "DURATION is a number of seconds or a number with ms, s, m or h" in flat
+
+
+@pytest.mark.parametrize("where", ["file", "under-a-file"])
+def test_serve_with_a_cdi_dir_that_cannot_be_a_directory_exits_2_naming_the_flag(
+        cli: Cli, tmp_path: Path, where: str) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cdi_dir = afile if where == "file" else afile / "cdi"
+    code, _, err = cli("serve", "--cdi-dir", str(cdi_dir))
+    assert code == 2
+    assert err.splitlines()[-1].startswith(
+        "hlplugin serve: error: argument --cdi-dir (or HYPERLIGHT_CDI_DIR): ")
+    assert f"{afile} is not a directory" in err and "EEXIST" not in err
+    # One that does not exist yet under a directory is fine: the daemon makes it.
+    assert _not_a_directory(tmp_path / "new" / "cdi") == ""
+
+
+def test_cdi_help_lists_only_what_shapes_the_spec(cli: Cli) -> None:
+    code, out, _ = cli("cdi", "--help")
+    assert code == 0
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", out))
+    assert flags == {"--help", "--dev-dir", "--hypervisor", "--device-uid", "--device-gid", "--check"}
+    assert "takes the rest of the serve command line" in " ".join(out.split())
+
+
+def test_serve_help_says_what_it_writes_and_binds_and_how_to_run_it_by_hand(cli: Cli) -> None:
+    code, out, _ = cli("serve", "--help")
+    assert code == 0
+    flat = " ".join(out.split())
+    for part in ("writes /var/run/cdi/hyperlight.json", "podman and containerd", "stays after exit",
+                 "/var/lib/kubelet/device-plugins", "0.0.0.0:8080",
+                 "--plugin-dir /tmp/hl/plugins --cdi-dir /tmp/hl/cdi --http-address 127.0.0.1:0"):
+        assert part in flat, part
+    # The command it gives parses, and points everything away from the machine's own paths.
+    command = re.search(r"hlplugin (serve --plugin-dir \S+ --cdi-dir \S+ --http-address \S+)", flat)
+    assert command is not None
+    args = build_parser().parse_args(command.group(1).split())
+    assert args.plugin_dir == Path("/tmp/hl/plugins") and args.http_address == ("127.0.0.1", 0)

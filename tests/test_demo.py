@@ -34,6 +34,12 @@ def processes_mentioning(text: str) -> list[str]:
     return [line for line in found.stdout.splitlines() if line.split()[0] != str(os.getpid())]
 
 
+def doctor_device_only(*args: str) -> subprocess.CompletedProcess[str]:
+    """`hlplugin doctor --device-only`, the verdict the demo gives, as a user would run it."""
+    return subprocess.run([sys.executable, "-m", "hlplugin", "doctor", "--device-only", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
 def explains_itself(out: str, root: Path) -> None:
     """One "why" per step, the words a newcomer needs (device plugin, CDI, the 2,000 slots, the
     bootstrap daemon), and the daemons' real command lines: the CLI parses them, and they point
@@ -70,6 +76,8 @@ def test_demo_runs_the_main_job(short_tmp: Path, keep: bool) -> None:
                             capture_output=True, text=True, timeout=60)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
+    # The same verdict as doctor --device-only on the same machine (no kubelet needed by either).
+    assert doctor_device_only().returncode == result.returncode
     root = Path(re.search(r"node root +(\S+)", out).group(1))  # type: ignore[union-attr]
     explains_itself(out, root)
     for expected in [
@@ -118,6 +126,8 @@ def test_demo_without_a_hypervisor_explains_and_shows_the_rest(
     code = demo(keep=True, dev_dir=dev, out=out)
     text = out.getvalue()
     assert code == 1, text
+    assert doctor_device_only("--dev-dir", str(dev)).returncode == code
+    assert "modprobe kvm_intel or kvm_amd" in text and "nested virtualisation" in text
     for expected in [
         f"no kvm or mshv under {dev}",
         "hyperlight.dev/hypervisor     capacity 2000   allocatable    0",
@@ -126,7 +136,7 @@ def test_demo_without_a_hypervisor_explains_and_shows_the_rest(
         "could not allocate a hypervisor slot: Allocate(kvm-0) anyway: FAILED_PRECONDITION",
         "skipped: no allocation", "(cause: malformed, trigger: ",
         "could not grant device access: Allocate(device-access-kvm) anyway: FAILED_PRECONDITION",
-        "hlplugin serve      exited 0", "hlplugin doctor",
+        "hlplugin serve      exited 0", "hlplugin doctor --device-only",
         "result: this machine cannot run Hyperlight workloads: could not allocate a hypervisor "
         "slot, grant device access",
     ]:

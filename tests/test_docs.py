@@ -461,7 +461,7 @@ def test_benchmark_run_times_agree_with_the_script() -> None:
     ("condition cdi is sad: …", False),
     ("repaired CDI spec … (cause: …, trigger: …)", True),
     ("repaired CDI spec /x (because: malformed)", False),
-    ("no hypervisor device under … (looked for mshv and kvm); waiting for one", True),
+    ("no hypervisor device under … (looked for mshv and kvm); waiting for one; …", True),
     ("no hypervisor device under …; waiting for one", False),  # "…" hides the template's words
     ("open on /dev/kvm failed: [Errno 13] Permission denied", True),
     ("the failing step and errno", False),

@@ -151,14 +151,20 @@ async def test_no_hypervisor_at_start_stays_up_unready_then_recovers(tmp_path: P
 async def test_ignored_environment_values_are_exported_and_listed_without_failing_readiness(
         tmp_path: Path) -> None:
     """DEVICE_COUNT=0 runs with the default 2000, as upstream does; the operator learns it from a
-    gauge per ignored setting and from /readyz, in every answer, 503 and 200 alike."""
+    gauge per ignored setting and from /readyz, in every answer, 503 and 200 alike. The log says
+    "advertising" once the kubelet has the list, not at start."""
     node = Node.make(tmp_path)
     env = {"DEVICE_COUNT": "0", "HYPERLIGHT_CDI_INTERVAL": "10x", "HYPERLIGHT_HEALTH_INTERVAL": "1m"}
     async with daemon(node.serve_args(), env, graceful=True) as proc:
         unready = json.loads(await proc.wait_http("/readyz", 503))  # no kubelet yet
         assert unready["ignored_settings"] == ["cdi_interval", "device_count"]
+        await wait_until(lambda: (node.plugin_dir / "hyperlight.sock").exists())
+        # "advertising" is said when the kubelet has the list, not when there is none to have it.
+        assert not any("advertising" in m for m in proc.messages()), proc.messages()
         async with emulator(node.plugin_dir) as kubelet:
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 2000, timeout=10)
+            await wait_until(lambda: "advertising 2000 devices to the kubelet, all Healthy"
+                             in proc.messages(), what="the advertising line")
             ready = json.loads(await proc.wait_http("/readyz", 200))
             assert ready["status"] == "ready"
             assert ready["ignored_settings"] == ["cdi_interval", "device_count"]

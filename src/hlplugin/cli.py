@@ -13,6 +13,7 @@ from typing import Any
 
 from hlplugin import __version__, config, logs
 from hlplugin.deviceplugin.signals import StopSignals
+from hlplugin.names import NO_HYPERVISOR_HINT
 
 log = logging.getLogger("hlplugin")
 
@@ -25,6 +26,18 @@ _COMMANDS = {
     "demo": ("run both daemons against a built-in kubelet emulator in a temporary node root", ()),
 }
 
+# What `serve` does to the machine it runs on, said in its --help and in the README.
+SERVE_EFFECTS = (
+    "With the defaults, serve writes /var/run/cdi/hyperlight.json (podman and containerd on this "
+    "machine read it; it stays after exit, by design, for containers already running), creates "
+    "hyperlight.sock in /var/lib/kubelet/device-plugins and serves HTTP on 0.0.0.0:8080, every "
+    "address of the machine. To run it by hand without touching the machine, give it scratch "
+    "directories and a loopback address: hlplugin serve --plugin-dir /tmp/hl/plugins --cdi-dir "
+    "/tmp/hl/cdi --http-address 127.0.0.1:0 (hlplugin demo does that, with a kubelet emulator).")
+# `hlplugin cdi` takes the serve command line as it is, so an operator can paste it; --help lists
+# only what shapes the spec.
+CDI_SHAPES = ("dev_dir", "hypervisor", "device_uid", "device_gid")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -34,16 +47,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hlplugin {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, options) in _COMMANDS.items():
-        durations = any(config.OPTIONS[o].metavar == config.DURATION for o in options)
-        sub = commands.add_parser(name, help=help_text, description=help_text,
+        durations = name != "cdi" and any(config.OPTIONS[o].metavar == config.DURATION
+                                          for o in options)
+        description = {"serve": f"{help_text}. {SERVE_EFFECTS}",
+                       "cdi": f"{help_text}. It also takes the rest of the serve command line, "
+                              "and ignores it: only the options below shape the spec."}
+        sub = commands.add_parser(name, help=help_text, description=description.get(name, help_text),
                                   epilog=config.DURATION_HELP if durations else None)
         sub.set_defaults(subparser=sub)  # errors found after parsing print this command's usage
         config.add_options(sub, options, name)
         if name == "cdi":
+            for action in sub._actions:
+                if action.dest in config.OPTIONS and action.dest not in CDI_SHAPES:
+                    action.help = argparse.SUPPRESS
             sub.add_argument("--check", type=Path, metavar="FILE",
                              help="exit 0 when FILE is exactly the spec, 1 with a difference")
         elif name == "doctor":
             sub.add_argument("--json", action="store_true", help="print the report as JSON")
+            sub.add_argument("--device-only", action="store_true",
+                             help="check only the hypervisor and the CDI device a workload would "
+                                  "get, nothing of the kubelet: exit 0 where they work (the verdict "
+                                  "of hlplugin demo)")
         elif name == "demo":
             sub.add_argument("--keep", action="store_true",
                              help="keep the temporary node root and print its path")
@@ -73,15 +97,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = config.socket_path_problem(settings.plugin_dir)
         if problem:
             args.subparser.error(f"argument --plugin-dir (or HYPERLIGHT_PLUGIN_DIR): {problem}")
+    if args.command == "serve":
+        problem = _not_a_directory(settings.cdi_dir)
+        if problem:
+            args.subparser.error(f"argument --cdi-dir (or HYPERLIGHT_CDI_DIR): {problem}")
     logs.configure(settings.log_format, settings.log_level)
     if daemon:
         # Before gRPC is imported: its C core prints to fd 2 from its own threads (errors only,
         # unless GRPC_VERBOSITY says otherwise).
         logs.capture_stderr()
-        log.info("hlplugin %s %s starting; %s", args.command, __version__, resolution.describe(),
-                 extra={"version": __version__,
-                        "settings": {n: config.show(getattr(settings, n)) for n in options},
-                        "sources": resolution.sources})
+        # Each setting once: in the text line, grouped by source; in JSON, as fields.
+        if settings.log_format == "json":
+            log.info("hlplugin %s %s starting", args.command, __version__,
+                     extra={"version": __version__,
+                            "settings": {n: config.show(getattr(settings, n)) for n in options},
+                            "sources": resolution.sources})
+        else:
+            log.info("hlplugin %s %s starting; %s", args.command, __version__,
+                     resolution.describe())
     config.log_warnings(resolution.warnings)
     if daemon:
         _limit_malloc_arenas()
@@ -103,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "doctor":
         from hlplugin.doctor import doctor
 
-        return doctor(settings, as_json=args.json)
+        return doctor(settings, as_json=args.json, device_only=args.device_only)
     from hlplugin.demo import demo
 
     return demo(keep=args.keep)
@@ -119,13 +152,30 @@ def _run(coroutine: Coroutine[Any, Any, None], signals: StopSignals) -> int:
     return 0
 
 
+def _not_a_directory(path: Path) -> str:
+    """Why ``path`` can never be a directory (it, or the nearest existing ancestor, is something
+    else), or "" (it is one, or can be made)."""
+    for candidate in (path, *path.parents):
+        try:
+            is_dir = candidate.is_dir()
+            exists = is_dir or candidate.exists()
+        except OSError:
+            return ""  # unreadable: the daemon says so, with the reason, when it gets there
+        if is_dir:
+            return ""
+        if exists:
+            return (f"{path} is not a directory" if candidate == path
+                    else f"{path} cannot be a directory: {candidate} is not a directory")
+    return ""
+
+
 def _cdi(settings: config.Settings, check: Path | None) -> int:
     from hlplugin import cdi
 
     hypervisor = settings.detect_hypervisor()
     if hypervisor is None:
-        print(f"hlplugin cdi: no mshv or kvm device under {settings.dev_dir}; pass --hypervisor",
-              file=sys.stderr)
+        print(f"hlplugin cdi: no mshv or kvm device under {settings.dev_dir}; pass --hypervisor "
+              f"(and {NO_HYPERVISOR_HINT})", file=sys.stderr)
         return 1
     desired = cdi.render_spec(hypervisor, settings.device_uid, settings.device_gid)
     if check is None:

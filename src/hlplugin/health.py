@@ -16,6 +16,7 @@ from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.producer import Producer
 from hlplugin.deviceplugin.watch import DirWatcher
+from hlplugin.names import NO_HYPERVISOR_HINT
 from hlplugin.probe import check_host_identity, probe_device
 
 if TYPE_CHECKING:
@@ -117,7 +118,8 @@ class DeviceMonitor:
             if name in results:
                 self._record(name, *results[name])
         if self._identity_probe is None:
-            self.tracker.set_condition(_IDENTITY, True)
+            self.tracker.set_condition(_IDENTITY, True, off="the host identity check is off "
+                                                            "(--host-dev-dir is empty)")
         return self.tracker.state.healthy
 
     def _record(self, name: str, duration: float, error: BaseException | None) -> None:
@@ -150,8 +152,8 @@ async def wait_for_hypervisor(settings: Settings) -> str:
     found = settings.detect_hypervisor()
     if found is not None:
         return found
-    log.warning("no hypervisor device under %s (looked for mshv and kvm); waiting for one",
-                settings.dev_dir)
+    log.warning("no hypervisor device under %s (looked for mshv and kvm); waiting for one; %s",
+                settings.dev_dir, NO_HYPERVISOR_HINT)
     # aclosing: leaving the loop early must close the watcher now, not whenever the garbage
     # collector finalizes the generator (by then its inotify fd number may belong to another).
     async with contextlib.aclosing(DirWatcher(settings.dev_dir, HYPERVISORS).changes()) as changes:

@@ -97,7 +97,6 @@ async def serve(settings: Settings, launch: Launch | None = None) -> None:
             lambda: HypervisorPlugin(hv, settings.device_count, tracker, gate,
                                      cdi_annotations=settings.cdi_annotations, metrics=metrics),
             register_timeout=settings.register_timeout, metrics=metrics)
-        log.info("advertising %d %s slots for %s", settings.device_count, RESOURCE, hv)
         return Started(lifecycle, {"cdi": reconciler.run(), "device-health": monitor.run(),
                                    "plugin": lifecycle.run()})
 

@@ -77,17 +77,22 @@ class HealthTracker:
         """Called synchronously with (old, new) on every transition (metrics, logs)."""
         self._listeners.append(listener)
 
-    def set_condition(self, name: str, ok: bool, reason: str = "") -> None:
-        """Record a completed check; only a real change bumps the generation and wakes waiters."""
+    def set_condition(self, name: str, ok: bool, reason: str = "", *, off: str = "") -> None:
+        """Record a completed check; only a real change bumps the generation and wakes waiters.
+        ``off`` says why a condition is switched off: it holds, and its reason says so."""
         self.last_check[name] = self._clock()
-        new = Condition(ok, "" if ok else (reason or "unknown failure"))
+        if off:
+            ok, reason = True, f"off: {off}"
+        new = Condition(ok, reason if off else "" if ok else (reason or "unknown failure"))
         old_state = self._state
         if old_state.conditions.get(name) == new:
             return
         conditions = dict(old_state.conditions)
         conditions[name] = new
         self._state = HealthState(MappingProxyType(conditions), old_state.generation + 1)
-        if ok:
+        if off:
+            log.info("condition %s is off: %s", name, off, extra={"condition": name})
+        elif ok:
             log.info("condition %s is healthy", name, extra={"condition": name})
         else:
             log.warning(
