@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from harness import needs_kvm
 
 from hlplugin import cli
 from hlplugin.demo import demo
+from hlplugin.demo_hold import HOLDING
 
 
 @pytest.fixture
@@ -150,3 +154,58 @@ def test_demo_without_a_hypervisor_explains_and_shows_the_rest(
     assert (root / "cdi" / "hyperlight.json").is_file()  # --keep keeps what was made
     assert sorted(p.name for p in (root / "device-plugins").iterdir()) == []  # sockets gone
     assert processes_mentioning(str(root)) == []
+
+
+@needs_kvm
+async def test_demo_hold_stays_up_allocates_on_request_and_stops_on_ctrl_c(short_tmp: Path) -> None:
+    """`hlplugin demo --hold`: both daemons registered and kept running; /readyz answers 200 at the
+    URL it prints, the metrics show the 2000 slots, an allocation made through the emulator from
+    another process (`demo --allocate SOCKET`) and one typed at it are answered; SIGINT (Ctrl-C)
+    exits 0 and leaves nothing behind."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hlplugin", "demo", "--hold", env={**os.environ, "TMPDIR": str(short_tmp)},
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None and proc.stdin is not None
+    lines: list[str] = []
+    try:
+        async with asyncio.timeout(60):  # a guard: it holds after about a second
+            while HOLDING not in lines:
+                line = (await proc.stdout.readline()).decode()
+                assert line, "\n".join(lines)
+                lines.append(line.rstrip("\n"))
+        out = "\n".join(lines)
+        readyz = re.search(r"hlplugin serve +pid \d+, (http://127\.0\.0\.1:\d+)/readyz", out)
+        assert readyz is not None, out
+        code, body = await asyncio.to_thread(fetch, readyz.group(1) + "/readyz")
+        assert code == 200 and json.loads(body)["status"] == "ready", body
+        _, metrics = await asyncio.to_thread(fetch, readyz.group(1) + "/metrics")
+        assert "hyperlight_devices_advertised 2000.0" in metrics
+        for command in re.findall(r"^ {3}(\S+ -m hlplugin demo --allocate .*)$", out, re.M):
+            done = await asyncio.to_thread(subprocess.run, shlex.split(command), capture_output=True,
+                                           text=True, timeout=60)
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert done.stdout.startswith("ok: Allocate("), done.stdout
+            assert ("cdi_devices: hyperlight.dev/hypervisor=kvm" in done.stdout
+                    or "devices: /dev/kvm (rw)" in done.stdout), done.stdout
+        proc.stdin.write(b"allocate\n")
+        await proc.stdin.drain()
+        async with asyncio.timeout(30):
+            while not any(line.startswith("ok: Allocate(kvm-1)") for line in lines):
+                lines.append((await proc.stdout.readline()).decode().rstrip("\n"))
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(30):
+            rest, _ = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    text = rest.decode()
+    assert proc.returncode == 0, out + text
+    assert "hlplugin serve      exited 0" in text and "hlplugin bootstrap  exited 0" in text
+    assert os.listdir(short_tmp) == [], "the held demo left its node root behind"
+    assert processes_mentioning(str(short_tmp)) == []
+
+
+def fetch(url: str) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return int(response.status), response.read().decode()

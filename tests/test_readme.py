@@ -90,6 +90,22 @@ def test_readme_starts_with_the_quickstart_that_installs_only_into_virtual_envir
         assert re.search(rf'^"\$venv/bin/{re.escape(tool.split()[0])}"', script, re.M), tool
 
 
+def test_readme_says_what_serve_writes_and_binds_and_how_to_run_it_by_hand() -> None:
+    """The same facts as `serve --help` (cli.SERVE_EFFECTS), and a command that parses and keeps
+    every path and the HTTP port off the machine's own."""
+    from hlplugin.cli import build_parser
+
+    flat = " ".join(README.read_text().split())
+    for part in ("writes `/var/run/cdi/hyperlight.json`", "podman and containerd", "stays after exit",
+                 "`/var/lib/kubelet/device-plugins`", "`0.0.0.0:8080`", "`hlplugin demo --hold`"):
+        assert part in flat, part
+    command = re.search(r"^hlplugin (serve --plugin-dir .*)$", README.read_text(), re.M)
+    assert command is not None
+    args = build_parser().parse_args(command.group(1).split())
+    assert str(args.plugin_dir).startswith("/tmp/") and str(args.cdi_dir).startswith("/tmp/")
+    assert args.http_address == ("127.0.0.1", 0)
+
+
 def test_options_table_matches_config_and_covers_both_daemons() -> None:
     table = _block(README.read_text())
     assert table == render_options_table(), (

@@ -71,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "demo":
             sub.add_argument("--keep", action="store_true",
                              help="keep the temporary node root and print its path")
+            sub.add_argument("--hold", action="store_true",
+                             help="start both daemons and the emulator and keep them running until "
+                                  "Ctrl-C, printing their URLs and commands to try")
+            sub.add_argument("--allocate", metavar="SOCKET", type=Path,
+                             help="ask the held demo listening on SOCKET to allocate "
+                                  "(hyperlight.dev/hypervisor, or RESOURCE: device-access)")
+            sub.add_argument("resource", nargs="?", default="", metavar="RESOURCE",
+                             help=argparse.SUPPRESS)
     return parser
 
 
@@ -137,6 +145,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hlplugin.doctor import doctor
 
         return doctor(settings, as_json=args.json, device_only=args.device_only)
+    if args.resource and args.allocate is None:
+        args.subparser.error(f"unrecognized arguments: {args.resource}")
+    if args.allocate is not None:
+        from hlplugin.demo_hold import allocate
+
+        return allocate(args.allocate, args.resource)
+    if args.hold:
+        if args.keep:
+            args.subparser.error("argument --hold: not allowed with --keep (it removes everything)")
+        from hlplugin.demo_hold import hold
+
+        return hold()
     from hlplugin.demo import demo
 
     return demo(keep=args.keep)
