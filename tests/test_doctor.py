@@ -202,3 +202,26 @@ async def test_device_only_checks_the_hypervisor_and_the_cdi_device_alone(tmp_pa
         assert code == 0, text
         assert "CDI device       OK      hyperlight.dev/hypervisor=kvm resolves to /dev/kvm" in text
         assert "verdict: OK - this machine could run Hyperlight workloads (kvm)" in text
+
+
+def test_cdi_device_resolution_names_what_a_runtime_would_miss(tmp_path: Path) -> None:
+    """--device-only's CDI row resolves the daemon's spec as a runtime would: the kind, the device,
+    one node, and that node a character device here."""
+    from hlplugin.cdi_resolve import device_node, resolves_to
+
+    spec = cdi.render_spec("kvm", 65534, 65534)
+    assert device_node(spec, "hyperlight.dev/hypervisor=kvm")["path"] == "/dev/kvm"
+    for qualified, says in (("other.dev/x=kvm", "not 'other.dev/x'"),
+                            ("hyperlight.dev/hypervisor=mshv", "declares no device")):
+        with pytest.raises(ValueError, match=says):
+            device_node(spec, qualified)
+    doubled = json.loads(spec)
+    nodes = doubled["devices"][0]["containerEdits"]["deviceNodes"]
+    nodes.append(nodes[0])
+    with pytest.raises(ValueError, match="creates 2 device nodes"):
+        device_node(json.dumps(doubled).encode(), "hyperlight.dev/hypervisor=kvm")
+    (tmp_path / "kvm").write_text("a file")
+    with pytest.raises(ValueError, match="is not a character device"):
+        resolves_to(spec, "hyperlight.dev/hypervisor=kvm", tmp_path)
+    with pytest.raises(ValueError, match="No such file"):
+        resolves_to(spec, "hyperlight.dev/hypervisor=kvm", tmp_path / "none")

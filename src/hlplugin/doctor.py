@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from hlplugin import cdi, probe
+from hlplugin.cdi_resolve import resolves_to
 from hlplugin.config import Settings
 from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.files import char_device
@@ -109,8 +110,7 @@ def render(report: Report) -> str:
 
 
 def host_view(settings: Settings) -> tuple[Path | None, str]:
-    """The host /dev view to compare with, and how it was chosen. Outside the daemon's pod there
-    is no /host-dev (the default): there /dev is the host's own view."""
+    """The host /dev view, and why when it is not the setting's: outside the pod, no /host-dev."""
     host = settings.host_dev_dir
     if host == Settings.host_dev_dir and host is not None and not host.exists():
         return settings.dev_dir, (f"{host} does not exist, so this is not the daemon's pod: "
@@ -304,23 +304,11 @@ def _cdi_dir_writable(directory: Path) -> str:
 
 
 def _cdi_device(settings: Settings, hypervisor: str) -> str:
-    """What a runtime does with the spec the daemon would write: find the device by its qualified
-    name and the node its edits name, and check that node is the hypervisor checked above."""
-    spec = json.loads(cdi.render_spec(hypervisor, settings.device_uid, settings.device_gid))
-    qualified = cdi.qualified_name(hypervisor)
-    kind, _, name = qualified.partition("=")
-    device = next((d for d in spec["devices"] if spec["kind"] == kind and d["name"] == name), None)
-    if device is None:
-        raise _Verdict(FAIL, f"the spec declares no device {qualified}")
-    (node,) = device["containerEdits"]["deviceNodes"]
-    host_path = Path(node.get("hostPath") or node["path"])
-    seen = settings.dev_dir / host_path.name  # the node as this process sees it
-    st_spec, kind_problem = char_device(seen)
-    if kind_problem:
-        raise _Verdict(FAIL, f"{qualified} names {host_path}, but {seen} is not a character device")
-    return (f"{qualified} resolves to {host_path} ({os.major(st_spec.st_rdev)}:"
-            f"{os.minor(st_spec.st_rdev)}), created {node['permissions']} for uid {node['uid']}, "
-            f"gid {node['gid']} in the container")
+    spec = cdi.render_spec(hypervisor, settings.device_uid, settings.device_gid)
+    try:
+        return resolves_to(spec, cdi.qualified_name(hypervisor), settings.dev_dir)
+    except ValueError as exc:
+        raise _Verdict(FAIL, str(exc)) from None
 
 
 def _cdi_spec(path: Path, desired: bytes) -> str:
