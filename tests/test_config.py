@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from hlplugin import cdi, config, durations
-from hlplugin.cli import _not_a_directory, build_parser, main
+from hlplugin.cli import build_parser, main
+from hlplugin.dirs import not_a_directory
 
 Cli = Callable[..., tuple[int, str, str]]
 
@@ -265,7 +266,7 @@ def test_serve_with_a_cdi_dir_that_cannot_be_a_directory_exits_2_naming_the_flag
         "hlplugin serve: error: argument --cdi-dir (or HYPERLIGHT_CDI_DIR): ")
     assert f"{afile} is not a directory" in err and "EEXIST" not in err
     # One that does not exist yet under a directory is fine: the daemon makes it.
-    assert _not_a_directory(tmp_path / "new" / "cdi") == ""
+    assert not_a_directory(tmp_path / "new" / "cdi") == ""
 
 
 def test_cdi_help_lists_only_what_shapes_the_spec(cli: Cli) -> None:

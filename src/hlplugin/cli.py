@@ -13,6 +13,7 @@ from typing import Any
 
 from hlplugin import __version__, config, logs
 from hlplugin.deviceplugin.signals import StopSignals
+from hlplugin.dirs import not_a_directory
 from hlplugin.names import NO_HYPERVISOR_HINT
 
 log = logging.getLogger("hlplugin")
@@ -106,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem:
             args.subparser.error(f"argument --plugin-dir (or HYPERLIGHT_PLUGIN_DIR): {problem}")
     if args.command == "serve":
-        problem = _not_a_directory(settings.cdi_dir)
+        problem = not_a_directory(settings.cdi_dir)
         if problem:
             args.subparser.error(f"argument --cdi-dir (or HYPERLIGHT_CDI_DIR): {problem}")
     logs.configure(settings.log_format, settings.log_level)
@@ -170,23 +171,6 @@ def _run(coroutine: Coroutine[Any, Any, None], signals: StopSignals) -> int:
         # filesystem) to return: a second SIGTERM meanwhile must not kill it.
         signals.ignore()
     return 0
-
-
-def _not_a_directory(path: Path) -> str:
-    """Why ``path`` can never be a directory (it, or the nearest existing ancestor, is something
-    else), or "" (it is one, or can be made)."""
-    for candidate in (path, *path.parents):
-        try:
-            is_dir = candidate.is_dir()
-            exists = is_dir or candidate.exists()
-        except OSError:
-            return ""  # unreadable: the daemon says so, with the reason, when it gets there
-        if is_dir:
-            return ""
-        if exists:
-            return (f"{path} is not a directory" if candidate == path
-                    else f"{path} cannot be a directory: {candidate} is not a directory")
-    return ""
 
 
 def _cdi(settings: config.Settings, check: Path | None) -> int:
