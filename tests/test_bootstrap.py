@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import HAVE_KVM, Node, mknod_char, needs_root, on_kubelet, scrape, value, wait_metric
+from harness import HAVE_KVM, Node, daemon, mknod_char, needs_root, on_kubelet, scrape, value, wait_metric
 
 from hlplugin.emulator import AdmissionError
 
@@ -91,3 +91,19 @@ async def test_grants_exactly_the_device_refuses_without_it_and_every_family_mov
             await kubelet.restart()
             await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1, timeout=10)
             await kubelet.admit(ACCESS)
+
+
+async def test_an_ignored_setting_is_listed_in_every_readyz_answer_and_exported(tmp_path: Path) -> None:
+    """No device and no kubelet here (503): the bootstrap daemon lists the environment value it
+    ignored all the same, and exports it, without that changing readiness."""
+    node = Node.make(tmp_path)
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    env = {"HYPERLIGHT_REGISTER_TIMEOUT": "10x", "HYPERLIGHT_LOG_LEVEL": "debug"}
+    async with daemon(bootstrap_args(node, dev), env, graceful=True) as proc:
+        body = json.loads(await proc.wait_http("/readyz", 503))
+        assert body["ignored_settings"] == ["register_timeout"]
+        samples = await scrape(proc)
+    assert value(samples, "hyperlight_settings_ignored", setting="register_timeout") == 1
+    assert [k for k in samples if k[0] == "hyperlight_settings_ignored"] == [
+        ("hyperlight_settings_ignored", frozenset({("setting", "register_timeout")}))]
