@@ -472,8 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[], choices=list(STEPS),
                         help="run only this step (repeatable)")
     args = parser.parse_args(argv)
-    for have, need in ((harness.IS_ROOT, "root (mknod of a host-device view)"),
-                       (harness.HAVE_KVM, "a usable /dev/kvm")):
+    # Asked now, not when the module was imported: a process may drop its privileges in between
+    # (the test of this refusal does, to run as nobody without reading the checkout as nobody).
+    for have, need in ((os.geteuid() == 0, "root (mknod of a host-device view)"),
+                       (os.access(KVM, os.R_OK | os.W_OK), "a usable /dev/kvm")):
         if not have:
             print(f"benchmarks/run.py needs {need}", file=sys.stderr)
             return 2

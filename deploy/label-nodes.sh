@@ -12,9 +12,14 @@
 # (Microsoft Hypervisor) must be a character device.
 set -euo pipefail
 
-usage() {
+usage() {  # a usage error: to stderr, exit 2
     sed -n '2,12s/^# \{0,1\}//p' "$0" >&2
     exit 2
+}
+
+help() {  # asked for: to stdout, exit 0
+    sed -n '2,12s/^# \{0,1\}//p' "$0"
+    exit 0
 }
 
 kubectl=${KUBECTL:-kubectl}
@@ -32,7 +37,7 @@ while [ $# -gt 0 ]; do
         --selector=*) selector=${1#*=}; shift ;;
         --remove) remove=true; shift ;;
         --dry-run) dry_run=(--dry-run=client); shift ;;
-        -h|--help) usage ;;
+        -h|--help) help ;;
         -*) echo "unknown option: $1" >&2; usage ;;
         *) nodes+=("$1"); shift ;;
     esac

@@ -17,9 +17,14 @@
 #                     the repository's .venv/bin/python, else python3)
 set -euo pipefail
 
-usage() {
+usage() {  # a usage error: to stderr, exit 2
     sed -n '2,19s/^# \{0,1\}//p' "$0" >&2
     exit 2
+}
+
+help() {  # asked for: to stdout, exit 0
+    sed -n '2,15s/^# \{0,1\}//p' "$0"
+    exit 0
 }
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -95,6 +100,6 @@ case "$1" in
         fi
         exec "$python" -m pytest -m node "$repo/tests/test_node.py" "$@"
         ;;
-    -h|--help) usage ;;
+    -h|--help) help ;;
     *) echo "local-node: unknown command: $1" >&2; usage ;;
 esac

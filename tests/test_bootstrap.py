@@ -10,7 +10,18 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import HAVE_KVM, Node, mknod_char, needs_kvm, needs_root, on_kubelet, scrape, value, wait_metric
+from harness import (
+    HAVE_KVM,
+    Node,
+    daemon,
+    mknod_char,
+    needs_kvm,
+    needs_root,
+    on_kubelet,
+    scrape,
+    value,
+    wait_metric,
+)
 
 from hlplugin import hvnode
 from hlplugin.api import deviceplugin_pb2 as pb
@@ -49,7 +60,8 @@ async def test_grants_exactly_the_device_refuses_without_it_and_every_family_mov
         assert resource.endpoint == "hyperlight-device-access.sock"
         assert list(resource.devices) == ["device-access-kvm"]
         ready = json.loads(await proc.wait_http("/readyz", 200))
-        assert ready == {"status": "ready", "conditions": {name: {"ok": True, "reason": ""} for name in (
+        assert ready == {"status": "ready", "ignored_settings": [],
+                         "conditions": {name: {"ok": True, "reason": ""} for name in (
             "registered", "listandwatch", "device")}}
         m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
         first = {key for key in m if key[0].startswith("hyperlight_")}
@@ -193,3 +205,19 @@ async def test_dev_null_numbers_at_the_device_path_are_never_advertised_or_grant
         plugin.close_streams()
         await server.stop(None)
         shutil.rmtree(sock.parent, ignore_errors=True)
+
+
+async def test_an_ignored_setting_is_listed_in_every_readyz_answer_and_exported(tmp_path: Path) -> None:
+    """No device and no kubelet here (503): the bootstrap daemon lists the environment value it
+    ignored all the same, and exports it, without that changing readiness."""
+    node = Node.make(tmp_path)
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    env = {"HYPERLIGHT_REGISTER_TIMEOUT": "10x", "HYPERLIGHT_LOG_LEVEL": "debug"}
+    async with daemon(bootstrap_args(node, dev), env, graceful=True) as proc:
+        body = json.loads(await proc.wait_http("/readyz", 503))
+        assert body["ignored_settings"] == ["register_timeout"]
+        samples = await scrape(proc)
+    assert value(samples, "hyperlight_settings_ignored", setting="register_timeout") == 1
+    assert [k for k in samples if k[0] == "hyperlight_settings_ignored"] == [
+        ("hyperlight_settings_ignored", frozenset({("setting", "register_timeout")}))]

@@ -446,6 +446,10 @@ def _hostile(kind: str, tmp_path: Path,
         blocker = tmp_path / "blocker"
         blocker.write_bytes(b"a file where a directory should be")
         return blocker / "cdi", blocker.unlink, "missing"
+    elif kind == "cdi-dir-is-a-file":  # `--cdi-dir FILE` at start is exit 2; this is later
+        blocker = tmp_path / "blocker"
+        blocker.write_bytes(b"a file where a directory should be")
+        return blocker, blocker.unlink, "missing"
     elif kind == "permission-denied":
         # pytest's tmp_path lies under a 0700 directory that user 65534 cannot walk.
         base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hlplugin-cdi-")))
@@ -488,7 +492,10 @@ HOSTILE = [
     _row("socket", "not_regular", "a socket"),
     _row("device-node", "not_regular", "a character device", root=True),
     _row("mount-point", "not_regular", "a mount point", root=True),
-    _row("not-creatable", "write_failed", "Not a directory (ENOTDIR)"),  # a file where it belongs
+    # a file where an ancestor directory belongs, or the directory itself
+    _row("not-creatable", "write_failed", "{cdi_dir} cannot be a directory: {blocker} is not a "
+                                          "directory (ENOTDIR)"),
+    _row("cdi-dir-is-a-file", "write_failed", "{cdi_dir} is not a directory (EEXIST)"),
     _row("permission-denied", "write_failed", "Permission denied (EACCES)", root=True),
     _row("read-only", "write_failed", "Read-only file system (EROFS)", root=True),
     _row("full", "write_failed", "No space left on device (ENOSPC)", root=True),
@@ -505,6 +512,7 @@ def test_hostile_path_or_storage_is_refused_left_alone_retried_and_recovers(
         before, kept = state(path), {p: state(p) for p in outside.iterdir()}
         if refusal == "not_regular" and kind != "mount-point":  # it neither follows nor blocks
             assert check_file(path, DESIRED) == (False, f"{path} is not a regular file ({detail})")
+        detail = detail.format(cdi_dir=cdi_dir, blocker=tmp_path / "blocker")
         reason = (f"{path} is {detail}; refusing to replace what we do not own"
                   if refusal == "not_regular" else f"cannot write {path}: {detail}")
 

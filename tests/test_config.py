@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from hlplugin import aliases, cdi_spec, config
+from hlplugin import aliases, cdi_spec, config, durations
 from hlplugin.cli import build_parser, main
+from hlplugin.dirs import not_a_directory
 from hlplugin.tools.emulator import KUBELET_MAX_MESSAGE
 
 Cli = Callable[..., tuple[int, str, str]]
@@ -70,9 +71,10 @@ DURATIONS = {name: config.INTERVAL_RANGE for name in ("cdi_interval", "health_in
     ("HYPERLIGHT_HTTP_ADDRESS", "0.0.0.0:\uff18\uff10", ""),
     # every duration, each out of its range in every way; the warning names the range
     *((config.OPTIONS[name].env, {"below": f"{low * 0.99:g}", "above": f"{high * 1.01:g}"}.get(value, value),
-       f"must be a number of seconds from {low:g} to {high:g}")
+       f"must be a duration from {durations.show(low)} to {durations.show(high)}")
       for name, (low, high) in DURATIONS.items()
-      for value in ("nan", "inf", "-inf", "1e9", "0.000001", "-3", "0", "1_0", "\u0661", "below", "above")),
+      for value in ("nan", "inf", "-inf", "1e9", "0.000001", "-3", "0", "1_0", "\u0661", "below", "above",
+                    "10x", "1.5.0s", ".5", "1e1s", "5 s", "1d", "1M", "10sec", "s", "ms")),
 ])
 def test_invalid_env_falls_back_to_default_with_warning(name: str, value: str, says: str) -> None:
     settings, warnings = resolve([], {name: value})
@@ -105,6 +107,16 @@ def test_invalid_env_falls_back_to_default_with_warning(name: str, value: str, s
     # every duration's range is inclusive, and "s" may follow the number
     *(([config.OPTIONS[name].flag, f"{value:g}{unit}"], {}, {name: value}, "")
       for name, (low, high) in DURATIONS.items() for value, unit in ((low, ""), (high, ""), (low, "s"))),
+    # units: ms, s, m, h, in flags and in the environment (the chart's pattern, exactly)
+    ([], {"HYPERLIGHT_CDI_INTERVAL": "1m"}, {"cdi_interval": 60.0}, ""),
+    ([], {"HYPERLIGHT_CDI_INTERVAL": "10s"}, {"cdi_interval": 10.0}, ""),
+    ([], {"HYPERLIGHT_HEALTH_INTERVAL": "1h"}, {"health_interval": 3600.0}, ""),
+    ([], {"HYPERLIGHT_HEALTH_INTERVAL": "1.5m"}, {"health_interval": 90.0}, ""),
+    ([], {"HYPERLIGHT_PROBE_TIMEOUT": "500ms"}, {"probe_timeout": 0.5}, ""),
+    ([], {"HYPERLIGHT_REGISTER_TIMEOUT": "100ms"}, {"register_timeout": 0.1}, ""),
+    (["--cdi-interval", "2m", "--probe-timeout", "250ms"], {},
+     {"cdi_interval": 120.0, "probe_timeout": 0.25}, ""),
+    (["--register-timeout", "1m"], {}, {"register_timeout": 60.0}, ""),
 ])
 def test_valid_values_are_taken(argv: list[str], env: dict[str, str], want: dict[str, Any], warns: str,
                                 tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -161,7 +173,8 @@ def test_provenance_of_every_setting() -> None:
         ("serve", "--device-gid", "4294967296"), ("serve", "--hypervisor", "xen"),
         ("serve", "--http-address", "nonsense"), ("serve", "--log-format", "xml"),
         ("serve", "--log-level", "loud"), ("serve", "--cdi-interval", "-3"),
-        ("serve", "--cdi-interval", "1e9"), ("bootstrap", "--register-timeout", "nan")]),
+        ("serve", "--cdi-interval", "1e9"), ("bootstrap", "--register-timeout", "nan"),
+        ("serve", "--cdi-interval", "10x"), ("serve", "--health-interval", "500ms")]),
     (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["doctor", "--no-such-flag", "extra"], "unrecognized arguments: --no-such-flag extra"),
     # no room for a socket path in it
@@ -308,7 +321,7 @@ def test_no_oserror_from_a_path_setting_escapes(command: str, cli: Cli, tmp_path
     assert code == 1
     assert "no mshv or kvm device under" in err or command == "doctor", err[:500]
     if command == "cdi":
-        bounded(err, 500)
+        bounded(err, 700)  # the path cut at 256 characters, and the hint
 
 
 # --- the upstream plugin's variable names ----------------------------------------------------------
@@ -349,3 +362,68 @@ def test_every_upstream_variable_is_read_under_its_own_name_or_an_alias() -> Non
                                "DEVICE_GID": "2"})
     assert (settings.host_dev_dir, settings.device_count, settings.device_uid,
             settings.device_gid) == (Path("/x"), 7, 1, 2)
+
+
+def test_a_duration_out_of_range_is_refused_for_its_range_not_its_unit() -> None:
+    """500ms is understood (its unit is known) but under the intervals' floor of 1s: the warning
+    names the range, the default runs; a unit we do not know names the forms we take."""
+    settings, warnings = resolve([], {"HYPERLIGHT_CDI_INTERVAL": "500ms"})
+    assert settings.cdi_interval == 10.0
+    (warning,) = warnings
+    assert "HYPERLIGHT_CDI_INTERVAL" in warning and "500ms" in warning, warning
+    assert "must be a duration from 1s to 1h" in warning and "default" in warning, warning
+    _, warnings = resolve([], {"HYPERLIGHT_CDI_INTERVAL": "10x"})
+    assert "500ms, 10s, 1m" in warnings[0] and "'10x'" in warnings[0]
+
+
+@pytest.mark.parametrize("text", ["0", "7", "10s", "500ms", "1.5m", "2h", "0.25s", "3600"])
+def test_every_duration_the_charts_schema_takes_parses(text: str) -> None:
+    assert re.fullmatch(durations.PATTERN.strip("^$"), text)
+    seconds = durations.parse_seconds(text)
+    assert durations.parse_seconds(durations.show(seconds) if seconds else "0") == seconds
+
+
+def test_help_says_what_a_duration_is(cli: Cli) -> None:
+    code, out, _ = cli("serve", "--help")
+    assert code == 0
+    flat = " ".join(out.split())
+    assert "--cdi-interval DURATION" in flat and "1s-1h" in flat and "default 10s" in flat
+    assert "DURATION is a number of seconds or a number with ms, s, m or h" in flat
+
+
+@pytest.mark.parametrize("where", ["file", "under-a-file"])
+def test_serve_with_a_cdi_dir_that_cannot_be_a_directory_exits_2_naming_the_flag(
+        cli: Cli, tmp_path: Path, where: str) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cdi_dir = afile if where == "file" else afile / "cdi"
+    code, _, err = cli("serve", "--cdi-dir", str(cdi_dir))
+    assert code == 2
+    assert err.splitlines()[-1].startswith(
+        "hlplugin serve: error: argument --cdi-dir (or HYPERLIGHT_CDI_DIR): ")
+    assert f"{afile} is not a directory" in err and "EEXIST" not in err
+    # One that does not exist yet under a directory is fine: the daemon makes it.
+    assert not_a_directory(tmp_path / "new" / "cdi") == ""
+
+
+def test_cdi_help_lists_only_what_shapes_the_spec(cli: Cli) -> None:
+    code, out, _ = cli("cdi", "--help")
+    assert code == 0
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", out))
+    assert flags == {"--help", "--dev-dir", "--hypervisor", "--device-uid", "--device-gid", "--check"}
+    assert "takes the rest of the serve command line" in " ".join(out.split())
+
+
+def test_serve_help_says_what_it_writes_and_binds_and_how_to_run_it_by_hand(cli: Cli) -> None:
+    code, out, _ = cli("serve", "--help")
+    assert code == 0
+    flat = " ".join(out.split())
+    for part in ("writes /var/run/cdi/hyperlight.json", "podman and containerd", "stays after exit",
+                 "/var/lib/kubelet/device-plugins", "0.0.0.0:8080",
+                 "--plugin-dir /tmp/hl/plugins --cdi-dir /tmp/hl/cdi --http-address 127.0.0.1:0"):
+        assert part in flat, part
+    # The command it gives parses, and points everything away from the machine's own paths.
+    command = re.search(r"hlplugin (serve --plugin-dir \S+ --cdi-dir \S+ --http-address \S+)", flat)
+    assert command is not None
+    args = build_parser().parse_args(command.group(1).split())
+    assert args.plugin_dir == Path("/tmp/hl/plugins") and args.http_address == ("127.0.0.1", 0)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from harness import needs_kvm
 
 from hlplugin import cli
 from hlplugin.tools.demo import demo
+from hlplugin.tools.demo_hold import HOLDING
 from hlplugin.tools.emulator import CHECKPOINT
 
 
@@ -33,6 +37,12 @@ def short_tmp() -> Iterator[Path]:
 def processes_mentioning(text: str) -> list[str]:
     found = subprocess.run(["pgrep", "-af", re.escape(text)], capture_output=True, text=True)
     return [line for line in found.stdout.splitlines() if line.split()[0] != str(os.getpid())]
+
+
+def doctor_device_only(*args: str) -> subprocess.CompletedProcess[str]:
+    """`hlplugin doctor --device-only`, the verdict the demo gives, as a user would run it."""
+    return subprocess.run([sys.executable, "-m", "hlplugin", "doctor", "--device-only", *args],
+                          capture_output=True, text=True, timeout=60)
 
 
 def explains_itself(out: str, root: Path) -> None:
@@ -71,6 +81,8 @@ def test_demo_runs_the_main_job(short_tmp: Path, keep: bool) -> None:
                             capture_output=True, text=True, timeout=60)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
+    # The same verdict as doctor --device-only on the same machine (no kubelet needed by either).
+    assert doctor_device_only().returncode == result.returncode
     root = Path(re.search(r"node root +(\S+)", out).group(1))  # type: ignore[union-attr]
     explains_itself(out, root)
     for expected in [
@@ -119,6 +131,8 @@ def test_demo_without_a_hypervisor_explains_and_shows_the_rest(
     code = demo(keep=True, dev_dir=dev, out=out)
     text = out.getvalue()
     assert code == 1, text
+    assert doctor_device_only("--dev-dir", str(dev)).returncode == code
+    assert "modprobe kvm_intel or kvm_amd" in text and "nested virtualisation" in text
     for expected in [
         f"no kvm or mshv under {dev}",
         "hyperlight.dev/hypervisor     capacity 2000   allocatable    0",
@@ -127,7 +141,7 @@ def test_demo_without_a_hypervisor_explains_and_shows_the_rest(
         "could not allocate a hypervisor slot: Allocate(kvm-0) anyway: FAILED_PRECONDITION",
         "skipped: no allocation", "(cause: malformed, trigger: ",
         "could not grant device access: Allocate(device-access-kvm) anyway: FAILED_PRECONDITION",
-        "hlplugin serve      exited 0", "hlplugin doctor",
+        "hlplugin serve      exited 0", "hlplugin doctor --device-only",
         "result: this machine cannot run Hyperlight workloads: could not allocate a hypervisor "
         "slot, grant device access",
     ]:
@@ -142,3 +156,58 @@ def test_demo_without_a_hypervisor_explains_and_shows_the_rest(
     left = sorted(p.name for p in (root / "device-plugins").iterdir())
     assert left in ([], [CHECKPOINT]), left  # sockets gone; the kubelet's checkpoint may stay
     assert processes_mentioning(str(root)) == []
+
+
+@needs_kvm
+async def test_demo_hold_stays_up_allocates_on_request_and_stops_on_ctrl_c(short_tmp: Path) -> None:
+    """`hlplugin demo --hold`: both daemons registered and kept running; /readyz answers 200 at the
+    URL it prints, the metrics show the 2000 slots, an allocation made through the emulator from
+    another process (`demo --allocate SOCKET`) and one typed at it are answered; SIGINT (Ctrl-C)
+    exits 0 and leaves nothing behind."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hlplugin", "demo", "--hold", env={**os.environ, "TMPDIR": str(short_tmp)},
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None and proc.stdin is not None
+    lines: list[str] = []
+    try:
+        async with asyncio.timeout(60):  # a guard: it holds after about a second
+            while HOLDING not in lines:
+                line = (await proc.stdout.readline()).decode()
+                assert line, "\n".join(lines)
+                lines.append(line.rstrip("\n"))
+        out = "\n".join(lines)
+        readyz = re.search(r"hlplugin serve +pid \d+, (http://127\.0\.0\.1:\d+)/readyz", out)
+        assert readyz is not None, out
+        code, body = await asyncio.to_thread(fetch, readyz.group(1) + "/readyz")
+        assert code == 200 and json.loads(body)["status"] == "ready", body
+        _, metrics = await asyncio.to_thread(fetch, readyz.group(1) + "/metrics")
+        assert "hyperlight_devices_advertised 2000.0" in metrics
+        for command in re.findall(r"^ {3}(\S+ -m hlplugin demo --allocate .*)$", out, re.M):
+            done = await asyncio.to_thread(subprocess.run, shlex.split(command), capture_output=True,
+                                           text=True, timeout=60)
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert done.stdout.startswith("ok: Allocate("), done.stdout
+            assert ("cdi_devices: hyperlight.dev/hypervisor=kvm" in done.stdout
+                    or "devices: /dev/kvm (rw)" in done.stdout), done.stdout
+        proc.stdin.write(b"allocate\n")
+        await proc.stdin.drain()
+        async with asyncio.timeout(30):
+            while not any(line.startswith("ok: Allocate(kvm-1)") for line in lines):
+                lines.append((await proc.stdout.readline()).decode().rstrip("\n"))
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(30):
+            rest, _ = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    text = rest.decode()
+    assert proc.returncode == 0, out + text
+    assert "hlplugin serve      exited 0" in text and "hlplugin bootstrap  exited 0" in text
+    assert os.listdir(short_tmp) == [], "the held demo left its node root behind"
+    assert processes_mentioning(str(short_tmp)) == []
+
+
+def fetch(url: str) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return int(response.status), response.read().decode()

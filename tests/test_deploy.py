@@ -626,6 +626,18 @@ def test_label_nodes_script(tmp_path: Path) -> None:
         assert log.read_text().splitlines() == calls, args
 
 
+@pytest.mark.parametrize("script", ["label-nodes.sh", "local-node.sh"])
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_every_script_s_help_exits_0_on_stdout(script: str, flag: str) -> None:
+    """Asked for, help is an answer (stdout, exit 0); a usage error stays exit 2 on stderr."""
+    result = run(["bash", str(DEPLOY / script), flag])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() and not result.stderr
+    assert f"deploy/{script}" in result.stdout
+    wrong = run(["bash", str(DEPLOY / script), "--no-such-option"])
+    assert wrong.returncode == 2 and f"deploy/{script}" in wrong.stderr and not wrong.stdout
+
+
 def test_checkov_finds_nothing(rendered: dict[str, Path], tmp_path: Path) -> None:
     """One checkov run over the rendered manifests, the Dockerfile and the workflows; every
     check it skips says why, beside the setting."""

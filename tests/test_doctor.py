@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Node, mknod_char, needs_kvm, needs_root
+from harness import HAVE_KVM, Node, mknod_char, needs_kvm, needs_root
 
 from hlplugin import cdi_spec
 from hlplugin.cli import main
@@ -150,3 +150,78 @@ async def test_kubelet_socket_and_cdi_problems(tmp_path: Path) -> None:
     node.cdi_dir.rmdir()
     node.cdi_dir.write_text("a file where the CDI dir belongs")
     await expect({"CDI dir": ("fail", "not a directory")})
+
+
+@needs_kvm
+@pytest.mark.skipif(os.path.exists("/host-dev"), reason="this machine has a /host-dev")
+async def test_outside_the_pod_the_host_view_is_dev_and_a_machine_without_kubelet_is_not_a_node(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain doctor on this machine (a working /dev/kvm, no kubelet), with the default host view:
+    host identity passes through /dev and says why; the verdict says this is not a node, and the
+    CDI dir row says it wrote and removed a temp file."""
+    monkeypatch.delenv("HYPERLIGHT_HOST_DEV_DIR", raising=False)
+    cdi_dir = tmp_path / "cdi"
+    cdi_dir.mkdir()
+    argv = ["--plugin-dir", str(tmp_path / "no-kubelet"), "--cdi-dir", str(cdi_dir), "--json"]
+    code, out = await asyncio.to_thread(run_doctor, argv)
+    report = json.loads(out)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert code == 1
+    identity = checks["host identity"]
+    assert identity["status"] == "ok", identity
+    assert "/host-dev does not exist, so this is not the daemon's pod: /dev is the host's view" \
+        in identity["detail"]
+    assert report["verdict"].startswith(f"FAIL - this machine is not a Kubernetes node: there is no "
+                                        f"{tmp_path / 'no-kubelet'}")
+    assert "--device-only" in report["verdict"]
+    assert checks["kubelet socket"]["status"] == "skip"
+    assert "wrote, synced and removed a 4 KiB temp file, .hyperlight.json.tmp-doctor-" in \
+        checks["CDI dir"]["detail"]
+    assert os.listdir(cdi_dir) == []
+    # Any other host view that does not exist still fails.
+    code, out = await asyncio.to_thread(run_doctor, [*argv, "--host-dev-dir", str(tmp_path / "nope")])
+    assert {c["name"]: c for c in json.loads(out)["checks"]}["host identity"]["status"] == "fail"
+
+
+async def test_device_only_checks_the_hypervisor_and_the_cdi_device_alone(tmp_path: Path) -> None:
+    """--device-only: no host identity, CDI dir, plugin dir or kubelet rows; with no hypervisor
+    it fails naming it, with what to look at (the kvm module, nested virtualisation)."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    code, out = await asyncio.to_thread(run_doctor, ["--device-only", "--dev-dir", str(dev), "--json"])
+    report = json.loads(out)
+    assert code == 1
+    assert [c["name"] for c in report["checks"]] == [
+        "hypervisor", "device node", "KVM API version", "VM creation", "guest run", "CDI device"]
+    assert report["verdict"].startswith("FAIL - this machine could not run Hyperlight workloads. "
+                                        f"hypervisor: no mshv or kvm device under {dev}")
+    assert "modprobe kvm_intel or kvm_amd" in report["reason"]
+    assert "nested virtualisation" in report["reason"]
+    if HAVE_KVM:
+        code, text = await asyncio.to_thread(run_doctor, ["--device-only"])
+        assert code == 0, text
+        assert "CDI device       OK      hyperlight.dev/hypervisor=kvm resolves to /dev/kvm" in text
+        assert "verdict: OK - this machine could run Hyperlight workloads (kvm)" in text
+
+
+def test_cdi_device_resolution_names_what_a_runtime_would_miss(tmp_path: Path) -> None:
+    """--device-only's CDI row resolves the daemon's spec as a runtime would: the kind, the device,
+    one node, and that node a character device here."""
+    from hlplugin.tools.cdi_resolve import device_node, resolves_to
+
+    spec = cdi_spec.render_spec("kvm", 65534, 65534)
+    assert device_node(spec, "hyperlight.dev/hypervisor=kvm")["path"] == "/dev/kvm"
+    for qualified, says in (("other.dev/x=kvm", "not 'other.dev/x'"),
+                            ("hyperlight.dev/hypervisor=mshv", "declares no device")):
+        with pytest.raises(ValueError, match=says):
+            device_node(spec, qualified)
+    doubled = json.loads(spec)
+    nodes = doubled["devices"][0]["containerEdits"]["deviceNodes"]
+    nodes.append(nodes[0])
+    with pytest.raises(ValueError, match="creates 2 device nodes"):
+        device_node(json.dumps(doubled).encode(), "hyperlight.dev/hypervisor=kvm")
+    (tmp_path / "kvm").write_text("a file")
+    with pytest.raises(ValueError, match="is not a character device"):
+        resolves_to(spec, "hyperlight.dev/hypervisor=kvm", tmp_path)
+    with pytest.raises(ValueError, match="No such file"):
+        resolves_to(spec, "hyperlight.dev/hypervisor=kvm", tmp_path / "none")

@@ -249,3 +249,23 @@ async def test_run_never_checks_more_often_than_the_floor(tmp_path: Path) -> Non
     # The watcher's start may wake the loop once; the checks after it are periodic.
     gaps = [b - a for a, b in itertools.pairwise(checks[1:5])]
     assert min(gaps) >= MIN_PERIOD * 0.9, gaps
+
+
+async def test_identity_check_switched_off_is_reported_as_off(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """--host-dev-dir '': the condition holds (nothing to compare), and says it is off rather than
+    healthy, in its reason (which /readyz shows) and in the log."""
+    import logging
+
+    mon = monitor(tmp_path, None)
+    with caplog.at_level(logging.INFO):
+        state = await mon.check()
+    assert state.healthy
+    identity = state.conditions["host_identity"]
+    assert identity.ok and identity.reason == ("off: the host identity check is off "
+                                               "(--host-dev-dir is empty)")
+    messages = [r.getMessage() for r in caplog.records]
+    assert "condition host_identity is off: the host identity check is off (--host-dev-dir is empty)" \
+        in messages
+    assert not any(m.startswith("condition host_identity is healthy") for m in messages)
+    assert "condition device is healthy" in messages

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import shutil
+import signal
 import tempfile
+import time
 from pathlib import Path
 
-from harness import wait_until
+from harness import GUARD, Daemon, wait_until
 
 from hlplugin.deviceplugin.conditions import HealthTracker
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
@@ -44,3 +48,42 @@ def test_cancelled_again_while_stopping_still_stops_the_server_and_removes_its_s
         with tempfile.TemporaryDirectory(prefix="hlp-") as directory:
             asyncio.run(asyncio.wait_for(scenario(Path(directory), turns), 60))  # a guard
             assert os.listdir(directory) == [], f"left behind when cancelled after {turns} turns"
+
+
+async def test_stop_signals_while_it_stops_never_kill_the_daemon(tmp_path: Path) -> None:
+    """SIGTERM after SIGTERM, one every 0.1 ms or so, from the first until the process has
+    exited: it stops and exits 0. asyncio's own handlers end with its loop and put back the
+    default action, so a signal in the moment between the loop's close and the exit (a long one
+    when a helper is stuck in the kernel, or the machine is busy) would kill it; the daemon's
+    handlers last until the process exits. A pidfd names the process, never a reused pid."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    plugin_dir = Path(tempfile.mkdtemp(prefix="hlp-", dir="/tmp"))
+    try:
+        for _ in range(3):
+            proc = await Daemon(["bootstrap", "--plugin-dir", str(plugin_dir), "--dev-dir", str(dev),
+                                 "--hypervisor", "kvm"]).start()
+            await proc.wait_http("/healthz", 200)  # its handlers are in place
+            pidfd = os.pidfd_open(proc.pid)
+            sent = 0
+
+            def flood(pidfd: int = pidfd) -> None:
+                nonlocal sent
+                with contextlib.suppress(ProcessLookupError):
+                    while True:
+                        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+                        sent += 1
+                        # Not a wait for an event: pacing, so that the daemon gets on with
+                        # stopping between signals (a flood would keep every thread in handlers).
+                        time.sleep(0.0001)
+
+            try:
+                await asyncio.to_thread(flood)  # returns once the process has exited
+            finally:
+                os.close(pidfd)
+            code = await proc.signal(signal.SIGKILL, timeout=GUARD)  # only reaps: it has exited
+            assert code == 0, f"exit {code} after {sent} SIGTERMs\n" + "\n".join(proc.raw[-20:])
+            assert sent > 1, sent
+            assert "hlplugin bootstrap stopping" in proc.messages()
+    finally:
+        shutil.rmtree(plugin_dir, ignore_errors=True)

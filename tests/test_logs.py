@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from harness import Daemon, Node, daemon, needs_root, scrape, value, wait_metric, wait_until
 
-from hlplugin import __version__, logs
+from hlplugin import __version__, config, logs
 
 TEXT_LINE = re.compile(
     r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) +[\w.-]+: ")
@@ -177,6 +177,10 @@ async def test_lasting_faults_log_once_when_they_begin_and_once_when_they_end(tm
     assert refusals >= 5
     assert proc.raw and len(proc.raw) == len(proc.lines), [
         line for line in proc.raw if not line.startswith("{")]
+    start = proc.lines[0]  # in JSON the settings are fields, each once, not in the message too
+    assert start["message"] == f"hlplugin serve {__version__} starting", start
+    assert start["fields"]["settings"]["hypervisor"] == "kvm"
+    assert start["fields"]["sources"]["hypervisor"] == "flag"
     for line in proc.lines:
         assert {"time", "level", "logger", "message"} <= set(line), line
         assert line["level"] in ("debug", "info", "warning", "error")
@@ -248,6 +252,12 @@ async def test_text_is_the_default_one_line_per_event(tmp_path: Path) -> None:
         assert await proc.stop() == 0
     bad = [line for line in proc.raw if not TEXT_LINE.match(line)]
     assert not bad, bad
+    # The first line states each setting once (it was three times, 1.3 KB).
+    first = proc.raw[0]
+    assert "hlplugin serve" in first and " starting; from flags: " in first, first
+    for name in config.SERVE_OPTIONS:
+        assert len(re.findall(rf"\b{name}=", first)) == 1, (name, first)
+    assert len(first) < 700, len(first)
     assert any("DEVICE_COUNT" in line and "WARNING" in line for line in proc.raw)
     device = next(line for line in proc.raw if "condition device is unhealthy" in line)
     assert "condition='device'" in device and "reason=" in device
@@ -255,7 +265,7 @@ async def test_text_is_the_default_one_line_per_event(tmp_path: Path) -> None:
 
 FOREIGN = r'''
 import logging, os, sys, threading
-from hlplugin import __version__, logs
+from hlplugin import __version__, config, logs
 
 logs.configure(sys.argv[1])
 logs.capture_stderr()
@@ -336,7 +346,7 @@ async def test_daemon_json_stderr_includes_grpc_bind_failures(tmp_path: Path) ->
         assert proc.raw and len(proc.raw) == len(proc.lines), [
             line for line in proc.raw if not line.startswith("{")]
         start = proc.lines[0]
-        assert start["message"].startswith(f"hlplugin bootstrap {__version__} starting; ")
+        assert start["message"] == f"hlplugin bootstrap {__version__} starting"  # values: fields
         assert start["fields"]["version"] == __version__
         assert start["fields"]["sources"] == {
             "plugin_dir": "flag", "dev_dir": "flag", "hypervisor": "flag",
@@ -344,8 +354,6 @@ async def test_daemon_json_stderr_includes_grpc_bind_failures(tmp_path: Path) ->
             "log_format": "flag", "log_level": "default", "register_timeout": "environment"}
         assert start["fields"]["settings"]["register_timeout"] == "2.5"
         assert start["fields"]["settings"]["plugin_dir"] == str(missing)
-        assert "from the environment: register_timeout=2.5" in start["message"]
-        assert "defaults: log_level=info" in start["message"]
     finally:
         subprocess.run(["umount", str(missing)], check=True)  # noqa: ASYNC221 (the loop runs nothing else here)
         missing.rmdir()  # noqa: ASYNC240 (the loop runs nothing else here)

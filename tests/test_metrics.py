@@ -21,7 +21,7 @@ def series(samples: Samples) -> set[tuple[str, frozenset[tuple[str, str]]]]:
 
 
 def test_every_family_is_prefixed_and_has_bounded_labels() -> None:
-    allowed = {"condition", "to", "check", "reason", "cause", "result", "version"}
+    allowed = {"condition", "to", "check", "reason", "cause", "result", "version", "setting"}
     for family in Metrics().registry.collect():
         if family.name.startswith(("process_", "python_")):  # prometheus_client's collectors
             assert family.name in PROCESS_FAMILIES, family.name

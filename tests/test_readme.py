@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hlplugin import config
+from hlplugin import config, durations
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -41,7 +41,8 @@ def render_options_table() -> str:
     rows = ["| flag | environment | default | used by | meaning |",
             "| --- | --- | --- | --- | --- |"]
     for name, option in config.OPTIONS.items():
-        default = _shown(option.default)
+        default = (f"`{durations.show(option.default)}`" if option.metavar == config.DURATION
+                   else _shown(option.default))
         for command, overrides in config.DEFAULT_OVERRIDES.items():
             if name in overrides:
                 default += f" ({command}: {_shown(overrides[name])})"
@@ -90,6 +91,22 @@ def test_readme_starts_with_title_sentence_and_quickstart_that_installs_only_int
     assert re.search(r'^\s*"\$python" -m venv "\$venv"$', script, re.M)
     for tool in ("ruff check src tests", "mypy", "python -m pytest"):
         assert re.search(rf'^"\$venv/bin/{re.escape(tool.split()[0])}"', script, re.M), tool
+
+
+def test_readme_says_what_serve_writes_and_binds_and_how_to_run_it_by_hand() -> None:
+    """The same facts as `serve --help` (cli.SERVE_EFFECTS), and a command that parses and keeps
+    every path and the HTTP port off the machine's own."""
+    from hlplugin.cli import build_parser
+
+    flat = " ".join(README.read_text().split())
+    for part in ("writes `/var/run/cdi/hyperlight.json`", "podman and containerd", "stays after exit",
+                 "`/var/lib/kubelet/device-plugins`", "`0.0.0.0:8080`", "`hlplugin demo --hold`"):
+        assert part in flat, part
+    command = re.search(r"^hlplugin (serve --plugin-dir .*)$", README.read_text(), re.M)
+    assert command is not None
+    args = build_parser().parse_args(command.group(1).split())
+    assert str(args.plugin_dir).startswith("/tmp/") and str(args.cdi_dir).startswith("/tmp/")
+    assert args.http_address == ("127.0.0.1", 0)
 
 
 def test_options_table_matches_config_and_covers_both_daemons() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import Node, daemon, emulator, needs_kvm, needs_root, on_kubelet, wait_until
+from harness import Node, daemon, emulator, needs_kvm, needs_root, on_kubelet, scrape, wait_until
 
 from hlplugin.tools.emulator import AdmissionError
 
@@ -39,7 +39,8 @@ async def test_registers_allocates_and_re_registers_when_its_socket_goes(tmp_pat
         device_node = spec["devices"][0]["containerEdits"]["deviceNodes"][0]
         assert (device_node["uid"], device_node["gid"]) == (1000, 2002)
         ready = json.loads(await proc.wait_http("/readyz", 200))
-        assert ready == {"status": "ready", "conditions": {name: {"ok": True, "reason": ""} for name in (
+        assert ready == {"status": "ready", "ignored_settings": [],
+                         "conditions": {name: {"ok": True, "reason": ""} for name in (
             "registered", "listandwatch", "cdi", "device", "host_identity")}}
         one = await kubelet.admit(RESOURCE)
         assert len(one.container_responses) == 1
@@ -144,3 +145,31 @@ async def test_no_hypervisor_at_start_stays_up_unready_then_recovers(tmp_path: P
         await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 2, timeout=10)
         await proc.wait_http("/readyz", 200)
         await kubelet.admit(RESOURCE)
+
+
+@needs_kvm
+async def test_ignored_environment_values_are_exported_and_listed_without_failing_readiness(
+        tmp_path: Path) -> None:
+    """DEVICE_COUNT=0 runs with the default 2000, as upstream does; the operator learns it from a
+    gauge per ignored setting and from /readyz, in every answer, 503 and 200 alike. The log says
+    "advertising" once the kubelet has the list, not at start."""
+    node = Node.make(tmp_path)
+    env = {"DEVICE_COUNT": "0", "HYPERLIGHT_CDI_INTERVAL": "10x", "HYPERLIGHT_HEALTH_INTERVAL": "1m"}
+    async with daemon(node.serve_args(), env, graceful=True) as proc:
+        unready = json.loads(await proc.wait_http("/readyz", 503))  # no kubelet yet
+        assert unready["ignored_settings"] == ["cdi_interval", "device_count"]
+        await wait_until(lambda: (node.plugin_dir / "hyperlight.sock").exists())
+        # "advertising" is said when the kubelet has the list, not when there is none to have it.
+        assert not any("advertising" in m for m in proc.messages()), proc.messages()
+        async with emulator(node.plugin_dir) as kubelet:
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 2000, timeout=10)
+            await wait_until(lambda: "advertising 2000 devices to the kubelet, all Healthy"
+                             in proc.messages(), what="the advertising line")
+            ready = json.loads(await proc.wait_http("/readyz", 200))
+            assert ready["status"] == "ready"
+            assert ready["ignored_settings"] == ["cdi_interval", "device_count"]
+            samples = await scrape(proc)
+    ignored = {dict(labels)["setting"]: v for (name, labels), v in samples.items()
+               if name == "hyperlight_settings_ignored"}
+    assert ignored == {"cdi_interval": 1.0, "device_count": 1.0}  # 1m was taken: not ignored
+    assert any("ignoring DEVICE_COUNT" in m for m in proc.messages())

@@ -18,7 +18,7 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.config import Settings, show
 from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import HealthTracker
-from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon
+from hlplugin.deviceplugin.daemon import DaemonSpec, Launch, Started, run_daemon
 from hlplugin.deviceplugin.lifecycle import Context, PluginLifecycle
 from hlplugin.deviceplugin.producer import Producer
 from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
@@ -76,7 +76,8 @@ def node_watch(tracker: HealthTracker, node: Path, recheck: float = 10.0,
     return producer
 
 
-async def bootstrap(settings: Settings, *, sys_dir: Path = hvnode.SYS_DIR) -> None:
+async def bootstrap(settings: Settings, launch: Launch | None = None, *,
+                    sys_dir: Path = hvnode.SYS_DIR) -> None:
     metrics = Metrics()
     tracker = HealthTracker(required=("device",))
 
@@ -96,4 +97,5 @@ async def bootstrap(settings: Settings, *, sys_dir: Path = hvnode.SYS_DIR) -> No
     await run_daemon(DaemonSpec(
         "hlplugin bootstrap", settings.http_address, tracker, metrics,
         functools.partial(wait_for_hypervisor, settings), setup,
-        pending={"hypervisor": f"no mshv or kvm device under {show(settings.dev_dir)}"}))
+        pending={"hypervisor": f"no mshv or kvm device under {show(settings.dev_dir)}"},
+        launch=launch or Launch()))

@@ -27,6 +27,7 @@ from hlplugin.deviceplugin.conditions import Condition, HealthTracker
 from hlplugin.deviceplugin.ownedfile import NotRegular, OwnedFile
 from hlplugin.deviceplugin.producer import Producer
 from hlplugin.deviceplugin.watch import FILE_EVENTS, DirWatcher
+from hlplugin.dirs import not_a_directory
 from hlplugin.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -208,7 +209,8 @@ class CdiReconciler:
             return _Outcome(Condition(False, reason), refused="not_regular")
         except OSError as exc:
             name = errno.errorcode.get(exc.errno or 0, "unknown error")
-            reason = f"cannot write {self.path}: {exc.strerror} ({name})"
+            problem = not_a_directory(self.cdi_dir) if exc.errno in (errno.EEXIST, errno.ENOTDIR) else ""
+            reason = f"cannot write {self.path}: {problem or exc.strerror} ({name})"
             return _Outcome(Condition(False, reason), refused="write_failed")
         return _Outcome(Condition(True), repaired=cause)
 

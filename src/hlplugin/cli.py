@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import sys
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -15,6 +14,9 @@ from typing import Any, NoReturn
 from hlplugin import __version__, cdi_spec, config, logs
 from hlplugin.deviceplugin import files
 from hlplugin.deviceplugin.quoting import clip, quote
+from hlplugin.deviceplugin.signals import StopSignals
+from hlplugin.dirs import not_a_directory
+from hlplugin.names import NO_HYPERVISOR_HINT
 
 log = logging.getLogger("hlplugin")
 
@@ -26,6 +28,18 @@ _COMMANDS = {
     "doctor": ("check whether this node could serve Hyperlight workloads", config.DOCTOR_OPTIONS),
     "demo": ("run both daemons against a built-in kubelet emulator in a temporary node root", ()),
 }
+
+# What `serve` does to the machine it runs on, said in its --help and in the README.
+SERVE_EFFECTS = (
+    "With the defaults, serve writes /var/run/cdi/hyperlight.json (podman and containerd on this "
+    "machine read it; it stays after exit, by design, for containers already running), creates "
+    "hyperlight.sock in /var/lib/kubelet/device-plugins and serves HTTP on 0.0.0.0:8080, every "
+    "address of the machine. To run it by hand without touching the machine, give it scratch "
+    "directories and a loopback address: hlplugin serve --plugin-dir /tmp/hl/plugins --cdi-dir "
+    "/tmp/hl/cdi --http-address 127.0.0.1:0 (hlplugin demo does that, with a kubelet emulator).")
+# `hlplugin cdi` takes the serve command line as it is, so an operator can paste it; --help lists
+# only what shapes the spec.
+CDI_SHAPES = ("dev_dir", "hypervisor", "device_uid", "device_gid")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,17 +69,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hlplugin {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, options) in _COMMANDS.items():
-        sub = commands.add_parser(name, help=help_text, description=help_text)
+        durations = name != "cdi" and any(config.OPTIONS[o].metavar == config.DURATION
+                                          for o in options)
+        description = {"serve": f"{help_text}. {SERVE_EFFECTS}",
+                       "cdi": f"{help_text}. It also takes the rest of the serve command line, "
+                              "and ignores it: only the options below shape the spec."}
+        sub = commands.add_parser(name, help=help_text, description=description.get(name, help_text),
+                                  epilog=config.DURATION_HELP if durations else None)
         sub.set_defaults(subparser=sub)  # errors found after parsing print this command's usage
         config.add_options(sub, options, name)
         if name == "cdi":
+            for action in sub._actions:
+                if action.dest in config.OPTIONS and action.dest not in CDI_SHAPES:
+                    action.help = argparse.SUPPRESS
             sub.add_argument("--check", type=_file, metavar="FILE",
                              help="exit 0 when FILE is exactly the spec, 1 with a difference")
         elif name == "doctor":
             sub.add_argument("--json", action="store_true", help="print the report as JSON")
+            sub.add_argument("--device-only", action="store_true",
+                             help="check only the hypervisor and the CDI device a workload would "
+                                  "get, nothing of the kubelet: exit 0 where they work (the verdict "
+                                  "of hlplugin demo)")
         elif name == "demo":
             sub.add_argument("--keep", action="store_true",
                              help="keep the temporary node root and print its path")
+            sub.add_argument("--hold", action="store_true",
+                             help="start both daemons and the emulator and keep them running until "
+                                  "Ctrl-C, printing their URLs and commands to try")
+            sub.add_argument("--allocate", metavar="SOCKET", type=Path,
+                             help="ask the held demo listening on SOCKET to allocate "
+                                  "(hyperlight.dev/hypervisor, or RESOURCE: device-access)")
+            sub.add_argument("resource", nargs="?", default="", metavar="RESOURCE",
+                             help=argparse.SUPPRESS)
     return parser
 
 
@@ -92,44 +127,70 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = config.socket_path_problem(settings.plugin_dir)
         if problem:
             args.subparser.error(f"argument --plugin-dir (or HYPERLIGHT_PLUGIN_DIR): {problem}")
+    if args.command == "serve":
+        problem = not_a_directory(settings.cdi_dir)
+        if problem:
+            args.subparser.error(f"argument --cdi-dir (or HYPERLIGHT_CDI_DIR): {problem}")
     logs.configure(settings.log_format, settings.log_level)
     if daemon:
         # Before gRPC is imported: its C core prints to fd 2 from its own threads (errors only,
         # unless GRPC_VERBOSITY says otherwise).
         logs.capture_stderr()
-        log.info("hlplugin %s %s starting; %s", args.command, __version__, resolution.describe(),
-                 extra={"version": __version__,
-                        "settings": {n: config.show(getattr(settings, n)) for n in options},
-                        "sources": resolution.sources})
+        # Each setting once: in the text line, grouped by source; in JSON, as fields.
+        if settings.log_format == "json":
+            log.info("hlplugin %s %s starting", args.command, __version__,
+                     extra={"version": __version__,
+                            "settings": {n: config.show(getattr(settings, n)) for n in options},
+                            "sources": resolution.sources})
+        else:
+            log.info("hlplugin %s %s starting; %s", args.command, __version__,
+                     resolution.describe())
     config.log_warnings(resolution.warnings)
     if daemon:
         _limit_malloc_arenas()
+        # From here until the process exits a stop signal never kills it (deviceplugin/signals.py).
+        signals = StopSignals().install()
+        from hlplugin.deviceplugin.daemon import Launch  # imports gRPC: after capture_stderr
+
+        launch = Launch(resolution.ignored, signals)
     if args.command == "serve":
         from hlplugin.plugin import serve
 
-        return _run(serve(settings))
+        return _run(serve(settings, launch), signals)
     if args.command == "bootstrap":
         from hlplugin.bootstrap import bootstrap
 
-        return _run(bootstrap(settings))
+        return _run(bootstrap(settings, launch), signals)
     if args.command == "cdi":
         return _cdi(settings, args.check)
     if args.command == "doctor":
         from hlplugin.tools.doctor import doctor
 
-        return doctor(settings, as_json=args.json)
+        return doctor(settings, as_json=args.json, device_only=args.device_only)
+    if args.resource and args.allocate is None:
+        args.subparser.error(f"unrecognized arguments: {args.resource}")
+    if args.allocate is not None:
+        from hlplugin.tools.demo_hold import allocate
+
+        return allocate(args.allocate, args.resource)
+    if args.hold:
+        if args.keep:
+            args.subparser.error("argument --hold: not allowed with --keep (it removes everything)")
+        from hlplugin.tools.demo_hold import hold
+
+        return hold()
     from hlplugin.tools.demo import demo
 
     return demo(keep=args.keep)
 
 
-def _run(coroutine: Coroutine[Any, Any, None]) -> int:
-    with contextlib.suppress(KeyboardInterrupt):
+def _run(coroutine: Coroutine[Any, Any, None], signals: StopSignals) -> int:
+    try:
         asyncio.run(coroutine)
-    # Stopped. The interpreter still waits for worker threads, and a check stuck in the kernel
-    # (a hung filesystem) holds one until it returns: a second SIGTERM meanwhile, once asyncio
-    # has restored the default action, must not turn a clean stop into death by signal.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    finally:
+        # Stopped, the process may still wait for a helper stuck in the kernel (a hung
+        # filesystem) to return: a second SIGTERM meanwhile must not kill it.
+        signals.ignore()
     return 0
 
 
@@ -138,7 +199,8 @@ def _cdi(settings: config.Settings, check: Path | None) -> int:
     hypervisor = settings.detect_hypervisor()
     if hypervisor is None:
         print(f"hlplugin cdi: no mshv or kvm device under "
-              f"{quote(str(settings.dev_dir), files.PATH_CHARS)}; pass --hypervisor", file=sys.stderr)
+              f"{quote(str(settings.dev_dir), files.PATH_CHARS)}; pass --hypervisor "
+              f"(and {NO_HYPERVISOR_HINT})", file=sys.stderr)
         return 1
     desired = cdi_spec.render_spec(hypervisor, settings.device_uid, settings.device_gid)
     if check is None:

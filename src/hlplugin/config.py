@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -18,7 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from hlplugin import aliases, hvnode
+from hlplugin import aliases, durations, hvnode
 from hlplugin.deviceplugin import files
 from hlplugin.deviceplugin.quoting import clip, quote
 from hlplugin.names import LONGEST_SOCKET
@@ -41,7 +40,6 @@ TIMEOUT_RANGE = (0.1, 60.0)
 
 # ASCII only: int() also takes Arabic-Indic and full-width digits, and "1_000".
 _DIGITS = re.compile(r"[0-9]{1,20}")
-_DECIMAL = re.compile(r"(?:[0-9]{1,20}(?:\.[0-9]{0,20})?|\.[0-9]{1,20})(?:[eE][+-]?[0-9]{1,3})?")
 
 
 def _ascii_int(text: str) -> int:
@@ -69,23 +67,12 @@ _device_count = _int_range(1, MAX_DEVICE_COUNT,
 _uint32 = _int_range(0, UINT32_MAX, " (the CDI uint32 range)")
 
 
-def _seconds_range(low: float, high: float) -> Callable[[str], float]:
-    """Seconds within [low, high], as a plain ASCII decimal with an optional "s"; never NaN or inf."""
-
-    def parse(text: str) -> float:
-        stripped = text.strip().removesuffix("s")
-        value = float(stripped) if _DECIMAL.fullmatch(stripped) else math.nan
-        if not low <= value <= high:  # NaN fails every comparison
-            raise ValueError(f"must be a number of seconds from {low:g} to {high:g}, got {text[:40]!r}")
-        return value
-
-    return parse
-
-
-_interval = _seconds_range(*INTERVAL_RANGE)
-_timeout = _seconds_range(*TIMEOUT_RANGE)
-_INTERVALS = f"{INTERVAL_RANGE[0]:g}-{INTERVAL_RANGE[1]:g}"
-_TIMEOUTS = f"{TIMEOUT_RANGE[0]:g}-{TIMEOUT_RANGE[1]:g}"
+DURATION = "DURATION"  # the metavar of every duration; --help explains it (DURATION_HELP)
+DURATION_HELP = f"DURATION is {durations.SYNTAX}."
+_interval = durations.seconds_range(*INTERVAL_RANGE)
+_timeout = durations.seconds_range(*TIMEOUT_RANGE)
+_INTERVALS = f"{durations.show(INTERVAL_RANGE[0])}-{durations.show(INTERVAL_RANGE[1])}"
+_TIMEOUTS = f"{durations.show(TIMEOUT_RANGE[0])}-{durations.show(TIMEOUT_RANGE[1])}"
 
 
 def _choice(*choices: str) -> Callable[[str], str]:
@@ -235,15 +222,15 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
            "also name the CDI device in Allocate annotations (kubelets older than 1.29)",
            is_switch=True),
     Option("cdi_interval", "--cdi-interval", "HYPERLIGHT_CDI_INTERVAL", _interval,
-           f"seconds between periodic CDI spec checks, {_INTERVALS}", "SECONDS"),
+           f"time between periodic CDI spec checks, {_INTERVALS}", DURATION),
     Option("health_interval", "--health-interval", "HYPERLIGHT_HEALTH_INTERVAL", _interval,
-           f"seconds between periodic device checks, {_INTERVALS}", "SECONDS"),
+           f"time between periodic device checks, {_INTERVALS}", DURATION),
     Option("probe_timeout", "--probe-timeout", "HYPERLIGHT_PROBE_TIMEOUT", _timeout,
-           f"budget of one device check, {_TIMEOUTS}", "SECONDS"),
+           f"budget of one device check, {_TIMEOUTS}", DURATION),
     Option("guest_check", "--guest-check", "HYPERLIGHT_GUEST_CHECK", _bool,
            "run a tiny guest on KVM as part of each device check", "true|false"),
     Option("register_timeout", "--register-timeout", "HYPERLIGHT_REGISTER_TIMEOUT", _timeout,
-           f"bound of one Register call to the kubelet, {_TIMEOUTS}", "SECONDS"),
+           f"bound of one Register call to the kubelet, {_TIMEOUTS}", DURATION),
 )}
 
 SERVE_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor", "device_count",
@@ -287,6 +274,8 @@ def add_options(parser: argparse.ArgumentParser, names: Sequence[str], command: 
             shown = f"{default[0]}:{default[1]}"
         elif isinstance(default, bool):
             shown = str(default).lower()
+        elif option.metavar == DURATION:
+            shown = durations.show(default)
         help_text = f"{option.help} (env {option.env}; default {shown})"
         if option.is_switch:
             parser.add_argument(option.flag, dest=name, action="store_const", const=True,
@@ -302,11 +291,13 @@ FLAG, ENVIRONMENT, DEFAULT = "flag", "environment", "default"
 @dataclass(frozen=True)
 class Resolution:
     """Settings, the warnings to log, and where each setting came from (FLAG, ENVIRONMENT or
-    DEFAULT; an invalid environment value counts as DEFAULT, since the default is what runs)."""
+    DEFAULT; an invalid environment value counts as DEFAULT, since the default is what runs);
+    ``ignored`` names the settings whose environment value was invalid (the daemons export them)."""
 
     settings: Settings
     warnings: list[str]
     sources: dict[str, str]
+    ignored: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """The effective settings grouped by source, for the one start-up line."""
@@ -342,6 +333,7 @@ def resolve_sources(
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     warnings: list[str] = []
+    ignored: list[str] = []
     for name in names:
         option = OPTIONS[name]
         default = DEFAULT_OVERRIDES.get(command, {}).get(name, option.default)
@@ -355,6 +347,7 @@ def resolve_sources(
             try:
                 value = option.parse(raw)
             except ValueError as exc:
+                ignored.append(name)
                 warnings.append(f"ignoring {variable}={raw[:40]!r}: {exc}; using the default "
                                 f"{default!r}")
         if value is _UNSET:
@@ -364,7 +357,7 @@ def resolve_sources(
     settings = Settings(**values)
     if "host_dev_dir" in names and settings.host_dev_dir is None:
         warnings.append("host device identity check is off (--host-dev-dir is empty)")
-    return Resolution(settings, warnings, sources)
+    return Resolution(settings, warnings, sources, tuple(ignored))
 
 
 def log_warnings(warnings: Sequence[str]) -> None:

@@ -18,6 +18,7 @@ from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import Condition, HealthState, HealthTracker
 from hlplugin.deviceplugin.producer import Producer
 from hlplugin.deviceplugin.watch import DirWatcher
+from hlplugin.names import NO_HYPERVISOR_HINT
 from hlplugin.probe import check_host_identity, close_deferred, probe_device
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _DEVICE = "device"
+_IDENTITY_OFF = "the host identity check is off (--host-dev-dir is empty)"
 _IDENTITY = "host_identity"
 
 
@@ -130,7 +132,7 @@ class DeviceMonitor:
         for name, (duration, error) in results.items():
             self._record(name, duration, error)
         if self._identity_probe is None:
-            self.tracker.set_condition(_IDENTITY, True)
+            self.tracker.set_condition(_IDENTITY, True, off=_IDENTITY_OFF)
         # This check's own answer, whatever else was recorded while it ran.
         answer = dict(self.tracker.state.conditions)
         answer.update({name: Condition(error is None, "" if error is None else _reason(error)[1])
@@ -141,7 +143,7 @@ class DeviceMonitor:
         for name, (duration, error) in (await self._run(self._probes(self._device_probe))).items():
             self._record(name, duration, error)
         if self._identity_probe is None:
-            self.tracker.set_condition(_IDENTITY, True)
+            self.tracker.set_condition(_IDENTITY, True, off=_IDENTITY_OFF)
         return self.tracker.state.healthy
 
     async def _run(self, probes: list[tuple[str, Callable[[], None]]]
@@ -233,8 +235,8 @@ async def wait_for_hypervisor(settings: Settings) -> str:
     if found is not None:
         return found
     skipped = "".join(f"; {why}" for why in hvnode.skipped(settings.dev_dir))
-    log.warning("no hypervisor device under %s (looked for mshv and kvm%s); waiting for one",
-                show(settings.dev_dir), skipped)
+    log.warning("no hypervisor device under %s (looked for mshv and kvm%s); waiting for one; %s",
+                show(settings.dev_dir), skipped, NO_HYPERVISOR_HINT)
     # aclosing: leaving the loop early must close the watcher now, not whenever the garbage
     # collector finalizes the generator (by then its inotify fd number may belong to another).
     async with contextlib.aclosing(DirWatcher(settings.dev_dir, HYPERVISORS).changes()) as changes:

@@ -11,5 +11,9 @@ HYPERVISOR_SOCKET = "hyperlight.sock"
 # The bootstrap daemon's: one slot that grants the hypervisor node to the main daemon's pod.
 DEVICE_ACCESS_RESOURCE = "hyperlight.dev/device-access"
 DEVICE_ACCESS_SOCKET = "hyperlight-device-access.sock"
+# What to look at when a machine has no hypervisor device, or one that does not work.
+NO_HYPERVISOR_HINT = ("is the kvm module loaded (modprobe kvm_intel or kvm_amd), virtualisation "
+                      "turned on in the firmware, and, in a virtual machine, nested virtualisation "
+                      "enabled?")
 # The longer socket name: what bounds how long the plugin directory's path may be.
 LONGEST_SOCKET = max(HYPERVISOR_SOCKET, DEVICE_ACCESS_SOCKET, key=len)

@@ -17,7 +17,7 @@ from hlplugin import cdi, cdi_spec
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.config import Settings, show
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon
+from hlplugin.deviceplugin.daemon import DaemonSpec, Launch, Started, run_daemon
 from hlplugin.deviceplugin.lifecycle import Context, PluginLifecycle
 from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
 from hlplugin.health import DeviceMonitor, wait_for_hypervisor
@@ -71,7 +71,7 @@ class HypervisorPlugin(TrackedDevicePlugin):
         return response
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings, launch: Launch | None = None) -> None:
     """The main daemon: CDI reconciler, device monitor and the hyperlight.dev/hypervisor plugin."""
     # Every Allocate waits for a device check in a helper thread, which takes the GIL back after
     # each of its syscalls; while the event loop is busy (concurrent Allocates), each of those
@@ -103,11 +103,11 @@ async def serve(settings: Settings) -> None:
             lambda: HypervisorPlugin(hv, settings.device_count, tracker, gate,
                                      cdi_annotations=settings.cdi_annotations, metrics=metrics),
             register_timeout=settings.register_timeout, metrics=metrics)
-        log.info("advertising %d %s slots for %s", settings.device_count, RESOURCE, hv)
         return Started(lifecycle, {"cdi": reconciler.run(), "device-health": monitor.run(),
                                    "plugin": lifecycle.run()})
 
     await run_daemon(DaemonSpec(
         "hlplugin serve", settings.http_address, tracker, metrics,
         functools.partial(wait_for_hypervisor, settings), setup,
-        pending={"hypervisor": f"no mshv or kvm device under {show(settings.dev_dir)}"}))
+        pending={"hypervisor": f"no mshv or kvm device under {show(settings.dev_dir)}"},
+        launch=launch or Launch()))

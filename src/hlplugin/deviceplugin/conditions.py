@@ -80,9 +80,12 @@ class HealthTracker:
         """Called synchronously with (old, new) on every transition (metrics, logs)."""
         self._listeners.append(listener)
 
-    def set_condition(self, name: str, ok: bool, reason: str = "") -> None:
-        """Record a completed check; only a real change bumps the generation and wakes waiters."""
-        new = Condition(ok, "" if ok else (reason or "unknown failure"))
+    def set_condition(self, name: str, ok: bool, reason: str = "", *, off: str = "") -> None:
+        """Record a completed check; only a real change bumps the generation and wakes waiters.
+        ``off`` says why a condition is switched off: it holds, and its reason says so."""
+        if off:
+            ok, reason = True, f"off: {off}"
+        new = Condition(ok, reason if off else "" if ok else (reason or "unknown failure"))
         old_state = self._state
         if old_state.conditions.get(name) == new:
             return
@@ -91,7 +94,9 @@ class HealthTracker:
         self._state = HealthState(MappingProxyType(conditions), old_state.generation + 1)
         # Each state (and reason) its own cause: a flap is logged when it first happens, then
         # counted, at most one line per state and interval; the listeners see every transition.
-        if ok:
+        if off:
+            log.info("condition %s is off: %s", name, off, extra={"condition": name})
+        elif ok:
             self.lines.log((name, True), logging.INFO, "condition %s is healthy", name,
                            extra={"condition": name})
         else:

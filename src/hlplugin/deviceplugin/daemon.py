@@ -26,6 +26,7 @@ from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.http import HttpServer, format_address
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
+from hlplugin.deviceplugin.signals import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,17 @@ class Started:
 
     lifecycle: PluginLifecycle
     tasks: RootTasks
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the command line hands a daemon besides its settings: the settings whose environment
+    value was ignored (exported as ``<prefix>_settings_ignored`` and listed in every /readyz
+    answer, without failing readiness: the default runs), and the process's stop signals (None:
+    the event loop's own handlers, for a daemon run inside another program, e.g. a test)."""
+
+    ignored_settings: tuple[str, ...] = ()
+    signals: StopSignals | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,7 @@ class DaemonSpec(Generic[T]):
     wait: Callable[[], Awaitable[T]]
     setup: Callable[[T], Awaitable[Started]]
     pending: Mapping[str, str] = field(default_factory=dict)
+    launch: Launch = field(default_factory=Launch)
 
 
 def await_chain(task: asyncio.Task[Any]) -> list[str]:
@@ -186,6 +199,7 @@ async def run_daemon(spec: DaemonSpec[T]) -> None:
     roots: list[asyncio.Task[None]] = []
     started: Started | None = None
     waiting = True
+    stopping = False
     track_health_metrics(spec.tracker, spec.metrics)
 
     def current() -> PluginLifecycle | None:
@@ -200,7 +214,11 @@ async def run_daemon(spec: DaemonSpec[T]) -> None:
     def stop(again: bool = False) -> None:
         """Cancel everything, and again every 0.25 s while anything still runs: on Python 3.11
         asyncio.wait_for, which gRPC uses inside server shutdown, can swallow a cancellation."""
+        nonlocal stopping
         if not again:
+            if stopping:  # a second signal: already on its way
+                return
+            stopping = True
             log.info("%s stopping", spec.name)
         pending = [task for task in roots if not task.done()]
         if again and not pending and me.done():
@@ -211,15 +229,26 @@ async def run_daemon(spec: DaemonSpec[T]) -> None:
             me.cancel()
         loop.call_later(0.25, stop, True)
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop)
+    signals = spec.launch.signals
+    if signals is None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop)
+    else:  # the process's handlers, which outlive this loop (see signals.py)
+        def request_stop() -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(stop)
+
+        signals.connect(request_stop)
     loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
+    for setting in spec.launch.ignored_settings:
+        spec.metrics.settings_ignored.labels(setting=setting).set(1)
 
     # Read at every scrape, from the same conditions as /readyz: a readiness alert needs no
     # kube-state-metrics, and cannot disagree with the probe.
     spec.metrics.ready.set_function(lambda: float(all(ok for ok, _ in readiness().values())))
     checker = SelfCheck(current)
-    http = HttpServer(readiness, checker.liveness, spec.metrics.registry)
+    http = HttpServer(readiness, checker.liveness, spec.metrics.registry,
+                      details={"ignored_settings": sorted(spec.launch.ignored_settings)})
     checking: asyncio.Task[None] | None = None
     try:
         try:
@@ -249,6 +278,8 @@ async def run_daemon(spec: DaemonSpec[T]) -> None:
             await http.stop()
         with contextlib.suppress(asyncio.CancelledError):
             await checker.close()
+        if signals is not None:
+            signals.disconnect()
 
 
 def _log_failures(name: str, roots: list[asyncio.Task[None]], group: BaseExceptionGroup[Exception]

@@ -82,10 +82,12 @@ def _text(status: HTTPStatus, text: str = "") -> Answer:
 class App:
     """Routes a complete request to an answer built from in-memory state."""
 
-    def __init__(self, readiness: Readiness, liveness: Liveness, registry: CollectorRegistry) -> None:
+    def __init__(self, readiness: Readiness, liveness: Liveness, registry: CollectorRegistry,
+                 details: Mapping[str, object] | None = None) -> None:
         self.readiness = readiness
         self.liveness = liveness
         self.registry = registry
+        self.details = dict(details or {})  # fixed at start; in every /readyz answer
 
     def __call__(self, method: str, target: str, headers: Mapping[str, str]) -> Answer:
         if method not in ("GET", "HEAD"):
@@ -101,6 +103,7 @@ class App:
             conditions = self.readiness()
             ready = all(ok for ok, _ in conditions.values())
             return self._json(ready, {
+                **self.details,
                 "status": "ready" if ready else "not ready",
                 "conditions": {name: {"ok": ok, "reason": reason}
                                for name, (ok, reason) in conditions.items()},
@@ -248,8 +251,9 @@ class HttpServer:
     """The HTTP port of one daemon; ``port`` is the bound port (useful with port 0)."""
 
     def __init__(self, readiness: Readiness, liveness: Liveness, registry: CollectorRegistry,
-                 limits: Limits | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.app = App(readiness, liveness, registry)
+                 limits: Limits | None = None, clock: Callable[[], float] = time.monotonic,
+                 details: Mapping[str, object] | None = None) -> None:
+        self.app = App(readiness, liveness, registry, details)
         self.limits = limits if limits is not None else Limits(max_connections=connection_cap())
         self.clock = clock
         self.port = 0

@@ -67,6 +67,12 @@ class DevicePluginMetrics:
             f"{prefix}_listandwatch_streams", "Open ListAndWatch streams.", registry=r)
         self.devices_advertised = Gauge(
             f"{prefix}_devices_advertised", "Devices in the latest ListAndWatch list.", registry=r)
+        # Not pre-created: a series exists only for a setting that was ignored (bounded: one
+        # per setting, by its settings name).
+        self.settings_ignored = Gauge(
+            f"{prefix}_settings_ignored",
+            "1 for each setting whose environment value was invalid and ignored: its default runs.",
+            ["setting"], registry=r)
         self.devices_healthy = Gauge(
             f"{prefix}_devices_healthy", "Devices advertised as Healthy.", registry=r)
         precreate({

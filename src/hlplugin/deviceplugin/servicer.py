@@ -108,11 +108,15 @@ class TrackedDevicePlugin(PluginServicer):
                 if state.healthy == sent:
                     await wake.wait()
                     continue
+                first = sent is None
                 sent = state.healthy
                 self._publish(state)
                 self.lists_sent += 1
                 # Resumes once gRPC took the message; the loop then sends the state as it is now.
                 yield self._lists[state.healthy]
+                if first:  # now the kubelet has the list: what it counts as the node's capacity
+                    log.info("advertising %d devices to the kubelet, all %s", len(self.device_ids),
+                             HEALTHY if state.healthy else UNHEALTHY)
         finally:
             self._stream_opened(-1)
 

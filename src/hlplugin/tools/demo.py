@@ -37,7 +37,7 @@ from hlplugin.deviceplugin import files
 from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET
 from hlplugin.names import DEVICE_ACCESS_RESOURCE as ACCESS_RESOURCE
-from hlplugin.names import HYPERVISOR_RESOURCE, LONGEST_SOCKET
+from hlplugin.names import HYPERVISOR_RESOURCE, LONGEST_SOCKET, NO_HYPERVISOR_HINT
 from hlplugin.tools.emulator import CHECKPOINT, AdmissionError, KubeletEmulator
 from hlplugin.tools.process import DaemonProcess
 
@@ -393,8 +393,8 @@ class Demo:
         if self.missing:
             self.say(f"\nresult: this machine cannot run Hyperlight workloads: could not "
                      f"{', '.join(self.missing)}. Everything else above worked. "
-                     f"Run `hlplugin doctor --dev-dir {self.dev_dir} --host-dev-dir {self.dev_dir}` "
-                     "for the reason step by step.")
+                     f"Run `hlplugin doctor --device-only --dev-dir {self.dev_dir}` for the reason "
+                     f"step by step; {NO_HYPERVISOR_HINT}")
         elif self.keep:
             self.say("\nresult: OK, both daemons served a Hyperlight workload end to end and stopped "
                      "cleanly; the node root and the daemons' logs are kept (--keep)")

@@ -3,8 +3,14 @@
 It reuses the daemons' own checks (hlplugin.probe, hlplugin.cdi, Settings.detect_hypervisor), so
 a verdict here means what the daemons would conclude, not what a separate tool guesses. Every
 device step runs in a BoundedRunner: a hung ioctl costs a "timed out" row, never a hung doctor.
-Nothing is changed: the CDI spec is only read, and the writability test uses a temp file of the
-reconciler's own prefix that is removed at once.
+Nothing is changed: the CDI spec is only read, and the writability test writes a temp file of the
+reconciler's own prefix and removes it at once (its row says so).
+
+Where it runs matters. In the main daemon's pod the host's /dev is mounted at /host-dev; on the node
+itself (no /host-dev with the default setting) /dev is the host's view, and the report says it used
+it. A machine without the kubelet's device-plugins directory is not a node, and the verdict says so.
+``--device-only`` checks the hypervisor and what a workload's runtime would do with the CDI spec,
+nothing of the kubelet: the verdict `hlplugin demo` gives.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from hlplugin.config import Settings
 from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.files import char_device
 from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET
+from hlplugin.names import NO_HYPERVISOR_HINT
+from hlplugin.tools.cdi_resolve import resolves_to
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 
@@ -44,6 +52,8 @@ class Check:
 class Report:
     checks: list[Check]
     hypervisor: str | None
+    device_only: bool = False
+    not_a_node: str = ""  # the plugin dir that does not exist, when it does not
 
     @property
     def ok(self) -> bool:
@@ -60,8 +70,17 @@ class Report:
 
     @property
     def verdict(self) -> str:
+        if self.device_only:
+            if self.ok:
+                return (f"OK - this machine could run Hyperlight workloads ({self.hypervisor}): its "
+                        "hypervisor works and a runtime could use the CDI device")
+            return f"FAIL - this machine could not run Hyperlight workloads. {self.reason}"
         if self.ok:
             return f"OK - this node could serve Hyperlight workloads ({self.hypervisor})"
+        if self.not_a_node:
+            return (f"FAIL - this machine is not a Kubernetes node: there is no {self.not_a_node} "
+                    "(the kubelet's device-plugins directory). `hlplugin doctor --device-only` "
+                    f"checks the hypervisor and the CDI device alone. {self.reason}")
         return f"FAIL - this node could not serve Hyperlight workloads. {self.reason}"
 
     def as_dict(self) -> dict[str, Any]:
@@ -69,9 +88,10 @@ class Report:
                 "hypervisor": self.hypervisor, "checks": [asdict(c) for c in self.checks]}
 
 
-def doctor(settings: Settings, *, as_json: bool = False) -> int:
-    """Print the report (a table, or JSON); 0 when the node could serve workloads, else 1."""
-    report = asyncio.run(diagnose(settings))
+def doctor(settings: Settings, *, as_json: bool = False, device_only: bool = False) -> int:
+    """Print the report (a table, or JSON); 0 when the node could serve workloads (with
+    ``device_only``: when the hypervisor and the CDI device work), else 1."""
+    report = asyncio.run(diagnose(settings, device_only=device_only))
     if as_json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
@@ -89,7 +109,16 @@ def render(report: Report) -> str:
     return "\n".join(lines)
 
 
-async def diagnose(settings: Settings) -> Report:
+def host_view(settings: Settings) -> tuple[Path | None, str]:
+    """The host /dev view, and why when it is not the setting's: outside the pod, no /host-dev."""
+    host = settings.host_dev_dir
+    if host == Settings.host_dev_dir and host is not None and not host.exists():
+        return settings.dev_dir, (f"{host} does not exist, so this is not the daemon's pod: "
+                                  f"{settings.dev_dir} is the host's view")
+    return host, ""
+
+
+async def diagnose(settings: Settings, *, device_only: bool = False) -> Report:
     checks: list[Check] = []
 
     async def step(name: str, fn: Callable[[], str]) -> Check:
@@ -116,7 +145,7 @@ async def diagnose(settings: Settings) -> Report:
     hypervisor = settings.detect_hypervisor()
     if hypervisor is None:
         checks.append(Check("hypervisor", FAIL, f"no mshv or kvm device under {settings.dev_dir} "
-                            "(pass --dev-dir, or --hypervisor to name one)"))
+                            f"(pass --dev-dir, or --hypervisor to name one); {NO_HYPERVISOR_HINT}"))
     else:
         how = "configured" if settings.hypervisor != "auto" else "detected"
         checks.append(Check("hypervisor", OK, f"{hypervisor} ({how}, {settings.dev_dir / hypervisor})"))
@@ -138,14 +167,24 @@ async def diagnose(settings: Settings) -> Report:
         else:
             await step("open read/write", lambda: _mshv(path))
 
-    if settings.host_dev_dir is None:
+    if device_only:
+        if hypervisor is None:
+            skip("CDI device", "no hypervisor")
+        else:
+            hv = hypervisor
+            await step("CDI device", lambda: _cdi_device(settings, hv))
+        return Report(checks, hypervisor, device_only=True)
+
+    host_dev_dir, chosen = host_view(settings)
+    if host_dev_dir is None:
         skip("host identity", "off (--host-dev-dir is empty)")
     elif hypervisor is None:
         skip("host identity", "no hypervisor")
     else:
-        hv = hypervisor
-        host_dev_dir = settings.host_dev_dir
-        await step("host identity", lambda: _identity(settings.dev_dir / hv, host_dev_dir / hv))
+        hv, host = hypervisor, host_dev_dir
+        check = await step("host identity", lambda: _identity(settings.dev_dir / hv, host / hv))
+        if chosen:
+            check.detail = f"{check.detail} ({chosen})"
 
     await step("CDI dir", lambda: _cdi_dir_writable(settings.cdi_dir))
     if hypervisor is None:
@@ -153,9 +192,14 @@ async def diagnose(settings: Settings) -> Report:
     else:
         desired = cdi_spec.render_spec(hypervisor, settings.device_uid, settings.device_gid)
         await step("CDI spec", lambda: _cdi_spec(settings.cdi_dir / cdi_spec.SPEC_FILE, desired))
-    await step("plugin dir", lambda: _plugin_dir(settings.plugin_dir))
-    await step("kubelet socket", lambda: _kubelet(settings.plugin_dir / KUBELET_SOCKET))
-    return Report(checks, hypervisor)
+    plugin_dir = await step("plugin dir", lambda: _plugin_dir(settings.plugin_dir))
+    not_a_node = ""
+    if plugin_dir.status == FAIL and not settings.plugin_dir.exists():
+        not_a_node = str(settings.plugin_dir)
+        skip("kubelet socket", "not a Kubernetes node (no kubelet device-plugins directory)")
+    else:
+        await step("kubelet socket", lambda: _kubelet(settings.plugin_dir / KUBELET_SOCKET))
+    return Report(checks, hypervisor, not_a_node=not_a_node)
 
 
 Step = Callable[[str, Callable[[], str]], Any]
@@ -251,11 +295,20 @@ def _cdi_dir_writable(directory: Path) -> str:
         finally:
             os.close(fd)
     except OSError as exc:
-        raise _Verdict(FAIL, f"cannot write in {directory}: {_os_error(exc)}") from None
+        raise _Verdict(FAIL, f"cannot write in {directory}: {_os_error(exc)} (tried a 4 KiB "
+                             f"temp file, {temp.name})") from None
     finally:
         with contextlib.suppress(OSError):
             os.unlink(temp)
-    return f"{directory} is writable"
+    return f"{directory} is writable (wrote, synced and removed a 4 KiB temp file, {temp.name})"
+
+
+def _cdi_device(settings: Settings, hypervisor: str) -> str:
+    spec = cdi_spec.render_spec(hypervisor, settings.device_uid, settings.device_gid)
+    try:
+        return resolves_to(spec, cdi_spec.qualified_name(hypervisor), settings.dev_dir)
+    except ValueError as exc:
+        raise _Verdict(FAIL, str(exc)) from None
 
 
 def _cdi_spec(path: Path, desired: bytes) -> str:
@@ -327,6 +380,8 @@ def _with_hint(exc: CheckFailed) -> str:
         hint = f"; run as root or as a member of {_group_of(exc.path)}"
     elif exc.errno == errno.ENOTTY:
         hint = "; the node exists but is not a KVM device"
+    elif exc.errno in (errno.ENOENT, errno.ENXIO, errno.ENODEV) or exc.reason in ("create_vm", "guest"):
+        hint = f"; {NO_HYPERVISOR_HINT}"
     return f"{exc}{hint}"
 
 
