@@ -21,7 +21,7 @@ from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.bootstrap import DeviceAccessPlugin
 from hlplugin.config import Settings
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.lifecycle import new_server
+from hlplugin.deviceplugin.grpcserver import new_server
 from hlplugin.deviceplugin.servicer import MAX_CONTAINERS, MAX_ID_BYTES, MAX_STREAMS, TrackedDevicePlugin
 from hlplugin.metrics import Metrics
 from hlplugin.plugin import HypervisorPlugin
@@ -36,7 +36,7 @@ async def served(plugin: TrackedDevicePlugin
     """``plugin`` served as the lifecycle serves it, on a real unix socket: a stub and the path."""
     with tempfile.TemporaryDirectory(prefix="hlp-") as directory:
         path = Path(directory) / "p.sock"
-        server = new_server(plugin)
+        server = new_server(plugin, plugin.max_request_bytes)
         server.add_insecure_port(f"unix://{path}")
         await server.start()
         async with grpc.aio.insecure_channel(f"unix://{path}") as channel:

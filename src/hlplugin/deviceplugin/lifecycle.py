@@ -30,6 +30,7 @@ import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from hlplugin.deviceplugin.grpcserver import new_server, stop_server
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.producer import Wakeup
 from hlplugin.deviceplugin.watch import DirWatcher
@@ -96,15 +97,6 @@ async def _to_completion(work: Coroutine[Any, Any, None]) -> None:
     if cancelled:
         raise asyncio.CancelledError
     task.result()
-
-
-def new_server(servicer: PluginServicer) -> grpc.aio.Server:
-    """A gRPC server for ``servicer`` that refuses requests larger than it accepts, before they are
-    parsed (RESOURCE_EXHAUSTED)."""
-    server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", servicer.max_request_bytes)])
-    pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
-    return server
 
 
 @dataclass
@@ -209,7 +201,7 @@ class PluginLifecycle:
         self._remove_stale_socket()
         servicer = self._make_servicer()
         servicer.on_streams_changed = self._wakeup.fire
-        server = new_server(servicer)
+        server = new_server(servicer, servicer.max_request_bytes)
         try:
             server.add_insecure_port(f"unix://{self.socket_path}")
         except BaseException:
@@ -240,7 +232,7 @@ class PluginLifecycle:
         instance.identity = None
         instance.servicer.close_streams()
         try:
-            await _to_completion(instance.server.stop(grace=0.2))
+            await stop_server(instance.server)  # within its deadline, whatever a client holds
         finally:
             if ours:
                 with contextlib.suppress(FileNotFoundError):

@@ -1,0 +1,88 @@
+"""The device-plugin gRPC server: what a client can make it hold, and a stop no client holds up.
+
+Bounds (docs/security.md, "Bounds on the device-plugin socket"), measured with tests/h2flood.py:
+20,000 HEADERS + RST_STREAM pairs (the HTTP/2 rapid reset, CVE-2023-44487) over 4 connections
+grew the main daemon's peak memory by 45 MiB with gRPC's defaults, and failed 10 of the kubelet's
+Allocates (CANCELLED); with a stream bound alone (16), by 1.3 MiB over 4 connections but 7 MiB
+over 200; with both bounds below, by 0.5-2.2 MiB over 4 to 300 connections, and none failed.
+Each bound is above what legitimate clients use: the streams a connection may have exceed the
+ListAndWatch streams a plugin serves (8, servicer.MAX_STREAMS), so a client opening more is told
+so (RESOURCE_EXHAUSTED) rather than kept waiting; the connections exceed those streams plus the
+kubelet's and the self-check's.
+
+- ``grpc.max_concurrent_streams``: streams one connection may have open at once, which bounds
+  the calls a reset flood has begun and not yet finished (gRPC counts a reset stream while its
+  call is still being worked on).
+  The kubelet holds one ListAndWatch stream and calls Allocate and its siblings one at a time;
+  a well-behaved client past the bound waits for a free stream, it is not refused.
+- ``grpc.max_allowed_incoming_connections``: connections open at once; gRPC closes one more at
+  once. The kubelet keeps the one it dialled at registration; the socket lives in the kubelet's
+  root-only directory, so whoever can fill it could as well remove it.
+
+``grpc.aio.server``'s ``maximum_concurrent_rpcs`` is not used: past it gRPC refuses calls
+(RESOURCE_EXHAUSTED), and a flood would then fail the kubelet's Allocate instead of delaying it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_STREAMS_PER_CONNECTION = 10
+MAX_CONNECTIONS = 16
+STOP_GRACE = 0.2  # seconds calls in progress get to finish before they are cancelled
+STOP_DEADLINE = 0.5  # seconds a stop may take, grace included, before the server is left behind
+
+# Servers left running by a stop past its deadline: held until they end, never collected while
+# the loop runs (a collected server schedules its own shutdown, on a loop that may be closed).
+_abandoned: set[asyncio.Task[None]] = set()
+
+
+def new_server(servicer: pb_grpc.DevicePluginServicer, max_request_bytes: int) -> grpc.aio.Server:
+    """A gRPC server for ``servicer`` within the bounds above; requests larger than
+    ``max_request_bytes`` are refused before they are parsed (RESOURCE_EXHAUSTED)."""
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", max_request_bytes),
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+        ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
+    ])
+    pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
+    return server
+
+
+async def stop_server(server: grpc.aio.Server, grace: float = STOP_GRACE,
+                      deadline: float = STOP_DEADLINE) -> bool:
+    """Stop ``server`` within ``deadline`` seconds; False when it had to be left running.
+
+    gRPC's stop waits until every connection has written what it holds, and a client that stops
+    reading a ListAndWatch stream (a stopped process) holds a write for as long as it likes: the
+    daemon would outlive its pod's grace and be SIGKILLed with its socket left behind. Past the
+    deadline the server is left to end with its clients or the process. A cancellation meanwhile
+    (the daemon re-cancels while stopping) is re-raised once the stop is done or abandoned.
+    """
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.ensure_future(server.stop(grace))
+    until = loop.time() + deadline
+    cancelled = False
+    while not stopping.done() and (left := until - loop.time()) > 0:
+        try:
+            await asyncio.wait({stopping}, timeout=left)
+        except asyncio.CancelledError:
+            cancelled = True
+    stopped = stopping.done()
+    if stopped:
+        stopping.result()
+    else:
+        _abandoned.add(stopping)
+        stopping.add_done_callback(_abandoned.discard)
+        log.warning("the gRPC server did not stop within %g s (a client is not reading what it "
+                    "was sent); leaving it behind", deadline)
+    if cancelled:
+        raise asyncio.CancelledError
+    return stopped
