@@ -2,22 +2,25 @@
 
 Bounds (docs/security.md, "Bounds on the device-plugin socket"), measured with tests/h2flood.py:
 20,000 HEADERS + RST_STREAM pairs (the HTTP/2 rapid reset, CVE-2023-44487) over 4 connections
-grew the main daemon's peak memory by 45 MiB with gRPC's defaults, and failed 10 of the kubelet's
-Allocates (CANCELLED); with a stream bound alone (16), by 1.3 MiB over 4 connections but 7 MiB
-over 200; with both bounds below, by 0.5-2.2 MiB over 4 to 300 connections, and none failed.
-Each bound is above what legitimate clients use: the streams a connection may have exceed the
-ListAndWatch streams a plugin serves (8, servicer.MAX_STREAMS), so a client opening more is told
-so (RESOURCE_EXHAUSTED) rather than kept waiting; the connections exceed those streams plus the
-kubelet's and the self-check's.
+grew the main daemon's peak memory by 31-45 MiB with gRPC's defaults and failed some of the
+kubelet's Allocates (CANCELLED); with the bounds below, by 2-5 MiB over 4 to 300 connections,
+and none failed.
 
-- ``grpc.max_concurrent_streams``: streams one connection may have open at once, which bounds
-  the calls a reset flood has begun and not yet finished (gRPC counts a reset stream while its
-  call is still being worked on).
-  The kubelet holds one ListAndWatch stream and calls Allocate and its siblings one at a time;
-  a well-behaved client past the bound waits for a free stream, it is not refused.
+- ``grpc.max_concurrent_streams``: streams one connection may have open at once. Above the
+  ListAndWatch streams a plugin serves (8, servicer.MAX_STREAMS), so a client opening a ninth is
+  told so (RESOURCE_EXHAUSTED) rather than kept waiting. The kubelet holds one ListAndWatch and
+  calls Allocate and its siblings one at a time.
+- ``grpc.http2.max_deallocating_streams``: streams the client has ended (a reset one, or a call
+  answered) that the server may still be finishing, beyond the open ones; past it gRPC refuses
+  new streams (REFUSED_STREAM). This is what holds a reset flood back, since its client never
+  has a stream open. With gRPC's default for it and the stream bound, hundreds of 1,000
+  concurrent Allocates on one connection were refused (tests/test_faults.py); at 10 none, at
+  50 a flood over 64 connections grew memory by 18 MiB.
 - ``grpc.max_allowed_incoming_connections``: connections open at once; gRPC closes one more at
-  once. The kubelet keeps the one it dialled at registration; the socket lives in the kubelet's
-  root-only directory, so whoever can fill it could as well remove it.
+  once. The kubelet keeps the one it dialled at registration, the self-check one, and at most 8
+  ListAndWatch readers one each. Without it a flood spread over 200 connections grew memory
+  by 7 MiB where over 4 it grew 1.3 MiB. The socket lives in the kubelet's root-only directory,
+  so whoever can fill the cap could as well remove the socket.
 
 ``grpc.aio.server``'s ``maximum_concurrent_rpcs`` is not used: past it gRPC refuses calls
 (RESOURCE_EXHAUSTED), and a flood would then fail the kubelet's Allocate instead of delaying it.
@@ -35,7 +38,8 @@ from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 MAX_STREAMS_PER_CONNECTION = 10
-MAX_CONNECTIONS = 16
+MAX_CONNECTIONS = 12
+MAX_DEALLOCATING_STREAMS = 10
 STOP_GRACE = 0.2  # seconds calls in progress get to finish before they are cancelled
 STOP_DEADLINE = 0.5  # seconds a stop may take, grace included, before the server is left behind
 
@@ -50,6 +54,7 @@ def new_server(servicer: pb_grpc.DevicePluginServicer, max_request_bytes: int) -
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_request_bytes),
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+        ("grpc.http2.max_deallocating_streams", MAX_DEALLOCATING_STREAMS),
         ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
     ])
     pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
