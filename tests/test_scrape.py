@@ -36,20 +36,20 @@ async def fetch(port: int, path: str) -> tuple[int, float]:
 
 
 async def test_scrapes_are_paced_and_probes_are_not() -> None:
-    per_second = 10.0
+    per_second = 4.0
     async with serving(per_second) as server:
         scrapes = [asyncio.create_task(fetch(server.port, "/metrics")) for _ in range(12)]
-        # Two answered at once (the burst); the other ten wait, a tenth of a second each.
+        # Two answered at once (the burst); the other ten wait, a quarter of a second each.
         await wait_until(lambda: len(server.scrapes.waiting) >= 9, what="scrapes waiting")
-        # Probes meanwhile are answered at once, not after the scrapes.
+        # Probes meanwhile are answered at once, not after the scrapes (2.5 s).
         for path in ("/healthz", "/readyz"):
             status, took = await fetch(server.port, path)
-            assert status == 200 and took < 0.5, (path, took)
-        assert len(server.scrapes.waiting) >= 7  # probes took no turn of the scrapes'
+            assert status == 200 and took < 1.0, (path, took)
+        assert len(server.scrapes.waiting) >= 6  # probes took no turn of the scrapes'
         results = await asyncio.gather(*scrapes)
         assert {status for status, _ in results} == {200}
         slowest = max(took for _, took in results)
-        assert slowest >= 0.8, f"12 scrapes in {slowest:.2f} s: not paced at {per_second}/s"
+        assert slowest >= 2.0, f"12 scrapes in {slowest:.2f} s: not paced at {per_second}/s"
 
 
 async def test_a_scraper_that_leaves_while_it_waits_takes_no_turn() -> None:
