@@ -11,7 +11,7 @@ from __future__ import annotations
 import selectors
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import h2.config
 import h2.connection
@@ -38,7 +38,6 @@ class _Client:
     sock: socket.socket
     h2: h2.connection.H2Connection
     out: bytes = b""
-    events: list[h2.events.Event] = field(default_factory=list)
 
 
 def flood(path: str, pairs: int, connections: int = 4, budget: float = 20.0,
