@@ -35,12 +35,12 @@ import inotify_simple
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-from hlplugin.cdi import SPEC_FILE, render_spec
-from hlplugin.config import KUBELET_MAX_MESSAGE, MAX_DEVICE_COUNT
+from hlplugin.cdi_spec import SPEC_FILE, render_spec
+from hlplugin.config import MAX_DEVICE_COUNT
 from hlplugin.deviceplugin.servicer import MAX_STREAMS
-from hlplugin.emulator import KubeletEmulator
 from hlplugin.names import DEVICE_ACCESS_RESOURCE, HYPERVISOR_RESOURCE, HYPERVISOR_SOCKET
 from hlplugin.probe import check_host_identity, probe_kvm
+from hlplugin.tools.emulator import KUBELET_MAX_MESSAGE, KubeletEmulator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the one harness: node root, daemon process, poller

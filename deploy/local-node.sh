@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # Run the whole node locally: build the image from the Dockerfile on a Debian
-# stand-in base (no registry needed), then run both DaemonSets and the example
-# workload from it in podman, as the rendered manifests say, with the test
-# suite's kubelet emulator in the kubelet's place (tests/test_node.py).
+# stand-in base (no registry needed), then run both DaemonSets (the Helm chart's
+# default rendering) and the example workload from it in podman, as the rendered
+# manifests say, with the test suite's kubelet emulator in the kubelet's place
+# (tests/test_node.py).
 #
 #   deploy/local-node.sh build     build the image; prints its name
 #   deploy/local-node.sh test      build, then run the node test (pytest -m node)
 #
-# Needs root, podman, runc, mmdebstrap, kubectl and /dev/kvm. Environment:
+# Needs root, podman, runc, mmdebstrap and /dev/kvm; helm and kubectl are fetched
+# into .tools/bin (.ci/install-helm) where missing. Environment:
 #   HLPLUGIN_IMAGE    image name to build (default localhost/hlplugin:local-node)
 #   HLPLUGIN_CACHE    where the stand-in base tarball is kept (/var/cache/hlplugin)
 #   CONTEXT           build context (default: the repository root)
-#   PYTHON            python with the package and its test extras (python3)
+#   PYTHON            python with the package and its test extras (default:
+#                     the repository's .venv/bin/python, else python3)
 set -euo pipefail
 
 usage() {
-    sed -n '2,15s/^# \{0,1\}//p' "$0" >&2
+    sed -n '2,19s/^# \{0,1\}//p' "$0" >&2
     exit 2
 }
 
@@ -81,7 +84,16 @@ case "$1" in
         shift
         HLPLUGIN_IMAGE=$(build_image)
         export HLPLUGIN_IMAGE HLPLUGIN_IMAGE_BUILT=1
-        exec "${PYTHON:-python3}" -m pytest -m node "$repo/tests/test_node.py" "$@"
+        python=${PYTHON:-}
+        if [ -z "$python" ]; then
+            python=python3
+            if [ -x "$repo/.venv/bin/python" ]; then python=$repo/.venv/bin/python; fi
+        fi
+        # helm renders the chart, for the node test (and kubectl, where the machine has none).
+        if ! command -v helm >/dev/null 2>&1 || ! command -v kubectl >/dev/null 2>&1; then
+            PATH="$PATH:$(bash "$repo/.ci/install-helm")"
+        fi
+        exec "$python" -m pytest -m node "$repo/tests/test_node.py" "$@"
         ;;
     -h|--help) usage ;;
     *) echo "local-node: unknown command: $1" >&2; usage ;;

@@ -25,8 +25,9 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from hlplugin.deviceplugin.conditions import HealthTracker
-from hlplugin.emulator import DaemonProcess, KubeletEmulator
 from hlplugin.metrics import Metrics
+from hlplugin.tools.emulator import KubeletEmulator
+from hlplugin.tools.process import DaemonProcess
 
 HAVE_KVM = os.path.exists("/dev/kvm") and os.access("/dev/kvm", os.R_OK | os.W_OK)
 IS_ROOT = os.geteuid() == 0
@@ -249,7 +250,8 @@ def metric_families() -> dict[str, tuple[str, ...]]:
 # requirements-deploy-checks.txt, in $DEPLOY_CHECKS_BIN (a virtual environment's bin) or on PATH.
 TOOL_HINTS = {"kubectl": "install kubectl (1.27+ for its built-in kustomize v5)",
               "shellcheck": "apt-get install shellcheck", "promtool": "apt-get install prometheus",
-              "prometheus": "apt-get install prometheus"}
+              "prometheus": "apt-get install prometheus",
+              "helm": "bash .ci/install-helm (.ci/run runs it) puts it in .tools/bin"}
 
 
 def tool(name: str) -> str:
@@ -265,6 +267,18 @@ def kustomize(directory: Path) -> str:
                             text=True, check=False, timeout=100)
     assert result.returncode == 0, f"kubectl kustomize {directory}:\n{result.stderr}"
     return result.stdout
+
+
+def helm_template(chart: Path, namespace: str, values: dict[str, Any] | None = None,
+                  ) -> subprocess.CompletedProcess[str]:
+    """`helm template` of ``chart`` into ``namespace`` with ``values`` (a values file, so YAML
+    types reach the schema as they are); the caller judges the result (skips without helm)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as file:
+        yaml.safe_dump(values or {}, file)
+        file.flush()
+        return subprocess.run([tool("helm"), "template", "hlplugin", str(chart), "--namespace", namespace,
+                               "--values", file.name], capture_output=True, text=True, check=False,
+                              timeout=100)
 
 
 def documents(text: str) -> list[dict[str, Any]]:

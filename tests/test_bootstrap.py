@@ -10,7 +10,7 @@ import grpc
 import pytest
 from harness import HAVE_KVM, Node, mknod_char, needs_root, on_kubelet, scrape, value, wait_metric
 
-from hlplugin.emulator import AdmissionError
+from hlplugin.tools.emulator import AdmissionError
 
 ACCESS = "hyperlight.dev/device-access"
 

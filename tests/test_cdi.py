@@ -30,7 +30,8 @@ import pytest
 from harness import needs_root, spec_is_exact, wait_until
 
 import hlplugin.cdi
-from hlplugin.cdi import SPEC_FILE, TEMP_PREFIX, CdiReconciler, check_file, desired_spec, render_spec
+from hlplugin.cdi import CdiReconciler
+from hlplugin.cdi_spec import SPEC_FILE, TEMP_PREFIX, check_file, desired_spec, render_spec
 from hlplugin.deviceplugin.conditions import MIN_PERIOD, Condition, HealthTracker
 from hlplugin.metrics import Metrics
 
@@ -111,10 +112,10 @@ def sh(*argv: str) -> None:
 
 
 def test_desired_spec_is_exactly_the_documented_content_rendered_deterministically() -> None:
-    assert hlplugin.cdi.qualified_name("kvm") == "hyperlight.dev/hypervisor=kvm"
+    assert hlplugin.cdi_spec.qualified_name("kvm") == "hyperlight.dev/hypervisor=kvm"
     assert desired_spec("kvm", 65534, 65533) == {
         "cdiVersion": "0.3.0",
-        "kind": hlplugin.cdi.KIND,
+        "kind": hlplugin.cdi_spec.KIND,
         "devices": [{
             "name": "kvm",
             "containerEdits": {
@@ -155,7 +156,7 @@ FIELDS_0_3_0 = {
 @pytest.mark.parametrize("hypervisor", ["kvm", "mshv"])
 def test_cdi_version_covers_every_field_we_write(hypervisor: str) -> None:
     spec = desired_spec(hypervisor, 65534, 65534)
-    assert spec["cdiVersion"] == hlplugin.cdi.CDI_VERSION == "0.3.0"
+    assert spec["cdiVersion"] == hlplugin.cdi_spec.CDI_VERSION == "0.3.0"
     assert set(spec) <= FIELDS_0_3_0["spec"]
     vendor, _, name = spec["kind"].partition("/")
     assert vendor and "." not in name  # a dot in the name segment needs 0.6.0
@@ -671,7 +672,7 @@ async def test_run_removes_crash_leftovers_repairs_promptly_and_touches_nothing_
     temp_dir.mkdir()
     neighbours = {p: state(p) for p in [sibling, *lookalikes, target, link, temp_dir]}
     rig = Rig(cdi_dir, interval=60.0)
-    assert rig.rec.cleanup_leftovers() == 2
+    assert rig.rec.file.cleanup_leftovers() == 2
     assert not any(p.exists() for p in leftovers)
     leftovers[0].write_bytes(b"partial")  # run() removes it at start
     timings: dict[str, float] = {}

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from hlplugin.cdi import CdiReconciler, check_file, qualified_name, render_spec
+from hlplugin.cdi import CdiReconciler
+from hlplugin.cdi_spec import check_file, qualified_name, render_spec
 
 KVM = Path("/dev/kvm")
 MOUNTPOINT = Path("/var/run/cdi")

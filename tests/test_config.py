@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from hlplugin import cdi, config
+from hlplugin import cdi_spec, config
 from hlplugin.cli import build_parser, main
+from hlplugin.tools.emulator import KUBELET_MAX_MESSAGE
 
 Cli = Callable[..., tuple[int, str, str]]
 
@@ -47,7 +48,9 @@ def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 
 
 def resolve(argv: list[str], env: dict[str, str]) -> tuple[config.Settings, list[str]]:
-    return config.resolve(build_parser().parse_args(["serve", *argv]), config.SERVE_OPTIONS, "serve", env)
+    resolution = config.resolve_sources(build_parser().parse_args(["serve", *argv]), config.SERVE_OPTIONS,
+                                        "serve", env)
+    return resolution.settings, resolution.warnings
 
 
 MAX = config.MAX_DEVICE_COUNT
@@ -125,10 +128,10 @@ def test_device_list_at_the_ceiling_fits_the_kubelet_message_limit_twice_over() 
     message = plugin._lists[False]
     assert len(message.devices) == config.MAX_DEVICE_COUNT
     assert {d.health for d in message.devices} == {"Unhealthy"}
-    assert message.ByteSize() * 2 <= config.KUBELET_MAX_MESSAGE
+    assert message.ByteSize() * 2 <= KUBELET_MAX_MESSAGE
     # ... while twice the ceiling's worth is more than half way to it: the ceiling is not arbitrary.
     bigger = HypervisorPlugin("mshv", 4 * config.MAX_DEVICE_COUNT, HealthTracker(required=()), gate)
-    assert bigger._lists[False].ByteSize() > config.KUBELET_MAX_MESSAGE
+    assert bigger._lists[False].ByteSize() > KUBELET_MAX_MESSAGE
 
 
 def test_provenance_of_every_setting() -> None:
@@ -186,7 +189,7 @@ def test_help_names_every_flag_and_its_twin(cli: Cli) -> None:
 def test_cdi_prints_the_spec_the_daemon_writes_or_checks_a_file_against_it(cli: Cli, tmp_path: Path) -> None:
     code, out, _ = cli("cdi", "--hypervisor", "kvm", "--device-uid", "1000", "--device-gid", "1001")
     assert code == 0
-    assert out.encode() == cdi.render_spec("kvm", 1000, 1001)
+    assert out.encode() == cdi_spec.render_spec("kvm", 1000, 1001)
     assert json.loads(out)["kind"] == "hyperlight.dev/hypervisor"
     assert json.loads(out)["cdiVersion"] == "0.3.0"
     # It accepts the serve command line.
@@ -194,12 +197,12 @@ def test_cdi_prints_the_spec_the_daemon_writes_or_checks_a_file_against_it(cli: 
                          "--hypervisor", "kvm", "--device-count", "5",
                          "--http-address", "127.0.0.1:0", "--cdi-annotations")
     assert code == 0, err
-    assert out.encode() == cdi.render_spec("kvm", 65534, 65534)
+    assert out.encode() == cdi_spec.render_spec("kvm", 65534, 65534)
     # --check: an exact file exits 0, differences exit 1.
     written = tmp_path / "hyperlight.json"
-    written.write_bytes(cdi.render_spec("kvm", 65534, 65534))
+    written.write_bytes(cdi_spec.render_spec("kvm", 65534, 65534))
     assert cli("cdi", "--hypervisor", "kvm", "--check", str(written))[0] == 0
-    written.write_bytes(cdi.render_spec("kvm", 0, 65534))
+    written.write_bytes(cdi_spec.render_spec("kvm", 0, 65534))
     code, _, err = cli("cdi", "--hypervisor", "kvm", "--check", str(written))
     assert code == 1
     assert '"uid": 0' in err and '"uid": 65534' in err
@@ -211,4 +214,98 @@ def test_cdi_prints_the_spec_the_daemon_writes_or_checks_a_file_against_it(cli: 
     # Environment twins apply (last: they stay set for the rest of the test).
     code, out, _ = cli("cdi", env={"HYPERLIGHT_HYPERVISOR": "mshv", "DEVICE_UID": "7",
                                    "DEVICE_GID": "8"})
-    assert out.encode() == cdi.render_spec("mshv", 7, 8)
+    assert out.encode() == cdi_spec.render_spec("mshv", 7, 8)
+
+
+# --- huge and hostile values ---------------------------------------------------------------------
+
+# As large as the kernel lets one argument or environment string be (128 KiB), starting with what
+# would drive a terminal.
+HUGE = "\x1b[2J\u202e" + "x" * (128 * 1024)
+PATHS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir")
+# The longest path the kernel takes (PATH_MAX - 1 bytes), of components it takes (NAME_MAX).
+LONGEST_PATH = ("/" + "/".join(["d" * 255] * 17))[:4095]
+LONG_NAME = "/tmp/" + "n" * 256  # one component over NAME_MAX
+
+
+def bounded(text: str, limit: int) -> None:
+    assert len(text) < limit, f"{len(text)} characters: {text[:300]!r}..."
+    assert "\x1b" not in text and "\u202e" not in text, text[:300]
+
+
+@pytest.mark.parametrize("argv", [
+    *([command, f"{config.OPTIONS[name].flag}={HUGE}"]
+      for command, names in (("serve", config.SERVE_OPTIONS), ("bootstrap", config.BOOTSTRAP_OPTIONS),
+                             ("doctor", config.DOCTOR_OPTIONS))
+      for name in names),
+    ["serve", f"--no-such-flag={HUGE}"], ["serve", "--no-such-flag", HUGE],  # argparse's own
+    ["serve", f"--dev={HUGE}"],  # ambiguous: --dev-dir or --device-*
+    ["cdi", f"--check={HUGE}"],
+], ids=lambda argv: f"{argv[0]} {argv[1].partition('=')[0][:20]}")
+def test_a_huge_flag_value_is_a_bounded_usage_error_naming_the_flag(argv: list[str], cli: Cli) -> None:
+    code, out, err = cli(*argv)
+    assert code == 2 and out == ""
+    bounded(err, 4096)  # the subcommand's usage (1.3 KiB for serve) and one error line
+    flag = argv[1].partition("=")[0]
+    last = err.splitlines()[-1]
+    assert last.startswith(f"hlplugin {argv[0]}: error: ") and flag in last, last
+    bounded(last, 1200)
+
+
+@pytest.mark.parametrize("name", [name for name in config.SERVE_OPTIONS if config.OPTIONS[name].env])
+def test_a_huge_environment_value_is_warned_about_bounded_and_the_default_runs(name: str) -> None:
+    option = config.OPTIONS[name]
+    settings, warnings = resolve([], {option.env: HUGE})
+    assert getattr(settings, name) == option.default
+    assert len(warnings) == 1 and option.env in warnings[0], warnings
+    bounded(warnings[0], 400)
+
+
+@pytest.mark.parametrize("name", PATHS)
+@pytest.mark.parametrize(("path", "says"), [
+    (LONG_NAME, "has a component of 256 bytes, 'nnn"), (LONGEST_PATH + "d", "is 4096 bytes long"),
+    ("/" + "/".join(["x"] * 2100), "is 4200 bytes long")])
+def test_a_path_the_kernel_would_refuse_exits_2_as_a_flag_and_falls_back_from_the_environment(
+        name: str, path: str, says: str, cli: Cli) -> None:
+    option = config.OPTIONS[name]
+    code, _, err = cli("serve", option.flag, path)
+    assert code == 2, err
+    last = err.splitlines()[-1]
+    assert last.startswith(f"hlplugin serve: error: argument {option.flag}: {says}"), last
+    assert "NAME_MAX" in last if "component" in says else "PATH_MAX" in last
+    bounded(last, 400)
+    settings, warnings = resolve([], {option.env or "": path})
+    assert getattr(settings, name) == option.default
+    assert len(warnings) == 1 and option.env in warnings[0] and says in warnings[0], warnings
+
+
+def test_the_longest_path_the_kernel_takes_is_taken_and_shown_bounded(tmp_path: Path) -> None:
+    """The start-up line shows every setting, a path cut after 256 characters."""
+    argv = [flag for name in PATHS for flag in (config.OPTIONS[name].flag, LONGEST_PATH)]
+    resolution = config.resolve_sources(build_parser().parse_args(["serve", *argv]),
+                                        config.SERVE_OPTIONS, "serve", {})
+    assert all(getattr(resolution.settings, name) == Path(LONGEST_PATH) for name in PATHS)
+    line = resolution.describe()
+    assert line.count("... (4095 bytes)") == 4
+    bounded(line, 2000)
+    assert config.show(Path(LONGEST_PATH)) == LONGEST_PATH[:256] + "... (4095 bytes)"
+
+
+def test_a_plugin_dir_too_long_for_a_socket_is_quoted_bounded(cli: Cli) -> None:
+    code, _, err = cli("serve", "--plugin-dir", LONGEST_PATH)
+    assert code == 2
+    last = err.splitlines()[-1]
+    assert "is too long for a unix socket path (4125 > 105 bytes" in last, last
+    bounded(last, 500)
+
+
+@pytest.mark.parametrize("command", ["cdi", "doctor"])
+def test_no_oserror_from_a_path_setting_escapes(command: str, cli: Cli, tmp_path: Path) -> None:
+    """The longest path the kernel takes as --dev-dir: its /dev/mshv is one byte too long
+    (ENAMETOOLONG), which `auto` must take as "no device there", not a crash."""
+    code, _, err = cli(command, "--dev-dir", LONGEST_PATH, "--plugin-dir", str(tmp_path),
+                       "--cdi-dir", str(tmp_path))
+    assert code == 1
+    assert "no mshv or kvm device under" in err or command == "doctor", err[:500]
+    if command == "cdi":
+        bounded(err, 500)

@@ -18,7 +18,8 @@ import pytest
 from harness import needs_kvm
 
 from hlplugin import cli
-from hlplugin.demo import demo
+from hlplugin.tools.demo import demo
+from hlplugin.tools.emulator import CHECKPOINT
 
 
 @pytest.fixture
@@ -138,5 +139,6 @@ def test_demo_without_a_hypervisor_explains_and_shows_the_rest(
     assert f"kept the log of hlplugin serve: {root / 'logs' / 'serve.log'}" in text
     assert "repaired CDI spec" in (root / "logs" / "serve.log").read_text()
     assert (root / "cdi" / "hyperlight.json").is_file()  # --keep keeps what was made
-    assert sorted(p.name for p in (root / "device-plugins").iterdir()) == []  # sockets gone
+    left = sorted(p.name for p in (root / "device-plugins").iterdir())
+    assert left in ([], [CHECKPOINT]), left  # sockets gone; the kubelet's checkpoint may stay
     assert processes_mentioning(str(root)) == []

@@ -164,11 +164,16 @@ def test_plugin_daemonsets(objects: dict[str, list[dict[str, Any]]], kustomizati
     # The namespace (both DaemonSets are found below) holds everything but the cluster-scoped
     # admission policy, which the overlays add.
     find(objs, "Namespace", NAMESPACE)
+    if kustomization != "base":
+        assert {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} <= {o["kind"] for o in objs}
+    check_plugin_daemonsets(objs, kustomization)
+
+
+def check_plugin_daemonsets(objs: list[dict[str, Any]], kustomization: str) -> None:
+    """The DaemonSets' properties (shared with tests/test_chart.py, which checks the chart's)."""
     for obj in objs:
         if obj["kind"] != "Namespace" and not obj["kind"].startswith("ValidatingAdm"):
             assert obj["metadata"].get("namespace") == NAMESPACE, obj["metadata"]["name"]
-    if kustomization != "base":
-        assert {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} <= {o["kind"] for o in objs}
     operations = (ROOT / "docs/operations.md").read_text()
     policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
     # Network policies: no egress, and ingress only over TCP from namespaces an administrator
@@ -581,7 +586,7 @@ def test_static_analyser_finds_nothing(analyser: str) -> None:
 def test_shellcheck_every_shell_script_and_workflow_step(tmp_path: Path) -> None:
     """Every shell script this repository ships or runs, and every workflow `run:` step as bash runs it."""
     shellcheck = tool("shellcheck")
-    scripts = {ROOT / ".ci" / "run", *DEPLOY.rglob("*.sh"), *GITHUB.rglob("*.sh")}
+    scripts = {*(ROOT / ".ci").iterdir(), *DEPLOY.rglob("*.sh"), *GITHUB.rglob("*.sh")}
     for path in DEPLOY.rglob("*"):
         first = path.read_bytes()[:128].split(b"\n", 1)[0] if path.is_file() else b""
         if first.startswith(b"#!") and first.endswith((b"/sh", b" sh", b"bash")):

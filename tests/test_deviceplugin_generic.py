@@ -4,6 +4,7 @@ generated device-plugin API and third-party or standard modules."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import hlplugin.deviceplugin
@@ -42,3 +43,27 @@ def test_the_check_sees_a_hyperlight_import(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("from hlplugin import cdi\nimport hlplugin.probe\n")
     assert set(imported_modules(sample)) >= {"hlplugin.cdi", "hlplugin.probe"}
+
+
+FORBIDDEN = re.compile(r"hyperlight|hlplugin|\bcdi\b|kvm|mshv", re.IGNORECASE)
+
+
+def names_outside_imports(path: Path) -> list[str]:
+    """Lines of ``path`` (code, strings, comments, docstrings) naming Hyperlight, CDI, KVM or
+    this project, import lines aside."""
+    return [f"{path.name}:{number}: {line.strip()}"
+            for number, line in enumerate(path.read_text().splitlines(), 1)
+            if FORBIDDEN.search(line) and not re.match(r"\s*(from \S+ )?import ", line)]
+
+
+def test_generic_package_names_nothing_hyperlight_specific() -> None:
+    files = sorted(Path(hlplugin.deviceplugin.__file__).parent.glob("*.py"))
+    offenders = [hit for path in files for hit in names_outside_imports(path)]
+    assert not offenders, offenders
+
+
+def test_the_name_check_sees_a_comment_and_a_string(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text("from hlplugin.api import x\n# keeps the CDI spec\nNAME = 'hlplugin-probe'\n"
+                      "PATH = '/dev/kvm'\n")
+    assert len(names_outside_imports(sample)) == 3

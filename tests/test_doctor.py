@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from harness import Node, mknod_char, needs_kvm, needs_root
 
-from hlplugin import cdi
+from hlplugin import cdi_spec
 from hlplugin.cli import main
-from hlplugin.emulator import KubeletEmulator
+from hlplugin.tools.emulator import KubeletEmulator
 
 
 def run_doctor(argv: list[str]) -> tuple[int, str]:
@@ -70,12 +70,12 @@ async def test_this_machine_could_serve(tmp_path: Path) -> None:
     assert all(isinstance(c["seconds"], float) for c in checks.values())
 
     node.cdi_dir.mkdir(exist_ok=True)
-    (node.cdi_dir / cdi.SPEC_FILE).write_bytes(cdi.render_spec("kvm", 65534, 65534))
-    os.chmod(node.cdi_dir / cdi.SPEC_FILE, cdi.MODE)
+    (node.cdi_dir / cdi_spec.SPEC_FILE).write_bytes(cdi_spec.render_spec("kvm", 65534, 65534))
+    os.chmod(node.cdi_dir / cdi_spec.SPEC_FILE, cdi_spec.MODE)
     code, _, report = await doctor(node)
     assert report["checks"]["CDI spec"]["status"] == "ok"
     # The writability check leaves nothing behind and never touches the spec.
-    assert sorted(os.listdir(node.cdi_dir)) == [cdi.SPEC_FILE]
+    assert sorted(os.listdir(node.cdi_dir)) == [cdi_spec.SPEC_FILE]
     # An empty host dev dir turns the identity check off.
     code, _, report = await doctor(node, "--host-dev-dir", "")
     assert report["checks"]["host identity"]["status"] == "skip"
@@ -121,7 +121,7 @@ async def test_a_node_that_could_not_serve_fails_naming_the_check(
 
 async def test_kubelet_socket_and_cdi_problems(tmp_path: Path) -> None:
     node = Node.make(tmp_path, dev_dir=tmp_path, host_dev_dir=tmp_path)
-    sock, spec = node.plugin_dir / "kubelet.sock", node.cdi_dir / cdi.SPEC_FILE
+    sock, spec = node.plugin_dir / "kubelet.sock", node.cdi_dir / cdi_spec.SPEC_FILE
 
     async def expect(want: dict[str, tuple[str, str]]) -> None:
         """Doctor fails (no kubelet here); each named check has its status and says its part."""

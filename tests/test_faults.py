@@ -41,8 +41,9 @@ from faultreport import KVM, Row, scenario
 from fusefs import HangingFs
 from harness import Node, needs_kvm, needs_root, on_kubelet, scrape, spec_is_exact, wait_metric, wait_until
 
-from hlplugin.cdi import DEFAULT_BUDGET, SPEC_FILE, TEMP_PREFIX, render_spec
-from hlplugin.emulator import AdmissionError, KubeletEmulator
+from hlplugin.cdi import DEFAULT_BUDGET
+from hlplugin.cdi_spec import SPEC_FILE, TEMP_PREFIX, render_spec
+from hlplugin.tools.emulator import AdmissionError, KubeletEmulator
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 

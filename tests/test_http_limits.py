@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from hlplugin import config
 from hlplugin.deviceplugin.daemon import SelfCheck
 from hlplugin.deviceplugin.http import HttpServer, Limits, connection_cap
-from hlplugin.emulator import free_port
+from hlplugin.tools.process import free_port
 
 HAVE_IPV6 = socket.has_ipv6
 try:

@@ -26,7 +26,7 @@ import yaml
 from harness import Daemon, Node, needs_kvm, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from hlplugin.emulator import KubeletEmulator
+from hlplugin.tools.emulator import KubeletEmulator
 
 pytestmark = [needs_kvm, pytest.mark.slow]
 
@@ -295,7 +295,8 @@ async def test_healthz_burst(tmp_path: Path, nofile: int | None) -> None:
         print(f"burst: {len(answered)} of {BURST} answered, {statuses.count(0)} closed "
               f"unanswered, {statuses.count(-1)} still open")
         # Every connection answered or closed (none left hanging), every answer 200, and at
-        # least as many answered as the cap admits at once (beyond it the oldest are closed).
+        # least as many answered as the cap admits at once (beyond it the oldest are closed),
+        # less the one slot the watch's own probe may hold while the burst lands.
         assert statuses.count(-1) == 0 and set(answered) == {200}, sorted(set(statuses))
-        assert len(answered) >= cap(nofile), len(answered)
+        assert len(answered) >= cap(nofile) - 1, len(answered)
         await settled(proc, kubelet, watch, nofile)

@@ -26,9 +26,9 @@ from hlplugin.deviceplugin import files
 from hlplugin.deviceplugin.conditions import HealthState
 from hlplugin.deviceplugin.daemon import plugin_readiness
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
-from hlplugin.emulator import KubeletEmulator
 from hlplugin.metrics import Metrics
 from hlplugin.plugin import HypervisorPlugin
+from hlplugin.tools.emulator import KubeletEmulator
 
 RESOURCE = "hyperlight.dev/hypervisor"
 ACCESS = "hyperlight.dev/device-access"
@@ -99,6 +99,102 @@ async def test_a_restarted_kubelet_or_a_deleted_socket_gets_a_fresh_server_regis
                           result="success") == round_ + 1
         await kubelet.admit(RESOURCE)
         assert sample(metrics, "hyperlight_registrations_total", result="failure") == 0
+
+
+# --- a real kubelet restart: the stream ends, kubelet.sock stays dead, then a new one (issue 21) ---
+
+
+async def test_a_real_kubelet_restart_counts_no_failure_and_logs_no_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Down longer than the stream grace: the lifecycle waits for the new kubelet.sock instead of
+    dialling the dead one (which failed, counted and warned, 5-6 times on a real kubelet)."""
+    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.lifecycle"):
+        plugin_dir = short_dir()
+        metrics = Metrics()
+        async with (emulator(plugin_dir) as kubelet,
+                    lifecycle(plugin_dir, metrics=metrics, stream_grace=0.2) as plugin):
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4 and plugin.registered)
+            caplog.clear()
+            await kubelet.restart(down=2.0)
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4 and plugin.registered)
+            await kubelet.admit(RESOURCE)
+            assert sample(metrics, "hyperlight_registrations_total", result="failure") == 0
+            assert sample(metrics, "hyperlight_registrations_total", result="success") == 2
+            assert sample(metrics, "hyperlight_reregistrations_total", reason="stream_ended") == 0
+    records = [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert [r for r in records if r.levelno >= logging.WARNING] == []
+    assert [r.getMessage() for r in records] == [
+        "the kubelet ended its ListAndWatch stream of hyperlight.dev/hypervisor; waiting for a new "
+        "stream or a new kubelet.sock",
+        "kubelet restarted or our socket was removed; registering anew",
+        "registered hyperlight.dev/hypervisor with the kubelet",
+    ]
+
+
+async def test_our_socket_deleted_before_the_dead_kubelet_sock_is_not_dialled() -> None:
+    """The new kubelet deletes the sockets one by one: ours may go while the dead kubelet.sock
+    is still there. The fresh server waits for the new kubelet.sock rather than dial the dead one."""
+    plugin_dir = short_dir()
+    metrics = Metrics()
+    async with (emulator(plugin_dir) as kubelet,
+                lifecycle(plugin_dir, metrics=metrics, stream_grace=0.2) as plugin):
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4 and plugin.registered)
+        socket = plugin_dir / "hyperlight.sock"
+        served = os.stat(socket).st_ctime_ns
+        await kubelet.stop()  # exits: the stream ends, kubelet.sock stays, dead
+        await wait_until(lambda: plugin.open_streams == 0)
+        socket.unlink()  # the new kubelet's first deletion
+        await wait_until(lambda: socket.exists() and os.stat(socket).st_ctime_ns != served)
+        await wait_until(lambda: plugin.status == "waiting for the kubelet to restart (it ended "
+                                                  "our ListAndWatch stream)")
+        assert sample(metrics, "hyperlight_registrations_total", result="failure") == 0
+        await kubelet.start()  # deletes the rest (the dead kubelet.sock too), serves anew
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4 and plugin.registered)
+        assert sample(metrics, "hyperlight_registrations_total", result="failure") == 0
+
+
+async def test_a_kubelet_that_ended_our_stream_but_listens_is_not_waited_for() -> None:
+    """The kubelet ended the stream and stayed up, and our socket went too: its kubelet.sock
+    still listens, so the fresh server registers at once, not after the restart wait."""
+    plugin_dir = short_dir()
+    async with (emulator(plugin_dir) as kubelet,
+                lifecycle(plugin_dir, stream_grace=60, kubelet_wait=60) as plugin):
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4 and plugin.registered)
+        calls = kubelet.register_calls
+        await kubelet.end_stream(RESOURCE)
+        await wait_until(lambda: plugin.open_streams == 0)
+        (plugin_dir / "hyperlight.sock").unlink()
+        await kubelet.wait_for(lambda: kubelet.register_calls > calls
+                               and kubelet.allocatable(RESOURCE) == 4, timeout=20)
+
+
+async def test_a_kubelet_down_past_the_wait_counts_and_warns_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """No new kubelet.sock within ``kubelet_wait`` of the stream's end: from then on the attempts
+    count as failures (the dead socket is unreachable), warned once, as any lasting failure."""
+    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.lifecycle"):
+        plugin_dir = short_dir()
+        metrics = Metrics()
+        loop = asyncio.get_running_loop()
+        async with (emulator(plugin_dir) as kubelet,
+                    lifecycle(plugin_dir, metrics=metrics, stream_grace=0.2, kubelet_wait=1.5,
+                              max_backoff=0.2) as plugin):
+            await kubelet.wait_for(lambda: plugin.registered)
+            caplog.clear()
+            await kubelet.stop()  # a crash: kubelet.sock stays, dead
+            stopped = loop.time()
+            await wait_until(lambda: sample(metrics, "hyperlight_registrations_total",
+                                            result="failure") > 0)
+            assert loop.time() - stopped >= 1.5, "counted a failure within the wait"
+            await wait_until(lambda: sample(metrics, "hyperlight_registrations_total",
+                                            result="failure") >= 3)
+            assert "is unreachable" in plugin.status
+            await kubelet.start()
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4 and plugin.registered)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "is unreachable" in warned[0], warned
+    last = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO][-1]
+    assert last.startswith("registered hyperlight.dev/hypervisor with the kubelet after "), last
 
 
 # --- the kubelet ends its stream and stays up (issue 11 #3) --------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -185,6 +186,47 @@ async def test_lasting_faults_log_once_when_they_begin_and_once_when_they_end(tm
     assert device["level"] == "warning"
     assert device["fields"]["condition"] == "device"
     assert str(dev / "kvm") in device["fields"]["reason"]
+
+
+async def test_a_spec_overwritten_100_times_a_second_is_logged_once_and_counted_every_time(
+        tmp_path: Path) -> None:
+    """The daemon as deployed (the default interval of a minute): 2 s of garbage written over the
+    spec every 10 ms is repaired each time and counted each time, and logged once."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    node = Node.make(tmp_path, dev_dir=dev, host_dev_dir=dev)
+    spec = node.cdi_dir / "hyperlight.json"
+    async with daemon(node.serve_args("--hypervisor", "kvm")) as proc:
+        await wait_until(lambda: any("condition cdi is healthy" in m for m in proc.messages()), 15)
+        for n in range(200):
+            temp = node.cdi_dir / "tamper"
+            temp.write_bytes(b"{not json %d" % n)
+            os.replace(temp, spec)
+            await asyncio.sleep(0.01)  # paces the flood; the daemon repairs meanwhile
+        await wait_metric(proc, lambda m: value(
+            m, "hyperlight_cdi_repairs_total", cause="malformed") >= 50, timeout=30)
+        assert await proc.stop() == 0
+    repaired = [m for m in proc.messages() if m.startswith("repaired CDI spec")]
+    malformed = [m for m in repaired if "cause: malformed" in m]
+    assert len(malformed) == 1, malformed  # the first; the rest would come a minute later
+    assert len(repaired) <= 2, repaired  # and the start's first write (cause: missing)
+
+
+async def test_the_longest_path_setting_is_shown_bounded_and_crashes_nothing(tmp_path: Path) -> None:
+    """--dev-dir as long as the kernel takes (4,095 bytes), with `auto`: its /dev/mshv is too
+    long (ENAMETOOLONG), which is "no device there"; every line and /readyz show the path cut."""
+    longest = ("/" + "/".join(["d" * 255] * 17))[:4095]
+    node = Node.make(tmp_path)
+    async with daemon(["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", longest],
+                      graceful=True) as proc:
+        await wait_until(lambda: any(m.startswith("no hypervisor device under")
+                                     for m in proc.messages()), 15)
+        status, body = await proc.http("/readyz")
+        assert status == 503
+        reason = json.loads(body)["conditions"]["hypervisor"]["reason"]
+        assert reason.endswith("... (4095 bytes)") and len(reason) < 400, reason
+    assert not any("uncaught" in m or "Traceback" in m for m in proc.raw)
+    assert max(len(line) for line in proc.raw) < 3000, max(proc.raw, key=len)[:300]
 
 
 async def test_text_is_the_default_one_line_per_event(tmp_path: Path) -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from harness import Node, Samples, needs_kvm, obstruct_with_directory, on_kubelet, scrape, value, wait_metric
 
-from hlplugin import __version__, cdi
-from hlplugin.emulator import AdmissionError
+from hlplugin import __version__, cdi_spec
 from hlplugin.metrics import Metrics
+from hlplugin.tools.emulator import AdmissionError
 
 RESOURCE = "hyperlight.dev/hypervisor"
 
@@ -40,7 +40,7 @@ PROCESS_FAMILIES = {
 @needs_kvm
 async def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> None:
     node = Node.make(tmp_path)
-    spec = node.cdi_dir / cdi.SPEC_FILE
+    spec = node.cdi_dir / cdi_spec.SPEC_FILE
     args = node.serve_args("--device-count", "4", "--health-interval", "1")
     async with on_kubelet(node, args) as (kubelet, proc):
         await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)

@@ -37,8 +37,8 @@ from harness import (
     wait_until,
 )
 
-from hlplugin import cdi
-from hlplugin.emulator import free_port, with_parent_death
+from hlplugin import cdi_spec
+from hlplugin.tools.process import free_port, with_parent_death
 
 pytestmark = pytest.mark.prometheus
 
@@ -149,7 +149,7 @@ def test_every_alert_names_node_severity_and_runbook(rules: dict[str, Any]) -> N
         assert rule["alert"].lower() in anchors, f"docs/operations.md has no heading {where}"
     assert len(names) == len(set(names))
     assert {"HyperlightDeviceUnhealthy", "HyperlightCDISpecRepairedRepeatedly",
-            "HyperlightAllocationRefused", "HyperlightRegistrationFailing",
+            "HyperlightCapacityWithdrawn", "HyperlightRegistrationFailing",
             "HyperlightDaemonNotReady", "HyperlightDaemonRestarting"} <= set(names)
 
 
@@ -280,7 +280,7 @@ async def test_live_prometheus_fires_and_resolves_device_unhealthy(
     target["for"] = "3s"
 
     node = Node.make(tmp_path / "node")
-    spec = node.cdi_dir / cdi.SPEC_FILE
+    spec = node.cdi_dir / cdi_spec.SPEC_FILE
     async with on_kubelet(node, node.serve_args("--device-count", "4")) as (kubelet, proc):
         await kubelet.wait_for(lambda: kubelet.allocatable("hyperlight.dev/hypervisor") == 4)
         prometheus = Prometheus(tmp_path, proc.port, live)
@@ -320,3 +320,64 @@ async def test_live_prometheus_fires_and_resolves_device_unhealthy(
         finally:
             prometheus.stop()
     print(f"live alert timings (s): {marks}")
+
+
+@needs_kvm
+@pytest.mark.guard(120)
+async def test_live_prometheus_alerts_on_a_kubelet_gone_or_refusing_not_on_a_restart(
+    rules: dict[str, Any], tmp_path: Path
+) -> None:
+    """A kubelet restart fires nothing; a kubelet that stays gone withdraws the capacity
+    (HyperlightCapacityWithdrawn), and one that refuses registration fires
+    HyperlightRegistrationFailing; both resolve once a kubelet takes the registration again."""
+    tool("prometheus")
+    names = ("HyperlightCapacityWithdrawn", "HyperlightRegistrationFailing")
+    live = json.loads(json.dumps(rules))
+    for rule in alerts(live):
+        if rule["alert"] in names:
+            rule["for"] = "2s"
+    resource = "hyperlight.dev/hypervisor"
+    node = Node.make(tmp_path / "node")
+    async with on_kubelet(node, node.serve_args("--device-count", "4")) as (kubelet, proc):
+        await kubelet.wait_for(lambda: kubelet.allocatable(resource) == 4)
+        prometheus = Prometheus(tmp_path, proc.port, live)
+
+        def states() -> dict[str, str]:
+            data = prometheus.api("alerts")
+            return {a["labels"]["alertname"]: a["state"] for a in (data["alerts"] if data else [])
+                    if a["labels"]["alertname"] in names}
+
+        prometheus.start()
+        try:
+            await wait_until(lambda: prometheus.value("hyperlight_listandwatch_streams") == 1,
+                             timeout=30)
+            # A restart within the daemon's 30 s wait: nothing fires, nothing is counted.
+            await kubelet.restart(down=4.0)
+            await kubelet.wait_for(lambda: kubelet.allocatable(resource) == 4, 30)
+            await wait_until(lambda: prometheus.value(
+                'hyperlight_registrations_total{result="success"}') == 2, timeout=30)
+            assert prometheus.value('hyperlight_registrations_total{result="failure"}') == 0
+            # Never even pending over the restart (ALERTS keeps every evaluation's state).
+            assert prometheus.value(
+                'max_over_time(ALERTS{alertname="HyperlightRegistrationFailing"}[5m])') is None
+
+            # Gone for good (its dead kubelet.sock stays): the capacity is withdrawn.
+            await kubelet.stop()
+            await wait_until(lambda: states().get("HyperlightCapacityWithdrawn") == "firing",
+                             timeout=30)
+            assert "HyperlightRegistrationFailing" not in states(), "counted within the wait"
+
+            # A kubelet that refuses every registration: registration truly failing.
+            kubelet.mode = "reset"
+            await kubelet.start()
+            await wait_until(lambda: states().get("HyperlightRegistrationFailing") == "firing",
+                             timeout=30)
+
+            # A working kubelet again: both resolve.
+            await kubelet.stop()
+            kubelet.mode = "normal"
+            await kubelet.start()
+            await kubelet.wait_for(lambda: kubelet.allocatable(resource) == 4, 30)
+            await wait_until(lambda: states() == {}, timeout=30)
+        finally:
+            prometheus.stop()

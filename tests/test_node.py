@@ -1,6 +1,8 @@
-"""The whole node, as operators install it: the image built from the Dockerfile, both DaemonSets and
-the example workload from `kubectl kustomize` output, run in podman, with the kubelet emulator in
-the kubelet's place (device manager and prober). The kubelet is the only thing emulated.
+"""The whole node, as operators install it: the image built from the Dockerfile, both DaemonSets from
+the Helm chart's default rendering (`helm template`; HLPLUGIN_NODE_OVERLAY names a kustomization to
+run instead) and the example workload from `kubectl kustomize` output, run in podman, with the
+kubelet emulator in the kubelet's place (device manager and prober). The kubelet is the only thing
+emulated.
 
 The tests share one node and run in order: bootstrap, main daemon, workload, probes, faults,
 memory, termination. deploy/local-node.sh builds the image (or HLPLUGIN_IMAGE names a built one).
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from harness import documents, kustomize, wait_until
+from harness import documents, helm_template, kustomize, wait_until
 from podnode import (
     Container,
     Node,
@@ -37,12 +39,15 @@ from podnode import (
 )
 
 from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.cdi import check_file, render_spec
-from hlplugin.emulator import KubeletEmulator
+from hlplugin.cdi_spec import check_file, render_spec
+from hlplugin.tools.emulator import KubeletEmulator
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
-OVERLAY = ROOT / os.environ.get("HLPLUGIN_NODE_OVERLAY", "deploy/overlays/kind")
+# The chart (its defaults render what deploy/base with reserve-device-access renders:
+# tests/test_chart.py), or a kustomization such as deploy/overlays/kind.
+OVERLAY = ROOT / os.environ.get("HLPLUGIN_NODE_OVERLAY", "deploy/chart/hlplugin")
+IS_CHART = (OVERLAY / "Chart.yaml").exists()
 EXAMPLES = OVERLAY / "examples" if (OVERLAY / "examples").is_dir() else ROOT / "deploy/examples"
 SCRIPT = ROOT / "deploy/local-node.sh"
 ACCESS = "hyperlight.dev/device-access"
@@ -51,7 +56,7 @@ PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 CDI_DIR = "/var/run/cdi"
 KVM = Path("/dev/kvm")
 BUILD_TOOLS = () if os.environ.get("HLPLUGIN_IMAGE_BUILT") else ("mmdebstrap",)
-MISSING = tool_missing("podman", "runc", "unshare", "kubectl", *BUILD_TOOLS)
+MISSING = tool_missing("podman", "runc", "unshare", "kubectl", *BUILD_TOOLS, *(("helm",) if IS_CHART else ()))
 
 pytestmark = [
     pytest.mark.node,
@@ -60,7 +65,8 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="podman with host devices and mounts needs root"),
     pytest.mark.skipif(not KVM.exists(), reason="no /dev/kvm on this machine"),
     pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)} on PATH (apt-get install "
-                       "podman runc mmdebstrap; kubectl renders the kustomizations)"),
+                       "podman runc mmdebstrap; kubectl renders the kustomizations, helm the chart: "
+                       "bash .ci/run installs it)"),
 ]
 
 
@@ -159,9 +165,19 @@ def image() -> str:
     return name
 
 
+def render_plugins() -> str:
+    """The DaemonSets' manifests: `helm template` of the chart into hyperlight-system, as
+    `helm install -n hyperlight-system` renders it, or `kubectl kustomize` of an overlay."""
+    if not IS_CHART:
+        return kustomize(OVERLAY)
+    result = helm_template(OVERLAY, "hyperlight-system")
+    assert result.returncode == 0, f"helm template {OVERLAY}:\n{result.stderr}"
+    return result.stdout
+
+
 @pytest.fixture(scope="module")
 def cluster(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    rendered = documents(kustomize(OVERLAY))
+    rendered = documents(render_plugins())
     examples = documents(kustomize(EXAMPLES))
     root = tmp_path_factory.mktemp("node")
     # Short: unix socket paths are limited to 107 bytes.

@@ -1,8 +1,8 @@
 """Packaging: one version everywhere, and the metadata a package index and an operator read.
 
 The version is written once, in src/hlplugin/__init__.py (pyproject reads it as a dynamic version).
-The image label and the manifests' image tag cannot import it, so they repeat it and this file keeps
-them equal: a release that bumps one and forgets another fails here.
+The image label, the manifests' image tag and the chart's versions cannot import it, so they repeat
+it and this file keeps them equal: a release that bumps one and forgets another fails here.
 """
 
 from __future__ import annotations
@@ -78,6 +78,15 @@ def test_manifests_tag_the_package_version() -> None:
         assert str(entry.get("newTag")) == __version__, f"{path}: {entry}"
 
 
+def test_chart_version_and_app_version_are_the_package_version() -> None:
+    """The chart is released with the image (release.yml pushes both for one tag), and its
+    appVersion is the image tag it runs by default."""
+    chart = yaml.safe_load((ROOT / "deploy/chart/hlplugin/Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2"
+    assert str(chart["version"]) == __version__, "Chart.yaml version"
+    assert str(chart["appVersion"]) == __version__, "Chart.yaml appVersion"
+
+
 def test_docs_refer_to_this_release() -> None:
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for ref in re.findall(r"\?ref=v([\w.]+)", path.read_text()):
@@ -124,7 +133,7 @@ def test_metadata_has_classifiers_and_project_urls(
     urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL") or [])
     assert {"Homepage", "Source", "Issues", "Documentation"} <= set(urls)
     assert all(u.startswith(REPOSITORY) for u in urls.values()), urls
-    # The release workflow pushes ghcr.io/<repository>: the image name follows the repository.
+    # The image is named after the repository (release.yml pushes it under that one fixed name).
     assert IMAGE.removeprefix("ghcr.io/") == REPOSITORY.removeprefix("https://github.com/")
 
 

@@ -21,7 +21,7 @@ from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.bootstrap import DeviceAccessPlugin
 from hlplugin.config import Settings
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.grpcserver import new_server
+from hlplugin.deviceplugin.lifecycle import new_server
 from hlplugin.deviceplugin.servicer import MAX_CONTAINERS, MAX_ID_BYTES, MAX_STREAMS, TrackedDevicePlugin
 from hlplugin.metrics import Metrics
 from hlplugin.plugin import HypervisorPlugin
@@ -36,7 +36,7 @@ async def served(plugin: TrackedDevicePlugin
     """``plugin`` served as the lifecycle serves it, on a real unix socket: a stub and the path."""
     with tempfile.TemporaryDirectory(prefix="hlp-") as directory:
         path = Path(directory) / "p.sock"
-        server = new_server(plugin, plugin.max_request_bytes)
+        server = new_server(plugin)
         server.add_insecure_port(f"unix://{path}")
         await server.start()
         async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
@@ -294,3 +294,23 @@ async def test_allocate_at_and_past_each_bound(
     refusals = [r.getMessage() for r in caplog.records if "refused Allocate" in r.getMessage()]
     assert len(refusals) == (1 if code == INVALID else 0), refusals
     assert all(len(m) < 400 and m.isprintable() for m in refusals), refusals
+
+
+async def test_refusals_repeated_in_a_loop_are_logged_once_and_counted_every_time(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A kubelet retrying pods on an unhealthy node, and a client sending the same bad request in
+    a loop: each refusal is counted, and each distinct one logged once (more, a minute later)."""
+    tracker = healthy_tracker()
+    tracker.set_condition("device", False, "open on /dev/kvm failed")
+    plugin = make_plugin(tracker)
+    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.servicer"):
+        async with served(plugin) as (stub, _):
+            for _ in range(40):
+                await refused_with(stub, allocate_request(["kvm-0"]), grpc.StatusCode.FAILED_PRECONDITION)
+                await refused_with(stub, allocate_request(["nope"]))
+    refusals = [r.getMessage() for r in caplog.records if "refused Allocate" in r.getMessage()]
+    assert len(refusals) == 2, refusals
+    assert "open on /dev/kvm failed" in refusals[0] and "'nope'" in refusals[1], refusals
+    counted = {result: plugin.metrics.registry.get_sample_value(  # type: ignore[union-attr]
+        "hyperlight_allocations_total", {"result": result}) for result in ("refused", "invalid")}
+    assert counted == {"refused": 40, "invalid": 40}

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from harness import wait_until
 
-from hlplugin.cdi import SPEC_FILE, CdiReconciler, render_spec
+from hlplugin.cdi import CdiReconciler
+from hlplugin.cdi_spec import SPEC_FILE, render_spec
 from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.conditions import HealthTracker
 from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon

@@ -1,5 +1,5 @@
 """The README tells the truth: its configuration table is generated from config.OPTIONS, and it
-starts with the two quickstart commands (its metrics table: tests/test_docs.py).
+opens with its title, one sentence and the two quickstart commands (its metrics table: tests/test_docs.py).
 
 Regenerate the configuration table after changing an option: `python tests/test_readme.py --write`.
 """
@@ -65,12 +65,15 @@ def _pip_installs(text: str) -> list[str]:
     return [part for part in parts if re.search(r"\bpip3?\b.*\binstall\b", part)]
 
 
-def test_readme_starts_with_the_quickstart_that_installs_only_into_virtual_environments() -> None:
+def test_readme_starts_with_title_sentence_and_quickstart_that_installs_only_into_venvs() -> None:
     """PEP 668 distros (Debian 12, Ubuntu 24.04) refuse `pip install` into the system Python: the
     first command makes its own venv and uses only its pip and its hlplugin; the second, `.ci/run`,
     runs only a virtual environment's pip, and the linters and pytest come from there too."""
     readme = README.read_text()
-    assert readme.startswith(QUICKSTART)
+    title, sentence, rest = readme.split("\n\n", 2)
+    assert re.fullmatch(r"# hlplugin: .+", title), title
+    assert not sentence.startswith(("#", "`")) and sentence.count(". ") == 0, sentence
+    assert rest.startswith(QUICKSTART), "the two commands come right after the title and one sentence"
     floor = re.search(r'requires-python = ">=(\d+\.\d+)"', (ROOT / "pyproject.toml").read_text())
     assert floor is not None
     assert f"Python {floor.group(1)} or newer" in readme[:1500]

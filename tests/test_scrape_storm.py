@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from harness import Daemon, Node, needs_kvm, on_kubelet
 
-from hlplugin.emulator import KubeletEmulator
+from hlplugin.tools.emulator import KubeletEmulator
 
 pytestmark = [needs_kvm, pytest.mark.slow]
 

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from harness import Node, daemon, emulator, needs_kvm, needs_root, on_kubelet, wait_until
 
-from hlplugin.emulator import AdmissionError
+from hlplugin.tools.emulator import AdmissionError
 
 RESOURCE = "hyperlight.dev/hypervisor"
 CDI_NAME = "hyperlight.dev/hypervisor=kvm"

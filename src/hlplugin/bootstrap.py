@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.config import Settings
+from hlplugin.config import Settings, show
 from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import HealthTracker
 from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon
@@ -101,4 +101,4 @@ async def bootstrap(settings: Settings) -> None:
     await run_daemon(DaemonSpec(
         "hlplugin bootstrap", settings.http_address, tracker, metrics,
         functools.partial(wait_for_hypervisor, settings), setup,
-        pending={"hypervisor": f"no mshv or kvm device under {settings.dev_dir}"}))
+        pending={"hypervisor": f"no mshv or kvm device under {show(settings.dev_dir)}"}))

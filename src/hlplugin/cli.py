@@ -10,9 +10,11 @@ import signal
 import sys
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from hlplugin import __version__, config, logs
+from hlplugin import __version__, cdi_spec, config, logs
+from hlplugin.deviceplugin import files
+from hlplugin.deviceplugin.quoting import clip, quote
 
 log = logging.getLogger("hlplugin")
 
@@ -26,8 +28,27 @@ _COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors quote a bounded, escaped prefix of what they were given: argparse's own
+    messages (an unrecognized argument, a value after a switch) would echo it whole."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(logs.escape(clip(message, _MAX_ERROR_CHARS)))
+
+
+# Room for every message of ours (each quotes a bounded prefix) and argparse's.
+_MAX_ERROR_CHARS = 1024
+
+
+def _file(text: str) -> Path:
+    problem = files.path_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return Path(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hlplugin",
         description="Kubernetes device plugin for Hyperlight micro-VMs. Every option has an "
                     "environment twin; a flag wins over its twin.")
@@ -38,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(subparser=sub)  # errors found after parsing print this command's usage
         config.add_options(sub, options, name)
         if name == "cdi":
-            sub.add_argument("--check", type=Path, metavar="FILE",
+            sub.add_argument("--check", type=_file, metavar="FILE",
                              help="exit 0 when FILE is exactly the spec, 1 with a difference")
         elif name == "doctor":
             sub.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -94,10 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "cdi":
         return _cdi(settings, args.check)
     if args.command == "doctor":
-        from hlplugin.doctor import doctor
+        from hlplugin.tools.doctor import doctor
 
         return doctor(settings, as_json=args.json)
-    from hlplugin.demo import demo
+    from hlplugin.tools.demo import demo
 
     return demo(keep=args.keep)
 
@@ -113,18 +134,17 @@ def _run(coroutine: Coroutine[Any, Any, None]) -> int:
 
 
 def _cdi(settings: config.Settings, check: Path | None) -> int:
-    from hlplugin import cdi
 
     hypervisor = settings.detect_hypervisor()
     if hypervisor is None:
-        print(f"hlplugin cdi: no mshv or kvm device under {settings.dev_dir}; pass --hypervisor",
-              file=sys.stderr)
+        print(f"hlplugin cdi: no mshv or kvm device under "
+              f"{quote(str(settings.dev_dir), files.PATH_CHARS)}; pass --hypervisor", file=sys.stderr)
         return 1
-    desired = cdi.render_spec(hypervisor, settings.device_uid, settings.device_gid)
+    desired = cdi_spec.render_spec(hypervisor, settings.device_uid, settings.device_gid)
     if check is None:
         sys.stdout.buffer.write(desired)
         return 0
-    ok, difference = cdi.check_file(check, desired)
+    ok, difference = cdi_spec.check_file(check, desired)
     if not ok:
         print(difference, file=sys.stderr)
     return 0 if ok else 1

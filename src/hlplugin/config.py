@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hlplugin.deviceplugin import files
+from hlplugin.deviceplugin.quoting import clip, quote
 from hlplugin.names import LONGEST_SOCKET
 
 UINT32_MAX = 4_294_967_295
@@ -30,7 +31,6 @@ HYPERVISORS = ("kvm", "mshv")
 # "Unhealthy", the longest form) serialize to 1.24 MB: 3.4x under the limit. The daemon's peak RSS
 # at that count is in docs/security.md (it, not the message, is what a larger count would cost).
 MAX_DEVICE_COUNT = 50_000
-KUBELET_MAX_MESSAGE = 4 * 1024 * 1024
 
 # Durations: a tiny interval makes a periodic check a busy loop (a device check runs a VM, about
 # 1.3 ms: at 1 s that is 0.1 % of a core); a timeout under 0.1 s fails checks on a loaded
@@ -91,16 +91,24 @@ def _choice(*choices: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = text.strip().lower()
         if value not in choices:
-            raise ValueError(f"must be one of {', '.join(choices)}, got {text!r}")
+            raise ValueError(f"must be one of {', '.join(choices)}, got {quote(text)}")
         return value
 
     return parse
 
 
 def _path(text: str) -> Path:
+    """An absolute path the kernel takes (PATH_MAX, NAME_MAX): one it would refuse with
+    ENAMETOOLONG is refused here, not met as an OSError wherever it is first used."""
     if not text:
         raise ValueError("must not be empty")
-    return Path(os.path.abspath(text))  # a unix:// socket address needs an absolute path
+    problem = files.path_problem(text)
+    absolute = os.path.abspath(text)  # a unix:// socket address needs an absolute path
+    if not problem and absolute != text:  # the working directory counts too
+        problem = files.path_problem(absolute)
+    if problem:
+        raise ValueError(problem)
+    return Path(absolute)
 
 
 def _optional_path(text: str) -> Path | None:
@@ -143,7 +151,7 @@ def _bool(text: str) -> bool:
         return True
     if value in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(f"must be true or false, got {text!r}")
+    raise ValueError(f"must be true or false, got {quote(text)}")
 
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -177,7 +185,7 @@ class Settings:
         if self.hypervisor != "auto":
             return self.hypervisor
         for name in ("mshv", "kvm"):
-            if (self.dev_dir / name).exists():
+            if os.path.exists(self.dev_dir / name):  # never raises: EACCES, EIO... are absent
                 return name
         return None
 
@@ -314,14 +322,14 @@ class Resolution:
 
 
 def show(value: Any) -> str:
-    """A setting as an operator would type it."""
+    """A setting as an operator would type it (a path cut after files.PATH_CHARS characters)."""
     if isinstance(value, tuple):
         return f"{value[0]}:{value[1]}"
     if isinstance(value, bool):
         return str(value).lower()
     if value is None:
         return "(empty)"
-    return str(value)
+    return clip(str(value), files.PATH_CHARS)
 
 
 def resolve_sources(
@@ -356,17 +364,6 @@ def resolve_sources(
     if "host_dev_dir" in names and settings.host_dev_dir is None:
         warnings.append("host device identity check is off (--host-dev-dir is empty)")
     return Resolution(settings, warnings, sources)
-
-
-def resolve(
-    args: argparse.Namespace,
-    names: Sequence[str],
-    command: str,
-    environ: Mapping[str, str] | None = None,
-) -> tuple[Settings, list[str]]:
-    """Combine flags, environment and defaults; return the settings and the warnings to log."""
-    resolution = resolve_sources(args, names, command, environ)
-    return resolution.settings, resolution.warnings
 
 
 def log_warnings(warnings: Sequence[str]) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hlplugin.config import HYPERVISORS, Settings
+from hlplugin.config import HYPERVISORS, Settings, show
 from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.producer import Producer
@@ -151,7 +151,7 @@ async def wait_for_hypervisor(settings: Settings) -> str:
     if found is not None:
         return found
     log.warning("no hypervisor device under %s (looked for mshv and kvm); waiting for one",
-                settings.dev_dir)
+                show(settings.dev_dir))
     # aclosing: leaving the loop early must close the watcher now, not whenever the garbage
     # collector finalizes the generator (by then its inotify fd number may belong to another).
     async with contextlib.aclosing(DirWatcher(settings.dev_dir, HYPERVISORS).changes()) as changes:

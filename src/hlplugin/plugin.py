@@ -12,9 +12,9 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from hlplugin import cdi
+from hlplugin import cdi, cdi_spec
 from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.config import Settings
+from hlplugin.config import Settings, show
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon
 from hlplugin.deviceplugin.lifecycle import Context, PluginLifecycle
@@ -46,7 +46,7 @@ class HypervisorPlugin(TrackedDevicePlugin):
         super().__init__(device_ids(hypervisor, count), tracker, metrics)
         self.hypervisor = hypervisor
         self._gate = gate
-        self._cdi_name = cdi.qualified_name(hypervisor)
+        self._cdi_name = cdi_spec.qualified_name(hypervisor)
         self._annotations = cdi_annotations
 
     async def Allocate(self, request: pb.AllocateRequest,
@@ -76,7 +76,7 @@ async def serve(settings: Settings) -> None:
 
     async def setup(hv: str) -> Started:
         reconciler = cdi.CdiReconciler(
-            settings.cdi_dir, cdi.render_spec(hv, settings.device_uid, settings.device_gid),
+            settings.cdi_dir, cdi_spec.render_spec(hv, settings.device_uid, settings.device_gid),
             tracker=tracker, metrics=metrics, interval=settings.cdi_interval)
         monitor = DeviceMonitor(
             tracker, hv, settings.dev_dir, settings.host_dev_dir,
@@ -104,4 +104,4 @@ async def serve(settings: Settings) -> None:
     await run_daemon(DaemonSpec(
         "hlplugin serve", settings.http_address, tracker, metrics,
         functools.partial(wait_for_hypervisor, settings), setup,
-        pending={"hypervisor": f"no mshv or kvm device under {settings.dev_dir}"}))
+        pending={"hypervisor": f"no mshv or kvm device under {show(settings.dev_dir)}"}))

@@ -1,4 +1,4 @@
-"""A generic Kubernetes device plugin: what both daemons share and nothing Hyperlight-specific.
+"""A generic Kubernetes device plugin: what both daemons share, and nothing resource-specific.
 
 The lifecycle (serve, register, watch, re-register), the servicer base (ListAndWatch of a health
 tracker, request bounds), the daemon runner (root tasks, signals, HTTP probes), the health

@@ -44,7 +44,7 @@ class BoundedRunner:
     runner still costs nothing once it has lingered.
     """
 
-    def __init__(self, budget: float = 2.0, name: str = "hlplugin-probe",
+    def __init__(self, budget: float = 2.0, name: str = "bounded-check",
                  linger: float = 0.0) -> None:
         self.budget = budget
         self.name = name

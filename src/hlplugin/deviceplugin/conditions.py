@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from hlplugin.deviceplugin import repeats
+
 log = logging.getLogger(__name__)
 
 # Periodic loops never run more often than this, whatever interval they are given: the CLI's
@@ -61,13 +63,14 @@ class HealthTracker:
     every producer has reported once.
     """
 
-    def __init__(self, required: tuple[str, ...] = (), clock: Callable[[], float] = time.monotonic):
+    def __init__(self, required: tuple[str, ...] = (), clock: Callable[[], float] = time.monotonic,
+                 *, log_interval: float = repeats.INTERVAL) -> None:
         self._clock = clock
+        self.lines = repeats.RepeatedLines(log, log_interval, clock=clock)
         initial = {name: Condition(False, "not checked yet") for name in required}
         self._state = HealthState(MappingProxyType(initial), 0)
         self._changed = asyncio.Event()
         self._listeners: list[Listener] = []
-        self.last_check: dict[str, float] = {}
 
     @property
     def state(self) -> HealthState:
@@ -79,7 +82,6 @@ class HealthTracker:
 
     def set_condition(self, name: str, ok: bool, reason: str = "") -> None:
         """Record a completed check; only a real change bumps the generation and wakes waiters."""
-        self.last_check[name] = self._clock()
         new = Condition(ok, "" if ok else (reason or "unknown failure"))
         old_state = self._state
         if old_state.conditions.get(name) == new:
@@ -87,12 +89,15 @@ class HealthTracker:
         conditions = dict(old_state.conditions)
         conditions[name] = new
         self._state = HealthState(MappingProxyType(conditions), old_state.generation + 1)
+        # Each state (and reason) its own cause: a flap is logged when it first happens, then
+        # counted, at most one line per state and interval; the listeners see every transition.
         if ok:
-            log.info("condition %s is healthy", name, extra={"condition": name})
+            self.lines.log((name, True), logging.INFO, "condition %s is healthy", name,
+                           extra={"condition": name})
         else:
-            log.warning(
-                "condition %s is unhealthy: %s", name, new.reason,
-                extra={"condition": name, "reason": new.reason},
+            self.lines.log(
+                (name, False, new.reason), logging.WARNING, "condition %s is unhealthy: %s", name,
+                new.reason, extra={"condition": name, "reason": new.reason},
             )
         for listener in self._listeners:
             listener(old_state, self._state)

@@ -2,7 +2,8 @@
 
 Each daemon is a few named asyncio tasks under one TaskGroup (kopf's shape): the first that fails
 takes the others down and the process exits non-zero for the orchestrator to restart; SIGTERM or
-SIGINT cancels them all, which stops serving and removes our socket (never the CDI spec).
+SIGINT cancels them all, which stops serving and removes our socket (never the files that
+producers keep).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The device-plugin gRPC server: what a client can make it hold, and a stop no client holds up.
+"""The gRPC server of one plugin instance: what a client can make it hold, a stop no client holds
+up, and clean-up that a cancellation cannot cut short.
 
 Bounds (docs/security.md, "Bounds on the device-plugin socket"), measured with tests/h2flood.py:
 20,000 HEADERS + RST_STREAM pairs (the HTTP/2 rapid reset, CVE-2023-44487) over 4 connections
@@ -30,10 +31,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from hlplugin.deviceplugin.lifecycle import PluginServicer
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +54,30 @@ STOP_DEADLINE = 0.5  # seconds a stop may take, grace included, before the serve
 _abandoned: set[asyncio.Task[None]] = set()
 
 
-def new_server(servicer: pb_grpc.DevicePluginServicer, max_request_bytes: int) -> grpc.aio.Server:
-    """A gRPC server for ``servicer`` within the bounds above; requests larger than
-    ``max_request_bytes`` are refused before they are parsed (RESOURCE_EXHAUSTED)."""
+async def to_completion(work: Coroutine[Any, Any, None]) -> None:
+    """Finish bounded clean-up even when cancelled meanwhile, then re-raise the cancellation.
+
+    The daemon re-cancels every 0.25 s while stopping (see run_daemon); a server.stop() cut short
+    leaves a running server that the garbage collector shuts down after the loop has closed,
+    printing a traceback, and leaves its socket behind.
+    """
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    task.result()
+
+
+def new_server(servicer: PluginServicer) -> grpc.aio.Server:
+    """A gRPC server for ``servicer`` within the bounds above; requests larger than it accepts are
+    refused before they are parsed (RESOURCE_EXHAUSTED)."""
     server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", max_request_bytes),
+        ("grpc.max_receive_message_length", servicer.max_request_bytes),
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
         ("grpc.http2.max_deallocating_streams", MAX_DEALLOCATING_STREAMS),
         ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),

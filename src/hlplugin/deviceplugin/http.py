@@ -58,7 +58,7 @@ def connection_cap(fd_limit: int | None = None, ceiling: int = 256) -> int:
     """An eighth of the fd limit, at most 256, at least 4 (so probes get in). asyncio accepts a
     batch of connections per loop turn and a closed one frees its fd a turn or two later,
     so clients can briefly hold the cap plus a few batches (32 each): at most a quarter of the
-    fds, and three quarters stay for the daemon's own work (gRPC, inotify, the CDI and device
+    fds, and three quarters stay for the daemon's own work (gRPC, inotify, the producers'
     checks) whatever clients do."""
     if fd_limit is None:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -1,7 +1,7 @@
 """The generic device-plugin lifecycle, shared by both daemons: serve, register, watch, restart.
 
 One ``PluginLifecycle`` drives one resource-specific servicer (see ``PluginServicer``). It keeps
-the kubelet's rules (see ../shared/notes/kubelet-device-manager.md):
+the kubelet's rules (see docs/kubelet.md):
 
 - Register is synchronous and the kubelet dials us inside it, so we serve before registering.
 - The kubelet deletes every socket when it restarts and then creates kubelet.sock anew: when our
@@ -12,6 +12,13 @@ the kubelet's rules (see ../shared/notes/kubelet-device-manager.md):
   kubelet.sock counts as a failed attempt per backoff step, so every cause shows the same way.
 - The kubelet may end its ListAndWatch stream and stay up (its endpoint stops): a registered
   instance with no stream for ``stream_grace`` seconds is stopped and a fresh one registers.
+- A kubelet that exits ends the stream too, but leaves its kubelet.sock dead until a new kubelet
+  replaces it: from the stream's end we wait for that new socket (up to ``kubelet_wait`` s,
+  uncounted) rather than dial the dead one; only a kubelet.sock that still listens after the grace
+  means the kubelet stayed up.
+- One instance per socket (see holder.py): a socket another live process answers on is never
+  taken (the kubelet keeps the latest registration, so the two would take turns for ever); we
+  wait NotReady naming it, and take over as soon as it goes away. A stale file is taken at once.
 """
 
 from __future__ import annotations
@@ -20,8 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
-import stat
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,24 +37,20 @@ import grpc
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.grpcserver import new_server, stop_server
+from hlplugin.deviceplugin.grpcserver import to_completion as _to_completion
+from hlplugin.deviceplugin.holder import Held, Holder, private_path, publish, wait_until_free
+from hlplugin.deviceplugin.kubeletsock import Identity, dir_problem, kubelet_problem, listens
+from hlplugin.deviceplugin.kubeletsock import socket_identity as _socket_identity
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.producer import Wakeup
+from hlplugin.deviceplugin.registration import RegistrationFailed, explain, register_with
 from hlplugin.deviceplugin.watch import DirWatcher
 
 log = logging.getLogger(__name__)
 
 KUBELET_SOCKET = "kubelet.sock"
-API_VERSION = "v1beta1"
-
 
 Context = grpc.aio.ServicerContext[Any, Any]
-
-
-class RegistrationFailed(Exception):
-    def __init__(self, code: str, details: str) -> None:
-        super().__init__(f"{code}: {details}")
-        self.code = code
-        self.details = details
 
 
 class PluginServicer(pb_grpc.DevicePluginServicer):
@@ -65,38 +67,6 @@ class PluginServicer(pb_grpc.DevicePluginServicer):
 
 class ServicerFactory(Protocol):
     def __call__(self) -> PluginServicer: ...
-
-
-Identity = tuple[int, int, int]
-
-
-def _socket_identity(path: Path) -> Identity | None:
-    """(device, inode, ctime) of a unix socket at ``path``; None when missing or not a socket.
-    The ctime tells a new socket from an old one whose inode number the filesystem reused."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
-
-
-async def _to_completion(work: Coroutine[Any, Any, None]) -> None:
-    """Finish bounded clean-up even when cancelled meanwhile, then re-raise the cancellation.
-
-    The daemon re-cancels every 0.25 s while stopping (see run_daemon); a server.stop() cut short
-    leaves a running server that the garbage collector shuts down after the loop has closed,
-    printing a traceback, and leaves its socket behind.
-    """
-    task = asyncio.ensure_future(work)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    task.result()
 
 
 @dataclass
@@ -119,6 +89,7 @@ class PluginLifecycle:
         max_backoff: float = 5.0,
         recheck_interval: float = 1.0,
         stream_grace: float = 3.0,
+        kubelet_wait: float = 30.0,
         metrics: DevicePluginMetrics | None = None,
     ) -> None:
         self.plugin_dir = plugin_dir
@@ -131,13 +102,19 @@ class PluginLifecycle:
         self._max_backoff = max_backoff
         self._recheck = recheck_interval
         self._stream_grace = stream_grace
+        self._kubelet_wait = kubelet_wait
         self._metrics = metrics
         self._wakeup = Wakeup(DirWatcher(plugin_dir, {socket_name, KUBELET_SOCKET},
                                          poll_interval=recheck_interval))
         self._instance: _Instance | None = None
         self._kubelet_identity: Identity | None = None
+        # The kubelet.sock of a kubelet that ended our stream, not to be dialled before a new one
+        # appears or, without one, before ``_quiet_until`` (loop time): a kubelet restarting.
+        self._dead_kubelet: Identity | None = None
+        self._quiet_until = 0.0
         self._problem = ""  # the kind of lasting failure last logged, so a retry loop logs it once
         self._failures = 0
+        self._holder = ""  # the other instance logged as serving our socket since we registered
         self.registered = False
         self.problem = ""  # why the latest attempt could not register, for /readyz
 
@@ -158,7 +135,10 @@ class PluginLifecycle:
         async with self._wakeup.running():
             while True:
                 try:
+                    await self._wait_until_free()
                     instance = await self._start()
+                except Held:
+                    continue  # another instance published first: wait for it
                 except (OSError, RuntimeError) as exc:
                     problem = self._dir_problem()
                     self._fail("serve" if not problem else "plugin dir",
@@ -201,9 +181,10 @@ class PluginLifecycle:
         self._remove_stale_socket()
         servicer = self._make_servicer()
         servicer.on_streams_changed = self._wakeup.fire
-        server = new_server(servicer, servicer.max_request_bytes)
+        server = new_server(servicer)
+        bound = private_path(self.socket_path)  # see holder.py: never gRPC's address to remove
         try:
-            server.add_insecure_port(f"unix://{self.socket_path}")
+            server.add_insecure_port(f"unix://{bound}")
         except BaseException:
             await _to_completion(server.stop(None))  # never leave a server to the GC
             raise
@@ -212,9 +193,11 @@ class PluginLifecycle:
         failure: BaseException | None = None
         try:
             await _to_completion(server.start())
+            publish(bound, self.socket_path)
         except BaseException as exc:
             failure = exc
-        instance = _Instance(server, servicer, _socket_identity(self.socket_path))
+        instance = _Instance(server, servicer,
+                             None if failure else _socket_identity(self.socket_path))
         self._instance = instance
         if failure is not None:
             await self._stop(instance)
@@ -226,7 +209,7 @@ class PluginLifecycle:
         if instance.identity is None and self._instance is not instance:
             return  # already stopped
         self.registered = False
-        ours = self._socket_is_ours(instance)
+        ours, identity = self._socket_is_ours(instance), instance.identity
         # From here the instance counts as gone, so liveness does not ask a server that is
         # stopping on purpose.
         instance.identity = None
@@ -234,11 +217,29 @@ class PluginLifecycle:
         try:
             await stop_server(instance.server)  # within its deadline, whatever a client holds
         finally:
-            if ours:
+            # Unless another instance has taken the path over meanwhile.
+            if ours and _socket_identity(self.socket_path) == identity:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.socket_path)
             if self._instance is instance:
                 self._instance = None
+
+    async def _wait_until_free(self) -> None:
+        """While another live instance serves our socket, leave it: wait NotReady, naming it (logged
+        once per instance), until it goes away."""
+        took_over = False
+
+        def held(holder: Holder) -> None:
+            nonlocal took_over
+            self.problem = (f"{self.socket_path} is served by another instance, "
+                            f"{holder.describe()}; waiting for it to go away")
+            if holder.describe() != self._holder:
+                log.warning("%s (this one stays unready until then)", self.problem)
+                self._holder, took_over = holder.describe(), True
+
+        await wait_until_free(self.socket_path, lambda: self._wait(self._wakeup.pulse()), held)
+        if took_over:
+            log.info("the other instance serving %s went away; taking over", self.socket_path)
 
     async def _register_when_possible(self, instance: _Instance) -> str:
         """Wait for a kubelet, then register; "lost" when our socket vanished meanwhile. Each
@@ -250,15 +251,23 @@ class PluginLifecycle:
             if not self._socket_is_ours(instance):
                 return "lost"
             kubelet = _socket_identity(self.kubelet_path)
-            if kubelet is not None:
+            quiet = self._quiet_until - asyncio.get_running_loop().time()
+            dead = kubelet == self._dead_kubelet and not listens(self.kubelet_path)
+            if kubelet is not None and (not dead or quiet <= 0):
                 break
+            if quiet > 0:  # a restarting kubelet: its new socket is due, nothing has failed
+                self.problem = "waiting for the kubelet to restart (it ended our ListAndWatch stream)"
+                await self._sleep_or_kubelet(quiet)
+                continue
             if wait is None:
                 self._fail("no kubelet.sock", self._kubelet_problem())
             await self._sleep_or_kubelet(backoff if wait is None else wait)
             if wait is None:
                 backoff = min(backoff * 2, self._max_backoff)
             wait = None
-        register = asyncio.create_task(self._register(), name="register")
+        register = asyncio.create_task(register_with(
+            self.kubelet_path, self.socket_path.name, self.resource_name, self._register_timeout),
+            name="register")
         try:
             while not register.done():
                 pulse = self._wakeup.pulse()
@@ -278,34 +287,22 @@ class PluginLifecycle:
         if error is not None:
             kind = error.code if isinstance(error, RegistrationFailed) else type(error).__name__
             self._fail(f"register {kind}", f"registration of {self.resource_name} with the "
-                       f"kubelet failed: {self._explain(error)}")
+                       f"kubelet failed: {explain(error, self._register_timeout, self.kubelet_path)}")
             return "failed"
         self._count("success")
         self.registered = True
-        self._kubelet_identity = kubelet
+        self._kubelet_identity, self._dead_kubelet, self._quiet_until = kubelet, None, 0.0
         after = f" after {self._failures} failed attempts" if self._failures else ""
-        self._problem, self._failures, self.problem = "", 0, ""
+        self._problem, self._failures, self.problem, self._holder = "", 0, "", ""
         log.info("registered %s with the kubelet%s", self.resource_name, after)
         return "registered"
 
-    async def _register(self) -> None:
-        request = pb.RegisterRequest(
-            version=API_VERSION,
-            endpoint=self.socket_path.name,
-            resource_name=self.resource_name,
-            options=pb.DevicePluginOptions(),
-        )
-        async with grpc.aio.insecure_channel(f"unix://{self.kubelet_path}") as channel:
-            try:
-                await pb_grpc.RegistrationStub(channel).Register(
-                    request, timeout=self._register_timeout, wait_for_ready=False)
-            except grpc.aio.AioRpcError as exc:
-                raise RegistrationFailed(exc.code().name, exc.details() or "") from None
-
     async def _wait_until_lost(self, instance: _Instance) -> str:
         """"lost" when our socket or kubelet.sock changed; "stream_ended" when the kubelet has had
-        no ListAndWatch stream open for the grace period (it opens one right after Register, and
-        ends it when its endpoint fails while it stays up), which only a new registration mends."""
+        no ListAndWatch stream open for the grace period and still listens (it opens one right
+        after Register, and ends it when its endpoint fails while it stays up), which only a new
+        registration mends; "kubelet_gone" when it stopped listening and no new kubelet.sock came
+        within ``kubelet_wait`` of the stream's end."""
         loop = asyncio.get_running_loop()
         idle_since: float | None = loop.time()
         streamed = False
@@ -318,11 +315,21 @@ class PluginLifecycle:
             limit: float | None = None
             if instance.servicer.open_streams:
                 idle_since, streamed = None, True
+                self._dead_kubelet, self._quiet_until = None, 0.0
             else:
                 if idle_since is None:
                     idle_since = loop.time()
+                    log.info("the kubelet ended its ListAndWatch stream of %s; waiting for a new "
+                             "stream or a new kubelet.sock", self.resource_name)
+                    self._dead_kubelet = self._kubelet_identity
+                    self._quiet_until = idle_since + self._kubelet_wait
                 limit = idle_since + self._stream_grace - loop.time()
-                if limit <= 0:
+                if limit <= 0 and streamed and not listens(self.kubelet_path):
+                    limit = self._quiet_until - loop.time()  # the kubelet exited: await the next
+                    if limit <= 0:
+                        return "kubelet_gone"  # the dead socket's failures now count, as any
+                elif limit <= 0:
+                    self._dead_kubelet, self._quiet_until = None, 0.0
                     what = ("ended its ListAndWatch stream of %s and opened none for %.1f s"
                             if streamed else
                             "opened no ListAndWatch stream of %s within %.1f s of Register")
@@ -363,30 +370,10 @@ class PluginLifecycle:
         await self._wakeup.wait(pulse, self._recheck if limit is None else min(limit, self._recheck))
 
     def _dir_problem(self) -> str:
-        try:
-            st = os.stat(self.plugin_dir)
-        except FileNotFoundError:
-            return (f"{self.plugin_dir} does not exist (is --plugin-dir the kubelet's "
-                    f"device-plugins directory?)")
-        except OSError as exc:
-            return f"cannot use {self.plugin_dir}: {exc.strerror} (errno {exc.errno})"
-        return "" if stat.S_ISDIR(st.st_mode) else f"{self.plugin_dir} is not a directory"
+        return dir_problem(self.plugin_dir)
 
     def _kubelet_problem(self) -> str:
-        if os.path.lexists(self.kubelet_path):
-            return f"{self.kubelet_path} is not a socket"
-        return (self._dir_problem() or f"no kubelet.sock at {self.kubelet_path} (is the kubelet "
-                f"running, and is --plugin-dir its device-plugins directory?)")
-
-    def _explain(self, error: BaseException) -> str:
-        if not isinstance(error, RegistrationFailed):
-            return f"{type(error).__name__}: {error}"
-        if error.code == "DEADLINE_EXCEEDED":
-            return (f"Register timed out after {self._register_timeout:g} s ({error.code}: the "
-                    f"kubelet at {self.kubelet_path} did not answer)")
-        if error.code == "UNAVAILABLE":
-            return f"the kubelet at {self.kubelet_path} is unreachable ({error})"
-        return f"the kubelet refused with {error}"
+        return kubelet_problem(self.kubelet_path)
 
     def _fail(self, kind: str, problem: str) -> None:
         """An attempt that could not register: counted, and shown by /readyz."""

@@ -4,7 +4,7 @@ Each daemon builds its own registry so tests can run several in one process.
 
 Every label value a counter can take is created at 0 when the registry is built: a series that
 appears only at its first increment hides that increment from ``increase()`` and ``rate()``, so
-the first refused allocation after a restart would never alert. The process's own resource use
+the first registration failure after a restart would never alert. The process's own resource use
 (``process_resident_memory_bytes``, ``process_cpu_seconds_total``, ``process_open_fds``, ...) is
 exported beside ours; the ``*_created`` series are not (one more series per counter child, and no
 alert or dashboard reads them).

@@ -124,7 +124,7 @@ class Producer:
         self.name = name
         self.interval = interval
         self.max_backoff = max_backoff
-        self.runner = BoundedRunner(budget, name=f"hlplugin-{name}", linger=linger)
+        self.runner = BoundedRunner(budget, name=f"producer-{name}", linger=linger)
         self.wakeup = Wakeup(*watch)
         self.ok = False
         self.completed_at: float | None = None  # clock() when the latest pass finished
@@ -145,7 +145,7 @@ class Producer:
         """A pass now, as its own task: it survives the caller's cancellation, and its result is
         recorded either way. Passes that overlap queue in the runner, within their budgets."""
         self._began = began = self._clock()
-        task = asyncio.create_task(self._once(trigger, began), name=f"hlplugin-{self.name}-pass")
+        task = asyncio.create_task(self._once(trigger, began), name=f"producer-{self.name}-pass")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         self._latest = task

@@ -14,9 +14,11 @@ from typing import NoReturn
 import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
+from hlplugin.deviceplugin import repeats
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.lifecycle import Context, PluginServicer
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
+from hlplugin.deviceplugin.quoting import quote
 
 log = logging.getLogger(__name__)
 
@@ -30,17 +32,8 @@ UNHEALTHY = "Unhealthy"
 MAX_STREAMS = 8
 MAX_CONTAINERS = 128
 MAX_ID_BYTES = 128
-QUOTE_CHARS = 64
 # The server's receive limit: room for every advertised ID in one request, plus this much.
 REQUEST_SLACK_BYTES = 64 * 1024
-
-
-def quote(text: str, limit: int = QUOTE_CHARS) -> str:
-    """``text`` for a message or log line: cut to ``limit`` characters, then escaped (repr), so
-    neither a huge input nor a control character reaches a client or the log as it came."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}... ({len(text.encode(errors='replace'))} bytes)"
 
 
 class TrackedDevicePlugin(PluginServicer):
@@ -63,6 +56,9 @@ class TrackedDevicePlugin(PluginServicer):
         self.on_streams_changed: Callable[[], None] | None = None
         self._closed = False
         self._refusing = False
+        # A kubelet retrying a pod on an unhealthy node, or a client in a loop: one line per
+        # refusal (message) and interval; the allocations counter counts each.
+        self.refusals = repeats.RepeatedLines(log)
         self._wake = asyncio.Event()
         self._follower: asyncio.Task[None] | None = None
         # Built once: a 2,000-device list is the same message on every transition.
@@ -186,5 +182,6 @@ class TrackedDevicePlugin(PluginServicer):
                       result: str) -> NoReturn:
         if self.metrics is not None:
             self.metrics.allocations.labels(result=result).inc()
-        log.warning("refused Allocate: %s", message, extra={"result": result})
+        self.refusals.log((result, message), logging.WARNING, "refused Allocate: %s", message,
+                          extra={"result": result})
         await context.abort(code, message)

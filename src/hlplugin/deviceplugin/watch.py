@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Collection
@@ -19,7 +20,7 @@ import inotify_simple
 log = logging.getLogger(__name__)
 
 # Entries created, removed, renamed or re-permissioned. Enough for sockets and device nodes, and
-# it leaves out open/close/write, which every user of /dev/kvm causes.
+# it leaves out open/close/write, which every user of a device node causes.
 NODE_EVENTS = (
     inotify_simple.flags.CREATE
     | inotify_simple.flags.DELETE
@@ -31,6 +32,9 @@ NODE_EVENTS = (
 FILE_EVENTS = NODE_EVENTS | inotify_simple.flags.MODIFY | inotify_simple.flags.CLOSE_WRITE
 _SELF = inotify_simple.flags.DELETE_SELF | inotify_simple.flags.MOVE_SELF
 _GONE = inotify_simple.flags.IGNORED | inotify_simple.flags.DELETE_SELF | inotify_simple.flags.MOVE_SELF
+# add_watch failures that mean "no directory there (yet)"; any other is logged and polled past.
+_MISSING = frozenset({errno.ENOENT, errno.ENOTDIR})
+_HINTS = {errno.ENOSPC: " (the user's inotify watches are used up: fs.inotify.max_user_watches)"}
 
 
 def _signature(path: Path) -> tuple[int, ...] | None:
@@ -86,7 +90,7 @@ class DirWatcher:
                 with inotify:
                     async for batch in self._inotify(inotify):
                         yield batch
-                return
+                # Ended: the kernel would not add the watch (and said so once). Poll instead.
         async for batch in self._poll():
             yield batch
 
@@ -99,10 +103,15 @@ class DirWatcher:
             while True:
                 try:
                     wd = inotify.add_watch(self.directory, self.events)
-                except OSError:
-                    # Missing directory: poll its parent cheaply until it exists.
-                    await asyncio.sleep(self.poll_interval)
-                    continue
+                except OSError as exc:
+                    if exc.errno in _MISSING:  # wait cheaply until the directory exists
+                        await asyncio.sleep(self.poll_interval)
+                        continue
+                    # Watches used up (ENOSPC), no permission (EACCES), ...: no event will come.
+                    log.warning("cannot watch %s with inotify: %s%s; polling it every %.1fs",
+                                self.directory, exc, _HINTS.get(exc.errno or 0, ""),
+                                self.poll_interval, extra={"errno": exc.errno})
+                    return
                 self.live_fd = fd
                 yield self._all()
                 alive = True

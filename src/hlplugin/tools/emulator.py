@@ -1,11 +1,17 @@
-"""A kubelet device-manager emulator and a daemon-process driver, for the tests and `hlplugin demo`.
+"""A kubelet device-manager emulator, for the tests, the benchmarks and `hlplugin demo`.
 
-It reproduces what a device plugin can observe of the kubelet (see
-../shared/notes/kubelet-device-manager.md): it deletes every socket in the plugin directory when it
-starts, validates Register, dials the plugin's endpoint inside Register and calls
-GetDevicePluginOptions, keeps one ListAndWatch stream per resource, counts only Healthy devices as
-allocatable, marks a resource's devices unhealthy when any of its streams ends, and fails pod
-admission when Allocate returns an error.
+It reproduces what a device plugin can observe of the kubelet, by the rules in docs/kubelet.md
+(tests/test_emulator.py checks its restart and reboot against them): it deletes every socket in
+the plugin directory when it starts, validates Register, dials the plugin's endpoint inside
+Register and calls GetDevicePluginOptions, keeps one ListAndWatch stream per resource, counts only
+Healthy devices as allocatable, marks a resource's devices unhealthy when any of its streams ends,
+and fails pod admission when no device of a requested resource is healthy or Allocate returns an
+error.
+
+``restart`` is a real kubelet's restart: streams end as it exits, its kubelet.sock stays dead
+while it is down, and the new kubelet deletes every socket before it serves. ``reboot`` is a node
+reboot: the kubelet comes up and re-admits the node's pods at once, before any plugin (whose pods
+are not running yet) can register, so a pod that requests a plugin's resource fails.
 
 ``mode`` fakes a broken kubelet: "hang" accepts Register and never answers; "reset" accepts
 connections and closes them at once. ``end_stream`` ends a resource's ListAndWatch while the
@@ -21,18 +27,13 @@ import logging
 import os
 import re
 import shutil
-import signal
 import socket
 import stat
-import subprocess
-import sys
+import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
 
@@ -43,18 +44,37 @@ from hlplugin.deviceplugin.watch import wait_event
 
 log = logging.getLogger(__name__)
 
+# The kubelet's gRPC client takes messages up to 4 MiB (gRPC's default): a larger ListAndWatch
+# answer fails its stream, and the node's capacity drops to 0.
+KUBELET_MAX_MESSAGE = 4 * 1024 * 1024
+CHECKPOINT = "kubelet_internal_checkpoint"
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _RESOURCE = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 
 class AdmissionError(Exception):
-    """The pod would fail admission (the kubelet's UnexpectedAdmissionError)."""
+    """The pod would fail admission (the kubelet's UnexpectedAdmissionError): it stays Failed
+    until a controller replaces it."""
 
     def __init__(self, resource: str, code: grpc.StatusCode | None, details: str) -> None:
         super().__init__(f"UnexpectedAdmissionError: allocate failed for {resource}: "
                          f"{code.name if code else 'no devices'}: {details}")
         self.code = code
         self.details = details
+
+
+def no_healthy_devices(resource: str) -> str:
+    """The kubelet's words when a pod requests a resource with no healthy device."""
+    return (f"Allocate failed due to no healthy devices present; cannot allocate unhealthy "
+            f"devices {resource}, which is unexpected")
+
+
+@dataclass(frozen=True)
+class Pod:
+    """A pod bound to the node, as far as the device manager cares: its one container's requests."""
+
+    name: str
+    requests: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,52 +103,83 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
         self._server: grpc.aio.Server | None = None
         self._raw: socket.socket | None = None
         self._raw_task: asyncio.Task[None] | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self._private: Path | None = None
         self._changed = asyncio.Event()
 
     # -- process lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Like the kubelet at start: delete every socket in the directory, then serve."""
+        """Like the kubelet at start: delete every socket in the directory, then serve.
+
+        kubelet.sock is a plain listening socket of ours that passes each connection on to the
+        gRPC server's private socket: gRPC deletes its socket file when it stops, a crashed
+        kubelet leaves kubelet.sock behind, dead."""
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         for entry in os.scandir(self.plugin_dir):
             with contextlib.suppress(FileNotFoundError):
                 if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
                     os.unlink(entry.path)
-        if self.mode == "reset":
-            self._raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._raw.bind(str(self.socket_path))
-            self._raw.listen(64)
-            self._raw.setblocking(False)
-            self._raw_task = asyncio.create_task(self._reset_connections())
-            return
-        self._server = grpc.aio.server()
-        pb_grpc.add_RegistrationServicer_to_server(self, self._server)
-        self._server.add_insecure_port(f"unix://{self.socket_path}")
-        await self._server.start()
+        if self.mode != "reset":
+            self._private = Path(tempfile.mkdtemp(prefix="hlk-", dir="/tmp"))
+            self._server = grpc.aio.server()
+            pb_grpc.add_RegistrationServicer_to_server(self, self._server)
+            self._server.add_insecure_port(f"unix://{self._private / KUBELET_SOCKET}")
+            await self._server.start()
+        self._raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._raw.bind(str(self.socket_path))
+        self._raw.listen(64)
+        self._raw.setblocking(False)
+        self._raw_task = asyncio.create_task(self._accept())
 
     async def stop(self, *, remove_socket: bool = False) -> None:
-        """Stop serving; like a crash, the socket stays unless ``remove_socket``."""
+        """Exit: every ListAndWatch stream ends, then nothing listens on kubelet.sock, which stays
+        on disk (dead) unless ``remove_socket``."""
         self.resources.clear()
         for task in list(self._streams):
             task.cancel()
         await asyncio.gather(*self._streams, return_exceptions=True)
-        if self._server is not None:
-            await self._server.stop(grace=None)
-            self._server = None
         if self._raw_task is not None:
             self._raw_task.cancel()
             self._raw_task = None
         if self._raw is not None:
-            self._raw.close()
+            self._raw.close()  # closing a socket leaves its file
             self._raw = None
+        for task in list(self._conns):
+            task.cancel()
+        await asyncio.gather(*self._conns, return_exceptions=True)
+        if self._server is not None:
+            await self._server.stop(grace=None)
+            self._server = None
+        if self._private is not None:
+            shutil.rmtree(self._private, ignore_errors=True)
+            self._private = None
         if remove_socket:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
         self._notify()
 
-    async def restart(self) -> None:
+    async def restart(self, down: float = 0.3) -> None:
+        """A kubelet restart: it exits (streams end, kubelet.sock stays, dead), is down for
+        ``down`` seconds (a real one answered 0.3 s after its process started), then starts."""
+        await self.stop()
+        await asyncio.sleep(down)  # a span of the emulated world's time, not a wait for an event
+        await self.start()
+
+    async def reboot(self, pods: Sequence[Pod]) -> dict[str, AdmissionError | None]:
+        """A node reboot once the kubelet is up again: no container survived (the caller has
+        stopped them), the kubelet starts and re-admits ``pods`` at once, before any plugin can
+        register. Each pod's outcome: None when admitted, else why it failed (and stays Failed)."""
         await self.stop()
         await self.start()
+        outcomes: dict[str, AdmissionError | None] = {}
+        for pod in pods:
+            try:
+                await self.admit_pod(pod)
+                outcomes[pod.name] = None
+            except AdmissionError as exc:
+                outcomes[pod.name] = exc
+        return outcomes
 
     async def end_stream(self, name: str) -> None:
         """Cancel ``name``'s ListAndWatch call and stay up: like the kubelet, the resource's devices
@@ -139,12 +190,47 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
         resource.stream.cancel()
         await asyncio.wait({resource.stream})
 
-    async def _reset_connections(self) -> None:
+    async def _accept(self) -> None:
+        """Pass each connection to kubelet.sock on to the gRPC server; "reset" mode closes it."""
         loop = asyncio.get_running_loop()
         assert self._raw is not None
         while True:
             conn, _ = await loop.sock_accept(self._raw)
+            if self._private is None:
+                conn.close()
+                continue
+            task = asyncio.create_task(self._forward(conn, self._private / KUBELET_SOCKET))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    @staticmethod
+    async def _forward(conn: socket.socket, target: Path) -> None:
+        writers: list[asyncio.StreamWriter] = []
+        try:
+            client_r, client_w = await asyncio.open_unix_connection(sock=conn)
+            writers.append(client_w)
+            server_r, server_w = await asyncio.open_unix_connection(str(target))
+            writers.append(server_w)
+
+            async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                while data := await reader.read(65536):
+                    writer.write(data)
+                    await writer.drain()
+
+            pumps = {asyncio.create_task(pump(client_r, server_w)),
+                     asyncio.create_task(pump(server_r, client_w))}
+            try:
+                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in pumps:
+                    task.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
+        except OSError:
+            pass
+        finally:
             conn.close()
+            for writer in writers:
+                writer.close()
 
     # -- Registration service -------------------------------------------------------------------
 
@@ -158,7 +244,9 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             self.rejections.append(problem)
             # The kubelet returns a plain error, which reaches the plugin as UNKNOWN.
             await context.abort(grpc.StatusCode.UNKNOWN, problem)
-        channel = grpc.aio.insecure_channel(f"unix://{self.plugin_dir / request.endpoint}")
+        channel = grpc.aio.insecure_channel(
+            f"unix://{self.plugin_dir / request.endpoint}",
+            options=[("grpc.max_receive_message_length", KUBELET_MAX_MESSAGE)])
         try:
             stub = pb_grpc.DevicePluginStub(channel)
             options = await stub.GetDevicePluginOptions(
@@ -197,6 +285,7 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             async for response in stub.ListAndWatch(pb.Empty()):
                 resource.devices = {d.ID: d.health for d in response.devices}
                 resource.lists_received += 1
+                self._checkpoint()
                 self._notify()
         except grpc.aio.AioRpcError as exc:
             log.debug("ListAndWatch of %s ended: %s", name, exc.code().name)
@@ -236,16 +325,33 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
                 raise TimeoutError(f"condition not met within {timeout}s")
             await wait_event(self._changed, min(remaining, 0.05))
 
+    def _checkpoint(self) -> None:
+        """Rewrite the checkpoint as the kubelet does (a temporary file, then a rename): the
+        plugin directory is busy with files that are not sockets."""
+        data = {name: {"devices": sorted(r.devices), "allocated": sorted(r.allocated)}
+                for name, r in self.resources.items()}
+        temporary = self.plugin_dir / f".{CHECKPOINT}.tmp"
+        with contextlib.suppress(OSError):
+            temporary.write_text(json.dumps(data))
+            os.replace(temporary, self.plugin_dir / CHECKPOINT)
+
     def _notify(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
+    async def admit_pod(self, pod: Pod, timeout: float = 10.0) -> dict[str, pb.AllocateResponse]:
+        """The device manager's part of admitting ``pod``: one Allocate per requested resource."""
+        return {name: await self.admit(name, per_container=count, timeout=timeout)
+                for name, count in pod.requests.items()}
+
     async def admit(self, name: str, containers: int = 1, per_container: int = 1,
                     timeout: float = 10.0) -> pb.AllocateResponse:
-        """Admit a pod: pick healthy free devices and call Allocate once per container."""
-        resource = self.resources.get(name)
-        if resource is None:
-            raise AdmissionError(name, None, "resource not registered")
+        """Admit a pod: pick healthy free devices and call Allocate once per container. With no
+        healthy device (no plugin registered, or its stream ended) the kubelet fails the pod
+        itself, without calling Allocate."""
+        if self.allocatable(name) == 0:
+            raise AdmissionError(name, None, no_healthy_devices(name))
+        resource = self.resources[name]
         free = [i for i, h in resource.devices.items() if h == "Healthy" and i not in resource.allocated]
         if len(free) < containers * per_container:
             raise AdmissionError(name, None, f"requested {containers * per_container}, "
@@ -256,6 +362,7 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             response = await self.allocate(name, [ids], timeout=timeout)
             resource.allocated.update(ids)
             merged.container_responses.extend(response.container_responses)
+        self._checkpoint()
         return merged
 
     async def allocate(self, name: str, containers: list[list[str]],
@@ -272,118 +379,3 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
         except grpc.aio.AioRpcError as exc:
             raise AdmissionError(name, exc.code(), exc.details() or "") from None
         return response
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def with_parent_death(argv: list[str]) -> list[str]:
-    """Wrap ``argv`` so the child is SIGKILLed when its parent dies: a killed demo or test run
-    never leaves daemons behind. setpriv (util-linux) sets it and execs, so no Python runs in the
-    forked child (a preexec_fn can deadlock in a process with gRPC's threads)."""
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "KILL", *argv] if setpriv else argv
-
-
-class DaemonProcess:
-    """One real `hlplugin` process on a free loopback port, its JSON log lines kept in memory."""
-
-    def __init__(self, args: Sequence[str], *, env: Mapping[str, str] | None = None,
-                 name: str = "") -> None:
-        self.name = name or f"hlplugin {args[0]}"
-        self.port = free_port()
-        self.args = [sys.executable, "-m", "hlplugin", *args,
-                     "--http-address", f"127.0.0.1:{self.port}", "--log-format", "json"]
-        self.env = dict(os.environ if env is None else env)
-        self.proc: asyncio.subprocess.Process | None = None
-        self.lines: list[dict[str, Any]] = []
-        self.raw: list[str] = []
-        self._reader: asyncio.Task[None] | None = None
-
-    async def start(self) -> DaemonProcess:
-        self.proc = await asyncio.create_subprocess_exec(
-            *with_parent_death(self.args), env=self.env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self._reader = asyncio.create_task(self._read())
-        return self
-
-    async def _read(self) -> None:
-        assert self.proc is not None and self.proc.stderr is not None
-        async for line in self.proc.stderr:
-            text = line.decode(errors="replace").rstrip()
-            self.raw.append(text)
-            with contextlib.suppress(ValueError):
-                entry = json.loads(text)
-                if isinstance(entry, dict):
-                    self.lines.append(entry)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid if self.proc is not None else 0
-
-    def exited(self) -> int | None:
-        return self.proc.returncode if self.proc is not None else None
-
-    def messages(self) -> list[str]:
-        return [str(line.get("message", "")) for line in self.lines]
-
-    async def signal(self, signum: int = signal.SIGTERM, timeout: float = 10.0,
-                     *, kill_on_timeout: bool = True) -> int:
-        """Send ``signum`` and wait for the exit code. A daemon that does not stop in time is asked
-        where it hangs (SIGUSR1 logs every task, SIGABRT makes faulthandler print every thread),
-        then killed, or, with ``kill_on_timeout`` false, TimeoutError is raised after that."""
-        if self.proc is None:
-            return 0
-        if self.proc.returncode is None:
-            self.proc.send_signal(signum)
-        try:
-            code = await asyncio.wait_for(self.proc.wait(), timeout)
-        except TimeoutError:
-            self.proc.send_signal(signal.SIGUSR1)
-            await asyncio.sleep(1)
-            self.proc.send_signal(signal.SIGABRT)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.proc.wait(), 5)
-            if self.proc.returncode is None:
-                self.proc.kill()
-            code = await self.proc.wait()
-            print("\n".join(self.raw[-80:]), file=sys.stderr)
-            if not kill_on_timeout:
-                raise
-        if self._reader is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._reader, 2)
-        return code
-
-    async def stop(self) -> int:
-        """SIGTERM, as the kubelet sends at pod deletion."""
-        return await self.signal(signal.SIGTERM)
-
-    async def get(self, path: str) -> tuple[int, bytes]:
-        """GET ``path`` on the daemon's HTTP port: (status, body), or (0, b"") when unreachable."""
-
-        def fetch() -> tuple[int, bytes]:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
-                    return int(r.status), bytes(r.read())
-            except urllib.error.HTTPError as exc:
-                return exc.code, exc.read()
-            except OSError:
-                return 0, b""
-
-        return await asyncio.to_thread(fetch)
-
-    async def wait_http(self, path: str, status: int, timeout: float = 15.0) -> bytes:
-        """The body of ``path`` once it answers ``status``; TimeoutError otherwise."""
-        deadline = time.monotonic() + timeout
-        while True:
-            code, body = await self.get(path)
-            if code == status:
-                return body
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{path} answered {code} {body!r}, wanted {status}")
-            await asyncio.sleep(0.05)

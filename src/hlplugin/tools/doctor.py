@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hlplugin import cdi, probe
+from hlplugin import cdi_spec, probe
 from hlplugin.config import Settings
 from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.files import char_device
@@ -151,8 +151,8 @@ async def diagnose(settings: Settings) -> Report:
     if hypervisor is None:
         skip("CDI spec", "no hypervisor")
     else:
-        desired = cdi.render_spec(hypervisor, settings.device_uid, settings.device_gid)
-        await step("CDI spec", lambda: _cdi_spec(settings.cdi_dir / cdi.SPEC_FILE, desired))
+        desired = cdi_spec.render_spec(hypervisor, settings.device_uid, settings.device_gid)
+        await step("CDI spec", lambda: _cdi_spec(settings.cdi_dir / cdi_spec.SPEC_FILE, desired))
     await step("plugin dir", lambda: _plugin_dir(settings.plugin_dir))
     await step("kubelet socket", lambda: _kubelet(settings.plugin_dir / KUBELET_SOCKET))
     return Report(checks, hypervisor)
@@ -242,7 +242,7 @@ def _cdi_dir_writable(directory: Path) -> str:
         raise _Verdict(FAIL, f"{directory} does not exist and {ancestor} is not writable") from None
     if not stat.S_ISDIR(st.st_mode):
         raise _Verdict(FAIL, f"{directory} is not a directory")
-    temp = directory / (cdi.TEMP_PREFIX + "doctor-" + secrets.token_hex(4))
+    temp = directory / (cdi_spec.TEMP_PREFIX + "doctor-" + secrets.token_hex(4))
     try:
         fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC, 0o644)
         try:
@@ -266,13 +266,13 @@ def _cdi_spec(path: Path, desired: bytes) -> str:
     if not stat.S_ISREG(st.st_mode):
         raise _Verdict(FAIL, f"{path} is not a regular file (mode {st.st_mode:o}); the daemon "
                              "refuses to replace it and stays unready until it is removed")
-    same, difference = cdi.check_file(path, desired)
+    same, difference = cdi_spec.check_file(path, desired)
     if not same:
         first = next((line for line in difference.splitlines()
                       if line[:1] in "+-" and line[:3] not in ("+++", "---")), difference)
         raise _Verdict(WARN, f"{path} differs from the desired spec ({first.strip()}); "
                              "the daemon rewrites it")
-    if stat.S_IMODE(st.st_mode) != cdi.MODE:
+    if stat.S_IMODE(st.st_mode) != cdi_spec.MODE:
         raise _Verdict(WARN, f"{path} is up to date but mode {stat.S_IMODE(st.st_mode):04o}; "
                              "the daemon resets it to 0644")
     return f"{path} is up to date"

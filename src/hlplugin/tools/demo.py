@@ -32,13 +32,14 @@ from typing import Any, TextIO, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from hlplugin import cdi, config, probe
+from hlplugin import cdi_spec, config, probe
 from hlplugin.deviceplugin import files
 from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET
-from hlplugin.emulator import AdmissionError, DaemonProcess, KubeletEmulator
 from hlplugin.names import DEVICE_ACCESS_RESOURCE as ACCESS_RESOURCE
 from hlplugin.names import HYPERVISOR_RESOURCE, LONGEST_SOCKET
+from hlplugin.tools.emulator import CHECKPOINT, AdmissionError, KubeletEmulator
+from hlplugin.tools.process import DaemonProcess
 
 T = TypeVar("T")
 
@@ -240,7 +241,7 @@ class Demo:
 
         self.step("resolve the CDI device and open it as a workload would")
         self.why("use")
-        desired = cdi.render_spec(hypervisor, config.OPTIONS["device_uid"].default,
+        desired = cdi_spec.render_spec(hypervisor, config.OPTIONS["device_uid"].default,
                                   config.OPTIONS["device_gid"].default)
         if qualified is None:
             self.item("skipped: no allocation, so no workload would start here")
@@ -249,7 +250,7 @@ class Demo:
 
         self.step("break the CDI spec and watch the daemon repair it")
         self.why("repair")
-        await self._break_and_repair(serve, cdi_dir / cdi.SPEC_FILE, desired)
+        await self._break_and_repair(serve, cdi_dir / cdi_spec.SPEC_FILE, desired)
 
         self.step(f"allocate {ACCESS_RESOURCE} from the bootstrap daemon (what the main pod gets)")
         self.why("grant")
@@ -262,8 +263,8 @@ class Demo:
         self.timings.append(("stop both daemons", time.monotonic() - stopped))
         for daemon, code in zip(self.daemons, codes, strict=True):
             self.item(f"{daemon.name:<19} exited {code}")
-        left = sorted(p.name for p in plugin_dir.iterdir() if p.name != KUBELET_SOCKET)
-        spec_kept = (cdi_dir / cdi.SPEC_FILE).exists()
+        left = sorted(p.name for p in plugin_dir.iterdir() if p.name not in (KUBELET_SOCKET, CHECKPOINT))
+        spec_kept = (cdi_dir / cdi_spec.SPEC_FILE).exists()
         self.item(f"plugin sockets left: {', '.join(left) or 'none'}; CDI spec "
                   f"{'kept for containers already running' if spec_kept else 'missing'}")
         if any(codes):
@@ -332,13 +333,13 @@ class Demo:
                   "workload can open it)")
 
     async def _break_and_repair(self, serve: Daemon, path: Path, desired: bytes) -> None:
-        await self._until(lambda: cdi.check_file(path, desired)[0], f"{path} to be written")
+        await self._until(lambda: cdi_spec.check_file(path, desired)[0], f"{path} to be written")
         before = await serve.metric("hyperlight_cdi_repairs_total", cause="malformed") or 0.0
         # In place, as an editor or a broken tool would.
         await asyncio.to_thread(path.write_bytes, _GARBAGE)
         broke = time.monotonic()
         self.item(f"overwrote {path.name} with {len(_GARBAGE)} bytes of garbage")
-        await self._until(lambda: cdi.check_file(path, desired)[0], "the CDI spec to be repaired")
+        await self._until(lambda: cdi_spec.check_file(path, desired)[0], "the CDI spec to be repaired")
         took = time.monotonic() - broke
         self.timings.append(("CDI spec broken to repaired", took))
         self.item(f"repaired in {took * 1000:.0f} ms: byte-identical again, replaced atomically")

@@ -1,0 +1,139 @@
+{{/* The image both DaemonSets run: [registry/]repository, then @digest or :tag (appVersion). */}}
+{{- define "hlplugin.image" -}}
+{{- $repository := .Values.image.repository -}}
+{{- if .Values.image.registry -}}
+{{- $repository = printf "%s/%s" (trimSuffix "/" .Values.image.registry) $repository -}}
+{{- end -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" $repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels of every object, as deploy/base's kustomization adds them. */}}
+{{- define "hlplugin.partOf" -}}
+app.kubernetes.io/part-of: hyperlight
+{{- end -}}
+
+{{/* A duration setting: seconds as a number, or a string with its unit ("10s", "500ms"). */}}
+{{- define "hlplugin.duration" -}}
+{{- if kindIs "string" . -}}{{ . | quote }}{{- else -}}{{ . | toString | quote }}{{- end -}}
+{{- end -}}
+
+{{/* DaemonSet metadata annotations: checkov's skips, each with its reason. */}}
+{{- define "hlplugin.checkovSkips" -}}
+checkov.io/skip1: CKV_K8S_23=Runs as UID 0 (all capabilities dropped) because the kubelet device-plugin socket directory is root-owned
+checkov.io/skip2: CKV_K8S_40=Runs as UID 0 (all capabilities dropped) because the kubelet device-plugin socket directory is root-owned
+{{- if not .Values.image.digest }}
+checkov.io/skip3: CKV_K8S_43=Defaults to the release tag; pin its digest (image.digest, or digest in a kustomize overlay; docs/operations.md)
+{{- end }}
+checkov.io/skip4: CKV_K8S_15=IfNotPresent so a node-critical DaemonSet restarts after a reboot during a registry outage; pin releases by digest
+{{- end -}}
+
+{{/* updateStrategy: maxSurge is always 0 (the node has one hyperlight.dev/device-access: the old
+pod must go before the new one can be scheduled, so never surge). */}}
+{{- define "hlplugin.updateStrategy" -}}
+type: {{ .Values.updateStrategy.type }}
+{{- if eq .Values.updateStrategy.type "RollingUpdate" }}
+rollingUpdate:
+  maxUnavailable: {{ .Values.updateStrategy.rollingUpdate.maxUnavailable }}
+  maxSurge: 0
+{{- end }}
+{{- end -}}
+
+{{/* The pod-level settings both DaemonSets share. */}}
+{{- define "hlplugin.podScheduling" -}}
+automountServiceAccountToken: false
+enableServiceLinks: false
+hostNetwork: false
+hostPID: false
+hostIPC: false
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  seccompProfile:
+    type: RuntimeDefault
+# Both daemons stop within 0.8 s of SIGTERM (measured, docs/operations.md "Probes and restarts");
+# more grace would only delay a hung one's restart.
+terminationGracePeriodSeconds: 5
+{{- end -}}
+
+{{/* The container settings both daemons share, after env and ports. */}}
+{{- define "hlplugin.probesAndSecurity" -}}
+# HTTP listens 0.9 s (median; 1.3 s at most) after the container starts under the 200m CPU limit:
+# the first check at 2 s passes, so a normal start logs no probe failure, and a slow one has 30 s more.
+startupProbe:
+  httpGet:
+    path: /healthz
+    port: http
+  initialDelaySeconds: 2
+  periodSeconds: 1
+  timeoutSeconds: 3
+  failureThreshold: 30
+# /healthz does not answer when the event loop is stuck (and answers 503 when the gRPC server does
+# not); 3 failures 5 s apart restart a hung daemon within 23 s (with the 5 s grace).
+livenessProbe:
+  httpGet:
+    path: /healthz
+    port: http
+  periodSeconds: 5
+  timeoutSeconds: 3
+  failureThreshold: 3
+readinessProbe:
+  httpGet:
+    path: /readyz
+    port: http
+  periodSeconds: 5
+  timeoutSeconds: 3
+  failureThreshold: 2
+{{- end -}}
+
+{{/* The container securityContext: UID 0 only because the kubelet's socket directory
+/var/lib/kubelet/device-plugins (and /var/run/cdi) is root-owned; every capability is dropped, so
+root here cannot bypass file modes. */}}
+{{- define "hlplugin.containerSecurity" -}}
+securityContext:
+  privileged: false
+  allowPrivilegeEscalation: false
+  readOnlyRootFilesystem: true
+  capabilities:
+    drop: ["ALL"]
+  runAsUser: 0
+  runAsGroup: 0
+  runAsNonRoot: false
+  seccompProfile:
+    type: RuntimeDefault
+# Outside /dev: the kubelet bind-mounts this file into the container.
+terminationMessagePath: /termination-log
+terminationMessagePolicy: FallbackToLogsOnError
+{{- end -}}
+
+{{/* Pod template metadata: the fixed labels win over podLabels (the selector relies on them);
+podAnnotations win over the prometheus.io ones. */}}
+{{- define "hlplugin.podMetadata" -}}
+{{- $root := index . 0 -}}
+{{- $labels := index . 1 -}}
+{{- $port := index . 2 -}}
+labels:
+  {{- toYaml (merge (dict) $labels (dict "app.kubernetes.io/part-of" "hyperlight") $root.Values.podLabels) | nindent 2 }}
+annotations:
+  {{- toYaml (merge (dict) $root.Values.podAnnotations (dict "prometheus.io/scrape" "true" "prometheus.io/port" (toString $port) "prometheus.io/path" "/metrics")) | nindent 2 }}
+{{- end -}}

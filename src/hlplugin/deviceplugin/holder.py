@@ -1,0 +1,190 @@
+"""One server per unix socket path: ask who answers there before taking it.
+
+A gRPC server binding a unix socket path removes whatever socket is there first, so two servers
+started on one path would take it from each other in turn, for ever. Asking the path first tells
+the cases apart:
+
+- nothing there, or a socket file that nobody answers on (its server died, e.g. SIGKILLed:
+  connect() is refused): free, to be taken at once;
+- a socket that a live process listens on (connect() succeeds, or fails only because its backlog
+  is full): held. The newcomer leaves it alone and waits. The kernel names the listener
+  (SO_PEERCRED: its pid, 0 when that is in another pid namespace, and its uid), and the
+  connection kept open to it ends the moment that process exits or stops serving, so a holder
+  that dies is noticed at once, not at the next poll. (A gRPC server closes a connection that
+  never speaks HTTP/2 after about a minute; the wait then looks again: a waiting instance costs
+  the holder one idle connection and one reconnect a minute, and nothing in its log.)
+
+A server must not bind the path itself, though: gRPC removes whatever socket is at its address
+when it stops, so a server stopping after another took the path over would remove the other's
+socket. It binds a private name beside it (private_path) and then publish() links that into place,
+atomically and never over a live holder's socket, so gRPC's clean-up only ever removes the private
+name. Standard library only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import secrets
+import socket
+import stat
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_FREE = (errno.ECONNREFUSED, errno.ENOENT)  # a stale socket file; the path removed meanwhile
+_NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK)
+
+
+class Held(Exception):
+    """The path is served by another live process."""
+
+    def __init__(self, holder: Holder) -> None:
+        super().__init__(f"{holder.path} is served by {holder.describe()}")
+        holder.close()
+        self.holder = holder
+
+
+@dataclass
+class Holder:
+    """A live process listening on ``path``, and our connection to it (None when its backlog was
+    full: then there is nothing to wait on but a change of the path, or time)."""
+
+    path: Path
+    pid: int
+    uid: int
+    conn: socket.socket | None
+
+    def describe(self) -> str:
+        """Who it is, for a message: its pid when we can see it."""
+        if self.conn is None:
+            return "a process whose listen backlog is full"
+        if self.pid:
+            return f"pid {self.pid} (uid {self.uid})"
+        return f"a process in another pid namespace (uid {self.uid})"
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+    def gone(self) -> bool:
+        """Drain what the holder sent us (gRPC's SETTINGS, its GOAWAY when it stops); True once
+        our connection has ended: it exited or stopped serving, so look again."""
+        if self.conn is None:
+            return False
+        try:
+            while self.conn.recv(65536):
+                pass
+        except BlockingIOError:
+            return False
+        except OSError:
+            pass
+        return True
+
+    async def wait_gone(self, change: asyncio.Future[None]) -> None:
+        """Wait until our connection ends or ``change`` is done."""
+        if self.conn is None:
+            await asyncio.wait({change})
+            return
+        loop = asyncio.get_running_loop()
+        fd = self.conn.fileno()
+        while not change.done() and not self.gone():
+            readable: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(fd, _settle, readable)
+            try:
+                await asyncio.wait({change, readable}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                loop.remove_reader(fd)
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def find_holder(path: Path) -> Holder | None:
+    """The live process listening on the unix socket at ``path``; None when nothing is there, the
+    file is not a socket (the caller decides about that), or nobody answers (a stale file).
+    Raises OSError when it cannot tell (e.g. EACCES): a socket we may not even connect to is not
+    ours to remove."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return None
+    except FileNotFoundError:
+        return None
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    conn.setblocking(False)  # a unix connect never waits: it succeeds, or is refused, or EAGAIN
+    try:
+        conn.connect(os.fsdecode(path))
+    except OSError as exc:
+        conn.close()
+        if exc.errno in _FREE:
+            return None
+        if exc.errno == errno.EAGAIN:  # listening, with a full backlog: alive and busy
+            return Holder(path, 0, -1, None)
+        raise
+    pid, uid, _ = _PEERCRED.unpack(
+        conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return Holder(path, pid, uid, conn)
+
+
+def private_path(path: Path) -> Path:
+    """A fresh name beside ``path`` for a server to bind before publish(); never longer than
+    ``path``, so it fits wherever a unix socket at ``path`` fits."""
+    return path.with_name("." + secrets.token_hex(len(path.name))[:max(len(path.name) - 1, 1)])
+
+
+def publish(bound: Path, path: Path) -> None:
+    """Give the socket listening at ``bound`` the name ``path`` and remove ``bound``. Never over a
+    live holder's socket (raises Held); a stale socket there is replaced. Raises OSError when
+    something else is in the way, or the link cannot be made."""
+    for attempt in range(2):
+        try:
+            os.link(bound, path)  # atomic, and never replaces: EEXIST
+        except FileExistsError:
+            holder = find_holder(path)
+            if holder is not None:
+                raise Held(holder) from None
+            if attempt or not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise
+            os.unlink(path)  # a stale socket: nobody answers on it
+            continue
+        except OSError as exc:
+            if exc.errno not in _NO_LINKS:
+                raise
+            # A filesystem without hard links: look, then rename (not atomic with the look).
+            holder = find_holder(path)
+            if holder is not None:
+                raise Held(holder) from None
+            os.replace(bound, path)
+            return
+        os.unlink(bound)
+        return
+
+
+async def wait_until_free(path: Path, changed: Callable[[], Awaitable[None]],
+                          held: Callable[[Holder], None]) -> bool:
+    """Return once no live process holds ``path``; True when one did on the way.
+
+    ``changed()`` is called before each look (so no change between the look and the wait is
+    missed) and gives an awaitable that ends when the path may have changed, or after a while (a
+    poll); ``held`` is told of every holder found. A holder's connection ending or receiving
+    anything but data (gRPC sends SETTINGS, then GOAWAY when it stops) also ends the wait.
+    """
+    waited = False
+    while True:
+        change = asyncio.ensure_future(changed())
+        try:
+            holder = find_holder(path)
+            if holder is None:
+                return waited
+            waited = True
+            with contextlib.closing(holder):
+                held(holder)
+                await holder.wait_gone(change)
+        finally:
+            change.cancel()

@@ -1,0 +1,165 @@
+"""The kubelet emulator against the kubelet's rules (docs/kubelet.md): a restart and a node reboot
+step by step, seen by a bare device plugin of the test's own (a gRPC server that registers once
+and records what happens to its stream), so nothing of ours decides what the emulator shows."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import shutil
+import socket
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+from harness import emulator, wait_until
+
+from hlplugin.api import deviceplugin_pb2 as pb
+from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from hlplugin.deviceplugin.kubeletsock import listens, socket_identity
+from hlplugin.tools.emulator import CHECKPOINT, AdmissionError, Pod
+
+ACCESS = "hyperlight.dev/device-access"
+
+
+def short_dir() -> Path:
+    """A fresh directory under /tmp: pytest's tmp_path can be too long for a socket path."""
+    path = Path(tempfile.mkdtemp(prefix="hle-", dir="/tmp"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+class BarePlugin(pb_grpc.DevicePluginServicer):
+    """One device; records when its stream ends and whether its socket was still there then."""
+
+    def __init__(self, plugin_dir: Path, name: str = "bare.sock", health: str = "Healthy") -> None:
+        self.socket = plugin_dir / name
+        self.kubelet = plugin_dir / "kubelet.sock"
+        self.health = health
+        self.streams = 0
+        self.ended: list[tuple[float, bool]] = []  # (loop time, our socket still on disk)
+        self.allocations = 0
+        self.server = grpc.aio.server()
+        pb_grpc.add_DevicePluginServicer_to_server(self, self.server)
+
+    async def GetDevicePluginOptions(self, request: pb.Empty, context: object) -> pb.DevicePluginOptions:
+        return pb.DevicePluginOptions()
+
+    async def ListAndWatch(self, request: pb.Empty,
+                           context: object) -> AsyncIterator[pb.ListAndWatchResponse]:
+        self.streams += 1
+        try:
+            yield pb.ListAndWatchResponse(devices=[pb.Device(ID="d0", health=self.health)])
+            await asyncio.Event().wait()
+        finally:
+            self.streams -= 1
+            self.ended.append((asyncio.get_running_loop().time(), self.socket.exists()))
+
+    async def Allocate(self, request: pb.AllocateRequest, context: object) -> pb.AllocateResponse:
+        self.allocations += 1
+        return pb.AllocateResponse(container_responses=[pb.ContainerAllocateResponse()])
+
+    async def serve_and_register(self) -> None:
+        self.socket.unlink(missing_ok=True)
+        self.server.add_insecure_port(f"unix://{self.socket}")
+        await self.server.start()
+        async with grpc.aio.insecure_channel(f"unix://{self.kubelet}") as channel:
+            await pb_grpc.RegistrationStub(channel).Register(pb.RegisterRequest(
+                version="v1beta1", endpoint=self.socket.name, resource_name=ACCESS), timeout=10)
+
+
+@asynccontextmanager
+async def bare_plugin(plugin_dir: Path, health: str = "Healthy") -> AsyncIterator[BarePlugin]:
+    plugin = BarePlugin(plugin_dir, health=health)
+    try:
+        yield plugin
+    finally:
+        await plugin.server.stop(None)
+
+
+def plant(plugin_dir: Path) -> dict[str, Path]:
+    """What is not a socket, and a socket of someone else's, in the plugin directory."""
+    other = socket.socket(socket.AF_UNIX)
+    other.bind(str(plugin_dir / "other-vendor.sock"))
+    other.close()
+    (plugin_dir / "DEPRECATION").write_text("x")
+    (plugin_dir / "subdir").mkdir()
+    return {"file": plugin_dir / "DEPRECATION", "dir": plugin_dir / "subdir",
+            "checkpoint": plugin_dir / CHECKPOINT, "foreign": plugin_dir / "other-vendor.sock"}
+
+
+async def test_restart_streams_end_the_dead_socket_stays_then_every_socket_is_deleted() -> None:
+    plugin_dir = short_dir()
+    async with emulator(plugin_dir) as kubelet, bare_plugin(plugin_dir) as plugin:
+        await plugin.serve_and_register()
+        await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
+        await kubelet.admit(ACCESS)
+        planted = plant(plugin_dir)
+        old = socket_identity(plugin.kubelet)
+        assert planted["checkpoint"].is_file(), "the kubelet checkpoints allocations"
+
+        restart = asyncio.create_task(kubelet.restart(down=1.0))
+        # 1. It exits: the stream ends while every socket is still on disk; kubelet.sock is dead.
+        await wait_until(lambda: plugin.ended, what="the stream to end")
+        assert plugin.ended[0][1], "the stream ended only after our socket was deleted"
+        assert socket_identity(plugin.kubelet) == old and not listens(plugin.kubelet)
+        assert plugin.socket.exists() and planted["foreign"].exists()
+        probe = socket.socket(socket.AF_UNIX)
+        with probe, pytest.raises(ConnectionRefusedError):
+            probe.connect(str(plugin.kubelet))
+        # 2. The new kubelet deletes every socket, keeps the rest, and serves a new kubelet.sock.
+        await restart
+        assert not plugin.socket.exists() and not planted["foreign"].exists()
+        assert all(planted[k].exists() for k in ("file", "dir", "checkpoint"))
+        assert socket_identity(plugin.kubelet) not in (None, old) and listens(plugin.kubelet)
+        ended_at = plugin.ended[0][0]
+        assert asyncio.get_running_loop().time() - ended_at >= 1.0, "down for less than asked"
+        # 3. The resource has no devices until its plugin registers again.
+        assert kubelet.capacity(ACCESS) == kubelet.allocatable(ACCESS) == 0
+        await plugin.server.stop(None)
+        again = BarePlugin(plugin_dir)
+        try:
+            await again.serve_and_register()
+            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
+        finally:
+            await again.server.stop(None)
+
+
+async def test_reboot_readmits_pods_at_once_and_fails_those_whose_plugin_is_not_registered() -> None:
+    plugin_dir = short_dir()
+    async with emulator(plugin_dir) as kubelet:
+        async with bare_plugin(plugin_dir) as before:
+            await before.serve_and_register()
+            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
+            await kubelet.admit(ACCESS)
+        # The node went down with every container; the checkpoint survives.
+        checkpoint = (plugin_dir / CHECKPOINT).read_text()
+        outcomes = await kubelet.reboot([Pod("bootstrap"), Pod("main", {ACCESS: 1})])
+        assert outcomes["bootstrap"] is None
+        failed = outcomes["main"]
+        assert isinstance(failed, AdmissionError)
+        assert str(failed).startswith("UnexpectedAdmissionError")
+        assert failed.details == ("Allocate failed due to no healthy devices present; cannot "
+                                  f"allocate unhealthy devices {ACCESS}, which is unexpected")
+        assert (plugin_dir / CHECKPOINT).read_text() == checkpoint
+        assert not (plugin_dir / before.socket.name).exists(), "plugin sockets deleted at start"
+        # The bootstrap pod starts and registers; the controller's replacement is admitted.
+        async with bare_plugin(plugin_dir) as after:
+            await after.serve_and_register()
+            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
+            granted = await kubelet.admit_pod(Pod("main-replacement", {ACCESS: 1}))
+            assert list(granted) == [ACCESS] and after.allocations == 1
+
+
+async def test_a_resource_without_healthy_devices_fails_admission_without_allocate() -> None:
+    plugin_dir = short_dir()
+    async with emulator(plugin_dir) as kubelet, bare_plugin(plugin_dir, "Unhealthy") as plugin:
+        await plugin.serve_and_register()
+        await kubelet.wait_for(lambda: kubelet.capacity(ACCESS) == 1)
+        with pytest.raises(AdmissionError, match="cannot allocate unhealthy devices"):
+            await kubelet.admit_pod(Pod("workload", {ACCESS: 1}))
+        assert plugin.allocations == 0, "the kubelet called Allocate with nothing healthy"
+
