@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from harness import Node, needs_kvm, obstruct_with_directory, on_kubelet
+from harness import Node, emulator, healthy_tracker, needs_kvm, obstruct_with_directory, on_kubelet
 
+from hlplugin.deviceplugin.conditions import HealthState
+from hlplugin.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.servicer import MAX_STREAMS
-
-pytestmark = [needs_kvm, pytest.mark.slow]
+from hlplugin.plugin import HypervisorPlugin
 
 RESOURCE = "hyperlight.dev/hypervisor"
 SLOTS = 2000  # the default: ~40 KB a list, so a stopped reader's window fills in two lists
@@ -38,6 +41,8 @@ with grpc.insecure_channel("unix://" + sys.argv[1]) as channel:
 """
 
 
+@needs_kvm
+@pytest.mark.slow
 async def test_sigterm_ends_the_daemon_in_time_while_stopped_readers_hold_its_streams(
         tmp_path: Path) -> None:
     node = Node.make(tmp_path)
@@ -47,12 +52,8 @@ async def test_sigterm_ends_the_daemon_in_time_while_stopped_readers_hold_its_st
     async with on_kubelet(node, node.serve_args("--device-count", str(SLOTS))) as (kubelet, proc):
         try:
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == SLOTS, timeout=30)
-            for _ in range(MAX_STREAMS - 1):  # every stream the plugin serves beside the kubelet's
-                reader = await asyncio.create_subprocess_exec(
-                    sys.executable, "-c", STALLING_CLIENT, str(socket), stdout=subprocess.PIPE)
-                readers.append(reader)
-                assert reader.stdout is not None
-                assert (await reader.stdout.readline()).strip() == b"Healthy"
+            # Every stream the plugin serves beside the kubelet's.
+            await start_readers(socket, MAX_STREAMS - 1, readers)
             # Six health transitions, each a 40 KB list for every stream: the stopped readers'
             # connections fill, and the daemon holds writes they will never take.
             for _ in range(3):
@@ -75,3 +76,50 @@ async def test_sigterm_ends_the_daemon_in_time_while_stopped_readers_hold_its_st
     assert any("did not stop within" in m for m in proc.messages()), proc.messages()[-10:]
     # The server left behind ends with the process, quietly (no traceback from its collection).
     assert not [line for line in proc.raw if "Traceback" in line or "Exception ignored" in line]
+
+
+async def start_readers(socket: Path, count: int, readers: list[asyncio.subprocess.Process]
+                        ) -> None:
+    """Add to ``readers`` ``count`` processes that each read a ListAndWatch stream's first list,
+    then stop (the caller kills them, however far this got)."""
+    for _ in range(count):
+        reader = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", STALLING_CLIENT, str(socket), stdout=subprocess.PIPE)
+        readers.append(reader)
+        assert reader.stdout is not None
+        assert (await reader.stdout.readline()).strip() == b"Healthy"
+
+
+async def test_a_kubelet_restart_registers_anew_while_stopped_readers_hold_the_old_streams(
+        ) -> None:
+    """In process: the lifecycle stops the old server before registering a fresh one, and that stop
+    used to wait for ever on a stopped reader, so the plugin never registered again."""
+    plugin_dir = Path(tempfile.mkdtemp(prefix="hlp-", dir="/tmp"))
+    tracker = healthy_tracker()
+
+    async def gate() -> HealthState:
+        return tracker.state
+
+    lifecycle = PluginLifecycle(plugin_dir, "hyperlight.sock", RESOURCE,
+                                lambda: HypervisorPlugin("kvm", SLOTS, tracker, gate))
+    readers: list[asyncio.subprocess.Process] = []
+    async with emulator(plugin_dir) as kubelet:
+        task = asyncio.create_task(lifecycle.run())
+        try:
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == SLOTS)
+            await start_readers(plugin_dir / "hyperlight.sock", 3, readers)
+            for n in range(6):  # each a 40 KB list for every stream: the readers' windows fill
+                tracker.set_condition("device", n % 2 == 1, "flap")
+                await kubelet.wait_for(lambda n=n: kubelet.allocatable(RESOURCE) == (
+                    SLOTS if n % 2 else 0))
+            calls = kubelet.register_calls
+            await kubelet.restart()
+            await kubelet.wait_for(lambda: kubelet.register_calls > calls
+                                   and kubelet.allocatable(RESOURCE) == SLOTS, timeout=10)
+        finally:
+            task.cancel()
+            await asyncio.wait({task})
+            for reader in readers:
+                reader.kill()
+                await reader.wait()
+            shutil.rmtree(plugin_dir, ignore_errors=True)
