@@ -1,8 +1,36 @@
-"""The gRPC server of one plugin instance, and clean-up that a cancellation cannot cut short."""
+"""The gRPC server of one plugin instance: what a client can make it hold, a stop no client holds
+up, and clean-up that a cancellation cannot cut short.
+
+Bounds (docs/security.md, "Bounds on the device-plugin socket"), measured with tests/h2flood.py:
+20,000 HEADERS + RST_STREAM pairs (the HTTP/2 rapid reset, CVE-2023-44487) over 4 connections
+grew the main daemon's peak memory by 31-45 MiB with gRPC's defaults and failed some of the
+kubelet's Allocates (CANCELLED); with the bounds below, by 2-5 MiB over 4 to 300 connections,
+and none failed.
+
+- ``grpc.max_concurrent_streams``: streams one connection may have open at once. Above the
+  ListAndWatch streams a plugin serves (8, servicer.MAX_STREAMS), so a client opening a ninth is
+  told so (RESOURCE_EXHAUSTED) rather than kept waiting. The kubelet holds one ListAndWatch and
+  calls Allocate and its siblings one at a time.
+- ``grpc.http2.max_deallocating_streams``: streams the client has ended (a reset one, or a call
+  answered) that the server may still be finishing, beyond the open ones; past it gRPC refuses
+  new streams (REFUSED_STREAM). This is what holds a reset flood back, since its client never
+  has a stream open. With gRPC's default for it and the stream bound, hundreds of 1,000
+  concurrent Allocates on one connection were refused (tests/test_faults.py); at 10 none, at
+  50 a flood over 64 connections grew memory by 18 MiB.
+- ``grpc.max_allowed_incoming_connections``: connections open at once; gRPC closes one more at
+  once. The kubelet keeps the one it dialled at registration, the self-check one, and at most 8
+  ListAndWatch readers one each. Without it a flood spread over 200 connections grew memory
+  by 7 MiB where over 4 it grew 1.3 MiB. The socket lives in the kubelet's root-only directory,
+  so whoever can fill the cap could as well remove the socket.
+
+``grpc.aio.server``'s ``maximum_concurrent_rpcs`` is not used: past it gRPC refuses calls
+(RESOURCE_EXHAUSTED), and a flood would then fail the kubelet's Allocate instead of delaying it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +40,18 @@ from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from hlplugin.deviceplugin.lifecycle import PluginServicer
+
+log = logging.getLogger(__name__)
+
+MAX_STREAMS_PER_CONNECTION = 10
+MAX_CONNECTIONS = 12
+MAX_DEALLOCATING_STREAMS = 10
+STOP_GRACE = 0.2  # seconds calls in progress get to finish before they are cancelled
+STOP_DEADLINE = 0.5  # seconds a stop may take, grace included, before the server is left behind
+
+# Servers left running by a stop past its deadline: held until they end, never collected while
+# the loop runs (a collected server schedules its own shutdown, on a loop that may be closed).
+_abandoned: set[asyncio.Task[None]] = set()
 
 
 async def to_completion(work: Coroutine[Any, Any, None]) -> None:
@@ -34,9 +74,45 @@ async def to_completion(work: Coroutine[Any, Any, None]) -> None:
 
 
 def new_server(servicer: PluginServicer) -> grpc.aio.Server:
-    """A gRPC server for ``servicer`` that refuses requests larger than it accepts, before they are
-    parsed (RESOURCE_EXHAUSTED)."""
-    server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", servicer.max_request_bytes)])
+    """A gRPC server for ``servicer`` within the bounds above; requests larger than it accepts are
+    refused before they are parsed (RESOURCE_EXHAUSTED)."""
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", servicer.max_request_bytes),
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+        ("grpc.http2.max_deallocating_streams", MAX_DEALLOCATING_STREAMS),
+        ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
+    ])
     pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
     return server
+
+
+async def stop_server(server: grpc.aio.Server, grace: float = STOP_GRACE,
+                      deadline: float = STOP_DEADLINE) -> bool:
+    """Stop ``server`` within ``deadline`` seconds; False when it had to be left running.
+
+    gRPC's stop waits until every connection has written what it holds, and a client that stops
+    reading a ListAndWatch stream (a stopped process) holds a write for as long as it likes: the
+    daemon would outlive its pod's grace and be SIGKILLed with its socket left behind. Past the
+    deadline the server is left to end with its clients or the process. A cancellation meanwhile
+    (the daemon re-cancels while stopping) is re-raised once the stop is done or abandoned.
+    """
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.ensure_future(server.stop(grace))
+    until = loop.time() + deadline
+    cancelled = False
+    while not stopping.done() and (left := until - loop.time()) > 0:
+        try:
+            await asyncio.wait({stopping}, timeout=left)
+        except asyncio.CancelledError:
+            cancelled = True
+    stopped = stopping.done()
+    if stopped:
+        stopping.result()
+    else:
+        _abandoned.add(stopping)
+        stopping.add_done_callback(_abandoned.discard)
+        log.warning("the gRPC server did not stop within %g s (a client is not reading what it "
+                    "was sent); leaving it behind", deadline)
+    if cancelled:
+        raise asyncio.CancelledError
+    return stopped

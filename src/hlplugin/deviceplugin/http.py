@@ -9,7 +9,7 @@ parser) parses, asyncio's transports do the I/O, and a request is answered only 
 arrived whole, so one cut off by EOF is never served. One request per connection.
 
 Answers come from state, never from I/O: /healthz from what the daemon's self-check last found,
-/readyz from the health conditions, /metrics from the registry.
+/readyz from the health conditions, /metrics from the registry, at a pace (see scrape.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from urllib.parse import urlsplit
 import h11
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
+
+from hlplugin.deviceplugin.scrape import Pacer
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,8 @@ class Limits:
     # Connections the kernel completes and queues before we accept them: they hold no fd of
     # ours, and a burst larger than the queue would leave clients waiting on SYN retries.
     listen_queue: int = 1024
+    # /metrics answers a second (2 at once); more wait their turn (scrape.py).
+    scrapes_per_second: float = 20.0
 
 
 def connection_cap(fd_limit: int | None = None, ceiling: int = 256) -> int:
@@ -132,6 +136,7 @@ class _Connection(asyncio.Protocol):
         self.line_ended = False  # has the request line ended (414 vs 431)?
         self.done = False
         self.eof = False
+        self.paced = False  # a whole scrape request, waiting for its turn (scrape.py)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -146,6 +151,8 @@ class _Connection(asyncio.Protocol):
         self.server._forget(self)
 
     def data_received(self, data: bytes) -> None:
+        if self.paced:
+            return  # past the one request a connection gets: dropped, never buffered
         while data and not self.done:
             if self.request is None:
                 # At most one byte past the limit of the head: if h11 has no request in that
@@ -164,6 +171,9 @@ class _Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.eof = True
+        if self.paced and not self.done:
+            self.close()  # the scraper went: its turn goes to the next
+            return False
         if not self.done:
             self.parser.receive_data(b"")
             self._pump()
@@ -185,7 +195,7 @@ class _Connection(asyncio.Protocol):
                     if self.body > self.limits.max_body:
                         self._answer(_text(HTTPStatus.REQUEST_ENTITY_TOO_LARGE))
                 elif isinstance(event, h11.EndOfMessage):
-                    self._answer(self._route())
+                    self._respond()
                 elif isinstance(event, h11.ConnectionClosed):
                     self.close()
         except h11.RemoteProtocolError as exc:
@@ -196,6 +206,22 @@ class _Connection(asyncio.Protocol):
             if status == HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE and not self.line_ended:
                 status = HTTPStatus.REQUEST_URI_TOO_LONG
             self._answer(_text(HTTPStatus(status)))
+
+    def _respond(self) -> None:
+        """Answer now, but a scrape when the pace allows (scrape.py): a storm of them waits
+        (a scraper that goes meanwhile is forgotten), and the kubelet's probes and calls do not."""
+        assert self.request is not None and self.transport is not None
+        if urlsplit(self.request.target).path != b"/metrics":
+            self._answer(self._route())
+            return
+        self.paced = True
+        self.server.scrapes.run(self._answer_scrape)
+
+    def _answer_scrape(self) -> bool:
+        if self.done:  # closed while it waited: the deadline, an eviction, or the client
+            return False
+        self._answer(self._route())
+        return True
 
     def _route(self) -> Answer:
         request = self.request
@@ -259,6 +285,7 @@ class HttpServer:
         self.port = 0
         self._open: dict[_Connection, None] = {}  # insertion order: oldest first
         self._server: asyncio.Server | None = None
+        self.scrapes = Pacer(self.limits.scrapes_per_second)
         self._warned_at: float | None = None
         self.evicted = 0
 
@@ -291,6 +318,7 @@ class HttpServer:
         return sock
 
     async def stop(self) -> None:
+        self.scrapes.close()
         if self._server is not None:
             self._server.close()
         for conn in list(self._open):

@@ -36,7 +36,7 @@ import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-from hlplugin.deviceplugin.grpcserver import new_server
+from hlplugin.deviceplugin.grpcserver import new_server, stop_server
 from hlplugin.deviceplugin.grpcserver import to_completion as _to_completion
 from hlplugin.deviceplugin.holder import Held, Holder, private_path, publish, wait_until_free
 from hlplugin.deviceplugin.kubeletsock import Identity, dir_problem, kubelet_problem, listens
@@ -215,7 +215,7 @@ class PluginLifecycle:
         instance.identity = None
         instance.servicer.close_streams()
         try:
-            await _to_completion(instance.server.stop(grace=0.2))
+            await stop_server(instance.server)  # within its deadline, whatever a client holds
         finally:
             # Unless another instance has taken the path over meanwhile.
             if ours and _socket_identity(self.socket_path) == identity:
