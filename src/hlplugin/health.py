@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
@@ -11,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hlplugin.config import HYPERVISORS, Settings
 from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.producer import Producer
@@ -143,21 +141,3 @@ def _timed(probe: Callable[[], None]) -> tuple[float, BaseException | None]:
     except Exception as exc:
         return time.monotonic() - started, exc
     return time.monotonic() - started, None
-
-
-async def wait_for_hypervisor(settings: Settings) -> str:
-    """``auto`` with no device yet: stay up (not ready) until /dev/mshv or /dev/kvm appears."""
-    found = settings.detect_hypervisor()
-    if found is not None:
-        return found
-    log.warning("no hypervisor device under %s (looked for mshv and kvm); waiting for one",
-                settings.dev_dir)
-    # aclosing: leaving the loop early must close the watcher now, not whenever the garbage
-    # collector finalizes the generator (by then its inotify fd number may belong to another).
-    async with contextlib.aclosing(DirWatcher(settings.dev_dir, HYPERVISORS).changes()) as changes:
-        async for _ in changes:
-            found = settings.detect_hypervisor()
-            if found is not None:
-                log.info("hypervisor device %s appeared", settings.dev_dir / found)
-                return found
-    raise AssertionError("unreachable: the watcher never ends")

@@ -30,6 +30,7 @@ import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from hlplugin.deviceplugin.devicelist import add_servicer
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.producer import Wakeup
 from hlplugin.deviceplugin.watch import DirWatcher
@@ -103,7 +104,7 @@ def new_server(servicer: PluginServicer) -> grpc.aio.Server:
     parsed (RESOURCE_EXHAUSTED)."""
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", servicer.max_request_bytes)])
-    pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
+    add_servicer(servicer, server)
     return server
 
 

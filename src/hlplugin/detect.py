@@ -1,0 +1,30 @@
+"""Which hypervisor device this node has, waiting for one to appear: both daemons need it before
+they can build a plugin, and it needs no prober (the bootstrap never opens the device)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from hlplugin.config import HYPERVISORS, Settings
+from hlplugin.deviceplugin.watch import DirWatcher
+
+log = logging.getLogger(__name__)
+
+
+async def wait_for_hypervisor(settings: Settings) -> str:
+    """``auto`` with no device yet: stay up (not ready) until /dev/mshv or /dev/kvm appears."""
+    found = settings.detect_hypervisor()
+    if found is not None:
+        return found
+    log.warning("no hypervisor device under %s (looked for mshv and kvm); waiting for one",
+                settings.dev_dir)
+    # aclosing: leaving the loop early must close the watcher now, not whenever the garbage
+    # collector finalizes the generator (by then its inotify fd number may belong to another).
+    async with contextlib.aclosing(DirWatcher(settings.dev_dir, HYPERVISORS).changes()) as changes:
+        async for _ in changes:
+            found = settings.detect_hypervisor()
+            if found is not None:
+                log.info("hypervisor device %s appeared", settings.dev_dir / found)
+                return found
+    raise AssertionError("unreachable: the watcher never ends")
