@@ -127,6 +127,7 @@ class PluginLifecycle:
         min_backoff: float = 0.1,
         max_backoff: float = 5.0,
         recheck_interval: float = 1.0,
+        live_recheck_interval: float = 10.0,
         stream_grace: float = 3.0,
         metrics: DevicePluginMetrics | None = None,
     ) -> None:
@@ -139,6 +140,7 @@ class PluginLifecycle:
         self._min_backoff = min_backoff
         self._max_backoff = max_backoff
         self._recheck = recheck_interval
+        self._live_recheck = max(live_recheck_interval, recheck_interval)
         self._stream_grace = stream_grace
         self._metrics = metrics
         self._wakeup = Wakeup(DirWatcher(plugin_dir, {socket_name, KUBELET_SOCKET},
@@ -368,8 +370,12 @@ class PluginLifecycle:
 
     async def _wait(self, pulse: asyncio.Event, limit: float | None = None) -> None:
         """Wait for a plugin-dir event, or at most the recheck interval: cheap stats then cover
-        any missed event. Take the pulse before looking at the sockets, never after."""
-        await self._wakeup.wait(pulse, self._recheck if limit is None else min(limit, self._recheck))
+        any missed event. Take the pulse before looking at the sockets, never after. While inotify
+        watches the directory the stats cover only what it cannot see (a mount over it), so they
+        run every ``live_recheck_interval``: a loop wake-up every second was over a third of an idle
+        daemon's CPU (docs/benchmarks.md)."""
+        recheck = self._live_recheck if self._wakeup.live() else self._recheck
+        await self._wakeup.wait(pulse, recheck if limit is None else min(limit, recheck))
 
     def _dir_problem(self) -> str:
         try:
