@@ -2,8 +2,8 @@
 """Benchmarks of hlplugin against the kubelet emulator, each figure against a goal and, where one
 exists, a baseline measured in the same run on the same machine.
 
-    python benchmarks/run.py            # the full run (about 3 minutes), recorded in docs/benchmarks.md
-    python benchmarks/run.py --quick    # the CI smoke: every figure, small counts (about 20 s)
+    python benchmarks/run.py            # the full run (about 6 minutes), recorded in docs/benchmarks.md
+    python benchmarks/run.py --quick    # the CI smoke: every figure, small counts (about 50 s)
 
 Prints a table and writes JSON (--json FILE; default benchmarks/results/latest.json). Needs root
 (mknod of a host-device view to flip health) and a usable /dev/kvm. The real /dev/kvm is only
