@@ -3,7 +3,7 @@
 exists, a baseline measured in the same run on the same machine.
 
     python benchmarks/run.py            # the full run (about 6 minutes), recorded in docs/benchmarks.md
-    python benchmarks/run.py --quick    # the CI smoke: every figure, small counts (about 50 s)
+    python benchmarks/run.py --quick    # the CI smoke: every figure, small counts (about 30 s)
 
 Prints a table and writes JSON (--json FILE; default benchmarks/results/latest.json). Needs root
 (mknod of a host-device view to flip health) and a usable /dev/kvm. The real /dev/kvm is only
@@ -44,6 +44,7 @@ from hlplugin.probe import check_host_identity, probe_kvm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the one harness: node root, daemon process, poller
+sys.path.insert(0, str(ROOT / "benchmarks"))  # footprint.py, also when run by runpy
 import footprint  # noqa: E402
 import harness  # noqa: E402
 from harness import Node, proc_status, wait_until  # noqa: E402
