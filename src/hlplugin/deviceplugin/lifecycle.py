@@ -370,10 +370,8 @@ class PluginLifecycle:
 
     async def _wait(self, pulse: asyncio.Event, limit: float | None = None) -> None:
         """Wait for a plugin-dir event, or at most the recheck interval: cheap stats then cover
-        any missed event. Take the pulse before looking at the sockets, never after. While inotify
-        watches the directory the stats cover only what it cannot see (a mount over it), so they
-        run every ``live_recheck_interval``: a loop wake-up every second was over a third of an idle
-        daemon's CPU (docs/benchmarks.md)."""
+        any missed event (with inotify live, only a mount over the directory: every
+        ``live_recheck_interval``). Take the pulse before looking at the sockets, never after."""
         recheck = self._live_recheck if self._wakeup.live() else self._recheck
         await self._wakeup.wait(pulse, recheck if limit is None else min(limit, recheck))
 
