@@ -2,8 +2,8 @@
 """Benchmarks of hlplugin against the kubelet emulator, each figure against a goal and, where one
 exists, a baseline measured in the same run on the same machine.
 
-    python benchmarks/run.py            # the full run (about 3 minutes), recorded in docs/benchmarks.md
-    python benchmarks/run.py --quick    # the CI smoke: every figure, small counts (about 20 s)
+    python benchmarks/run.py            # the full run (about 6 minutes), recorded in docs/benchmarks.md
+    python benchmarks/run.py --quick    # the CI smoke: every figure, small counts (about 30 s)
 
 Prints a table and writes JSON (--json FILE; default benchmarks/results/latest.json). Needs root
 (mknod of a host-device view to flip health) and a usable /dev/kvm. The real /dev/kvm is only
@@ -44,6 +44,8 @@ from hlplugin.tools.emulator import KUBELET_MAX_MESSAGE, KubeletEmulator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the one harness: node root, daemon process, poller
+sys.path.insert(0, str(ROOT / "benchmarks"))  # footprint.py, also when run by runpy
+import footprint  # noqa: E402
 import harness  # noqa: E402
 from harness import Node, proc_status, wait_until  # noqa: E402
 
@@ -65,10 +67,14 @@ class Profile:
     boot_allocs: int = 1000
     idle: float = 60.0           # seconds of idle CPU measurement
     probes: int = 300            # KVM checks timed
+    footprint_starts: int = 10   # starts of each daemon and the floor plugin (medians)
+    footprint_idle: float = 120.0  # seconds of the footprint's idle window
+    footprint_allocs: int = 2000   # Allocates to the main daemon (and the floor) as the load
 
 
 QUICK = Profile(repeats=2, allocs=300, transitions=6, tampers=10, kubelet_restarts=3, starts=2,
-                mem_allocs=1000, mem_transitions=40, boot_allocs=100, idle=5.0, probes=20)
+                mem_allocs=1000, mem_transitions=40, boot_allocs=100, idle=5.0, probes=20,
+                footprint_starts=2, footprint_idle=5.0, footprint_allocs=200)
 # The most raw streams the daemon serves next to the kubelet's (it refuses more).
 RAW_STREAMS = MAX_STREAMS - 1
 
@@ -439,6 +445,94 @@ async def bench_probes(tmp: Path, p: Profile) -> None:
         latency(f"{name}, p50", times, 50, runs=len(times))
 
 
+async def bench_footprint(tmp: Path, p: Profile) -> None:
+    """Each daemon and the floor in memory cgroups of their own (see benchmarks/footprint.py):
+    start -> Register, idle CPU, working set idle, after load and at the slot ceiling."""
+    why = footprint.available()
+    if why:
+        print(f"  footprint skipped: {why}", file=sys.stderr)
+        return
+    starts = await footprint.measure_starts(tmp, p.footprint_starts, make_node, bootstrap_args)
+    floor_start = starts["floor"]["register_s"]
+    for who in ("main", "bootstrap"):
+        took = starts[who]["register_s"]
+        record(f"process start -> Register, {who} daemon (median of {p.footprint_starts})", took, "s",
+               goal="<= floor + 50 ms", met=took <= floor_start + 0.05, baseline=floor_start,
+               ratio=round(took / floor_start, 2), first_list_s=starts[who]["first_list_s"],
+               floor_first_list_s=starts["floor"]["first_list_s"], runs_s=starts[who]["register_runs_s"],
+               baseline_is="a minimal grpc.aio plugin that serves, registers and sends one list")
+
+    node = make_node(tmp, "footprint")
+    main = footprint.Process("main", node.serve_args("--hypervisor", "kvm", "--device-count", "2000"),
+                             footprint.LIMITS["main"])
+    boot = footprint.Process("bootstrap", bootstrap_args(node), footprint.LIMITS["bootstrap"])
+    floor = footprint.Process("floor", ["-c", BASELINE_SERVER, str(node.root / "floor.sock")])
+    async with harness.emulator(node.plugin_dir) as kubelet, footprint.running(floor, main, boot):
+        await kubelet.wait_for(lambda: kubelet.allocatable(HYPERVISOR_RESOURCE) == 2000
+                               and kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == 1, 60)
+        await wait_until((node.root / "floor.sock").exists, 30, "floor socket")
+        await asyncio.sleep(2.0)  # settle: start-up work done before the window opens
+        procs = {"main": main, "bootstrap": boot, "floor": floor}
+        before = {k: (footprint.cpu_seconds(v.pid), harness.cpu_seconds(v.pid)) for k, v in procs.items()}
+        t0 = time.monotonic()
+        await asyncio.sleep(p.footprint_idle)
+        wall = time.monotonic() - t0
+        cpu = {k: (footprint.cpu_seconds(v.pid) - before[k][0]) / wall * 100 for k, v in procs.items()}
+        ticks = {k: (harness.cpu_seconds(v.pid) - before[k][1]) / wall * 100 for k, v in procs.items()}
+        idle = {k: v.figures() for k, v in procs.items()}
+        async with grpc.aio.insecure_channel(target(node)) as dch, \
+                grpc.aio.insecure_channel(f"unix://{node.root / 'floor.sock'}") as fch:
+            await hammer(pb_grpc.DevicePluginStub(dch), p.footprint_allocs, 16)
+            await hammer(pb_grpc.DevicePluginStub(fch), p.footprint_allocs, 16)
+        for i in range(20):
+            await flip(node, kubelet, i % 2 == 1, 2000)
+            await flip(node, kubelet, i % 2 == 1, 1, DEVICE_ACCESS_RESOURCE, node.root / "dev")
+        for _ in range(p.footprint_allocs // 20):
+            await kubelet.allocate(DEVICE_ACCESS_RESOURCE, [["device-access-kvm"]])
+        for proc in (main.daemon, boot.daemon):
+            assert proc is not None
+            await proc.wait_http("/metrics", 200)  # a scrape, as Prometheus makes: exposition loaded
+        await asyncio.sleep(1.0)
+        loaded = {k: v.figures() for k, v in procs.items()}
+    for who in ("main", "bootstrap"):
+        record(f"idle CPU, {who} daemon ({p.footprint_idle:.0f} s, own cgroup)", round(cpu[who], 3),
+               "% of a core", goal="<= 2x floor", met=cpu[who] <= 2 * cpu["floor"],
+               baseline=round(cpu["floor"], 3),
+               ratio=round(cpu[who] / cpu["floor"], 2) if cpu["floor"] > 0 else None,
+               from_ticks=round(ticks[who], 3), floor_from_ticks=round(ticks["floor"], 3),
+               baseline_is="the empty grpc.aio server, idle, same window")
+        extra = 6 if who == "main" else 5
+        ws, base = idle[who]["working_set"], idle["floor"]["working_set"]
+        record(f"working set idle, {who} daemon", ws, "MiB", goal=f"<= floor + {extra} MiB",
+               met=ws <= base + extra, baseline=base, ratio=round(ws / base, 2), idle=idle[who],
+               floor=idle["floor"], baseline_is="the empty grpc.aio server's cgroup")
+        ws, base = loaded[who]["working_set"], loaded["floor"]["working_set"]
+        record(f"working set after load and a scrape, {who} daemon", ws, "MiB", baseline=base,
+               ratio=round(ws / base, 2), loaded=loaded[who], floor=loaded["floor"],
+               load=(f"{p.footprint_allocs} Allocates (the floor too), 20 transitions" if who == "main"
+                     else f"{p.footprint_allocs // 20} Allocates, 20 transitions"))
+        hwm, base = loaded[who]["VmHWM"], loaded["floor"]["VmHWM"]
+        record(f"peak RSS (VmHWM) after load, {who} daemon", hwm, "MiB", goal="<= floor + 8 MiB",
+               met=hwm <= base + 8, baseline=base, ratio=round(hwm / base, 2))
+
+    count = MAX_DEVICE_COUNT
+    node = make_node(tmp, "footprint-ceiling")
+    ceiling = footprint.Process(
+        "ceiling", node.serve_args("--hypervisor", "kvm", "--device-count", str(count)),
+        footprint.LIMITS["main"])
+    async with harness.emulator(node.plugin_dir) as kubelet, footprint.running(ceiling):
+        await kubelet.wait_for(lambda: kubelet.allocatable(HYPERVISOR_RESOURCE) == count, 120)
+        for ok in (False, True):
+            await flip(node, kubelet, ok, count)
+        await kubelet.restart()  # a new registration: a new servicer, the lists again
+        await kubelet.wait_for(lambda: kubelet.allocatable(HYPERVISOR_RESOURCE) == count, 120)
+        await asyncio.sleep(1.0)
+        at = ceiling.figures()
+    record(f"working set at DEVICE_COUNT {count:,}, main daemon", at["working_set"], "MiB",
+           goal="< half the 96 MiB limit", met=at["working_set"] < 48, figures=at,
+           load="first list, 2 transitions, a kubelet restart")
+
+
 def table(figures: list[dict[str, Any]]) -> str:
     head = ("figure", "value", "baseline", "ratio", "goal", "met")
     rows = [(f["name"], f"{f['value']:g} {f['unit']}", "-" if f["baseline"] is None else f"{f['baseline']:g}",
@@ -453,7 +547,7 @@ def table(figures: list[dict[str, Any]]) -> str:
 STEPS: dict[str, Callable[[Path, Profile], Awaitable[None]]] = {
     bench.__name__.removeprefix("bench_").replace("_", "-"): bench for bench in (
         bench_allocate, bench_broadcast, bench_cdi, bench_kubelet_restart, bench_start, bench_memory,
-        bench_ceiling, bench_bootstrap_memory, bench_idle, bench_probes)}
+        bench_ceiling, bench_bootstrap_memory, bench_idle, bench_probes, bench_footprint)}
 
 
 async def run(profile: Profile, only: list[str]) -> None:

@@ -24,6 +24,11 @@ FIGURES = (
     "health transition seen by all", "kubelet restart -> re-registered", "process start -> registered",
     "RSS growth from Allocate", "KVM check (open, API version, create VM)", "KVM check with guest",
     "host identity check",
+    # What every node pays, each daemon in a memory cgroup of its own, beside the floor.
+    *(f"{what}, {who} daemon" for who in ("main", "bootstrap") for what in (
+        "process start -> Register", "working set idle", "working set after load and a scrape",
+        "peak RSS (VmHWM) after load")),
+    "working set at DEVICE_COUNT",
 )
 
 

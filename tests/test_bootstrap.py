@@ -65,6 +65,8 @@ async def test_grants_exactly_the_device_refuses_without_it_and_every_family_mov
             "registered", "listandwatch", "device")}}
         m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
         first = {key for key in m if key[0].startswith("hyperlight_")}
+        # Only the families it changes: it has no CDI spec and no device prober.
+        assert not {name for name, _ in first if name.startswith(("hyperlight_cdi", "hyperlight_probe"))}
         assert value(m, "hyperlight_registrations_total", result="success") == 1
         assert value(m, "hyperlight_devices_advertised") == 1
         assert value(m, "hyperlight_devices_healthy") == 1

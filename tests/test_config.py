@@ -130,6 +130,7 @@ def test_valid_values_are_taken(argv: list[str], env: dict[str, str], want: dict
 
 def test_device_list_at_the_ceiling_fits_the_kubelet_message_limit_twice_over() -> None:
     """The longest list the ceiling allows (mshv names, all Unhealthy) as the plugin builds it."""
+    from hlplugin.api import deviceplugin_pb2 as pb
     from hlplugin.deviceplugin.conditions import HealthTracker
     from hlplugin.plugin import HypervisorPlugin
 
@@ -137,13 +138,13 @@ def test_device_list_at_the_ceiling_fits_the_kubelet_message_limit_twice_over() 
         raise AssertionError("not called")
 
     plugin = HypervisorPlugin("mshv", config.MAX_DEVICE_COUNT, HealthTracker(required=()), gate)
-    message = plugin._lists[False]
+    message = pb.ListAndWatchResponse.FromString(plugin.devices.wire(False))
     assert len(message.devices) == config.MAX_DEVICE_COUNT
     assert {d.health for d in message.devices} == {"Unhealthy"}
     assert message.ByteSize() * 2 <= KUBELET_MAX_MESSAGE
     # ... while twice the ceiling's worth is more than half way to it: the ceiling is not arbitrary.
     bigger = HypervisorPlugin("mshv", 4 * config.MAX_DEVICE_COUNT, HealthTracker(required=()), gate)
-    assert bigger._lists[False].ByteSize() > KUBELET_MAX_MESSAGE
+    assert len(bigger.devices.wire(False)) > KUBELET_MAX_MESSAGE
 
 
 def test_provenance_of_every_setting() -> None:

@@ -354,3 +354,35 @@ async def test_one_byte_longer_plugin_dir_exits_2_naming_the_flag(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "--plugin-dir" in err and "too long" in err
+
+
+# --- idle: no loop wake-up every second while inotify watches the directory ----------------------
+
+
+async def test_an_idle_registered_plugin_rechecks_its_sockets_rarely_while_inotify_watches() -> None:
+    """The stats that cover a missed event run every second only while the directory is polled;
+    with its inotify watch live they run every live_recheck_interval (a wake-up a second was over a
+    third of an idle daemon's CPU). The waits are observed, not changed."""
+    plugin_dir = short_dir()
+    async with emulator(plugin_dir) as kubelet, lifecycle(plugin_dir, recheck_interval=0.2,
+                                                          live_recheck_interval=5) as plugin:
+        await kubelet.wait_for(lambda: plugin.open_streams == 1 and plugin.registered)
+        await wait_until(plugin._wakeup.live, what="the inotify watch")
+        limits: list[float] = []
+        wait = plugin._wakeup.wait
+
+        async def observed(pulse: asyncio.Event, limit: float) -> bool:
+            limits.append(limit)
+            return await wait(pulse, limit)
+
+        plugin._wakeup.wait = observed  # type: ignore[method-assign]
+        plugin._wakeup.fire()  # a change: the lifecycle looks, then waits anew
+        await wait_until(lambda: bool(limits), what="a wait")
+        await asyncio.sleep(0.5)  # long enough for a few 0.2 s rechecks, were they still made
+        assert limits == [5], limits
+        # Polled (no inotify), the short recheck is all that notices a change.
+        for watcher in plugin._wakeup.watchers:
+            watcher.live_fd = None
+        plugin._wakeup.fire()
+        await wait_until(lambda: len(limits) >= 3, what="rechecks at the short interval")
+        assert limits[1:3] == [0.2, 0.2], limits

@@ -20,10 +20,10 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.bootstrap import DeviceAccessPlugin
 from hlplugin.config import Settings
+from hlplugin.detect import wait_for_hypervisor
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.lifecycle import new_server
 from hlplugin.deviceplugin.servicer import MAX_CONTAINERS, MAX_ID_BYTES, MAX_STREAMS, TrackedDevicePlugin
-from hlplugin.health import wait_for_hypervisor
 from hlplugin.metrics import Metrics
 from hlplugin.plugin import HypervisorPlugin
 

@@ -16,15 +16,16 @@ import grpc
 from hlplugin import hvnode
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.config import Settings, show
+from hlplugin.detect import wait_for_hypervisor
 from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import HealthTracker
 from hlplugin.deviceplugin.daemon import DaemonSpec, Launch, Started, run_daemon
 from hlplugin.deviceplugin.lifecycle import Context, PluginLifecycle
+from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.producer import Producer
 from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
 from hlplugin.deviceplugin.watch import DirWatcher
-from hlplugin.health import wait_for_hypervisor
-from hlplugin.metrics import Metrics
+from hlplugin.metrics import HyperlightMetrics
 from hlplugin.names import DEVICE_ACCESS_RESOURCE as RESOURCE
 from hlplugin.names import DEVICE_ACCESS_SOCKET as SOCKET
 
@@ -34,7 +35,8 @@ class DeviceAccessPlugin(TrackedDevicePlugin):
     a hung /dev times out in its budget instead of freezing the loop) found the node usable."""
 
     def __init__(self, hypervisor: str, tracker: HealthTracker,
-                 recheck: Callable[[], Awaitable[bool]], metrics: Metrics | None = None) -> None:
+                 recheck: Callable[[], Awaitable[bool]],
+                 metrics: DevicePluginMetrics | None = None) -> None:
         super().__init__([f"device-access-{hypervisor}"], tracker, metrics)
         self.device_path = f"/dev/{hypervisor}"
         self._recheck = recheck
@@ -78,7 +80,7 @@ def node_watch(tracker: HealthTracker, node: Path, recheck: float = 10.0,
 
 async def bootstrap(settings: Settings, launch: Launch | None = None, *,
                     sys_dir: Path = hvnode.SYS_DIR) -> None:
-    metrics = Metrics()
+    metrics = HyperlightMetrics()  # no CDI or probe families: the bootstrap has neither
     tracker = HealthTracker(required=("device",))
 
     async def setup(hv: str) -> Started:

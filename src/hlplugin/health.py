@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -12,13 +11,10 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from hlplugin import hvnode
-from hlplugin.config import HYPERVISORS, Settings, show
 from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import Condition, HealthState, HealthTracker
 from hlplugin.deviceplugin.producer import Producer
 from hlplugin.deviceplugin.watch import DirWatcher
-from hlplugin.names import NO_HYPERVISOR_HINT
 from hlplugin.probe import check_host_identity, close_deferred, probe_device
 
 if TYPE_CHECKING:
@@ -227,22 +223,3 @@ def _timed(probe: Callable[[], None]) -> tuple[float, BaseException | None]:
     except Exception as exc:
         return time.monotonic() - started, exc
     return time.monotonic() - started, None
-
-
-async def wait_for_hypervisor(settings: Settings) -> str:
-    """``auto`` with no device yet: stay up (not ready) until /dev/mshv or /dev/kvm appears."""
-    found = settings.detect_hypervisor()
-    if found is not None:
-        return found
-    skipped = "".join(f"; {why}" for why in hvnode.skipped(settings.dev_dir))
-    log.warning("no hypervisor device under %s (looked for mshv and kvm%s); waiting for one; %s",
-                show(settings.dev_dir), skipped, NO_HYPERVISOR_HINT)
-    # aclosing: leaving the loop early must close the watcher now, not whenever the garbage
-    # collector finalizes the generator (by then its inotify fd number may belong to another).
-    async with contextlib.aclosing(DirWatcher(settings.dev_dir, HYPERVISORS).changes()) as changes:
-        async for _ in changes:
-            found = settings.detect_hypervisor()
-            if found is not None:
-                log.info("hypervisor device %s appeared", settings.dev_dir / found)
-                return found
-    raise AssertionError("unreachable: the watcher never ends")

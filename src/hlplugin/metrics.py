@@ -1,14 +1,15 @@
 """Hyperlight's Prometheus families: the generic device-plugin ones (deviceplugin.metrics) named
-``hyperlight_*``, plus build information, the device checks and the CDI reconciler.
+``hyperlight_*`` with build information (both daemons), plus the main daemon's device checks and
+CDI reconciler (``Metrics``). The bootstrap has neither, so it exports neither.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client.metrics import Counter, Histogram, Info
+from prometheus_client.registry import CollectorRegistry
 
 from hlplugin import __version__
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics, precreate
-from hlplugin.probe import REASONS as PROBE_REASONS
 
 PREFIX = "hyperlight"
 
@@ -17,12 +18,24 @@ CDI_REPAIR_CAUSES = ("missing", "malformed", "stale", "metadata")
 CDI_REFUSAL_REASONS = ("not_regular", "write_failed")
 
 
-class Metrics(DevicePluginMetrics):
+class HyperlightMetrics(DevicePluginMetrics):
+    """What every hlplugin daemon exports: the generic families and its build."""
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         super().__init__(PREFIX, registry)
-        r = self.registry
-        self.build_info = Info(f"{PREFIX}_build", "Build information.", registry=r)
+        self.build_info = Info(f"{PREFIX}_build", "Build information.", registry=self.registry)
         self.build_info.info({"version": __version__})
+
+
+class Metrics(HyperlightMetrics):
+    """The main daemon's: also its device checks and its CDI reconciler."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # Here, not at the top: importing this module must not load the prober (the bootstrap).
+        from hlplugin.probe import REASONS as PROBE_REASONS
+
+        super().__init__(registry)
+        r = self.registry
         self.probe_duration = Histogram(
             f"{PREFIX}_probe_duration_seconds", "Duration of a hypervisor device check.",
             ["check"], registry=r,

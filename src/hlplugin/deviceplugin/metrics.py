@@ -14,15 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    PlatformCollector,
-    ProcessCollector,
-    disable_created_metrics,
-)
+# The submodules, not the package: its exposition code waits for the first scrape (lazyprom).
+from prometheus_client.metrics import Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import CollectorRegistry
 
 # Process-wide switch in prometheus_client, read at every collection.
 disable_created_metrics()  # type: ignore[no-untyped-call]

@@ -71,6 +71,10 @@ class Wakeup:
         """True when woken, False when ``limit`` passed first."""
         return await wait_event(pulse, limit)
 
+    def live(self) -> bool:
+        """Every watcher is live on inotify: a change cannot pass unseen (a poll would add nothing)."""
+        return bool(self.watchers) and all(w.live_fd is not None for w in self.watchers)
+
     def quiet_since(self, pulse: asyncio.Event) -> bool:
         """No watched change since ``pulse`` was taken, as far as the kernel knows right now:
         not woken since, every watcher live on inotify, and no event waiting unread. Polls the

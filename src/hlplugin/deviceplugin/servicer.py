@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import NoReturn
 
 import grpc
@@ -16,15 +16,12 @@ import grpc
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.deviceplugin import repeats
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.devicelist import HEALTHY, UNHEALTHY, DeviceList
 from hlplugin.deviceplugin.lifecycle import Context, PluginServicer
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.quoting import quote
 
 log = logging.getLogger(__name__)
-
-HEALTHY = "Healthy"
-UNHEALTHY = "Unhealthy"
-
 
 # Bounds on what a DevicePlugin client may ask (docs/security.md, "Bounds on the device-plugin
 # socket"). The kubelet opens one ListAndWatch stream per registration and sends one container
@@ -44,9 +41,12 @@ class TrackedDevicePlugin(PluginServicer):
     The streams share one waiter on the tracker, which exists only while a stream is open.
     """
 
-    def __init__(self, device_ids: Sequence[str], tracker: HealthTracker,
+    def __init__(self, device_ids: Collection[str] | DeviceList, tracker: HealthTracker,
                  metrics: DevicePluginMetrics | None = None) -> None:
-        self.device_ids = frozenset(device_ids)
+        # A DeviceList passed in is shared, serialized lists and all (one per process at the
+        # ceiling, whatever the number of registrations); IDs alone get one of their own.
+        self.devices = device_ids if isinstance(device_ids, DeviceList) else DeviceList(device_ids)
+        self.device_ids = self.devices.ids
         self.tracker = tracker
         self.metrics = metrics
         self.open_streams = 0
@@ -61,12 +61,6 @@ class TrackedDevicePlugin(PluginServicer):
         self.refusals = repeats.RepeatedLines(log)
         self._wake = asyncio.Event()
         self._follower: asyncio.Task[None] | None = None
-        # Built once: a 2,000-device list is the same message on every transition.
-        self._lists = {
-            ok: pb.ListAndWatchResponse(
-                devices=[pb.Device(ID=i, health=HEALTHY if ok else UNHEALTHY) for i in device_ids])
-            for ok in (True, False)
-        }
 
     def close_streams(self) -> None:
         self._closed = True
@@ -88,7 +82,7 @@ class TrackedDevicePlugin(PluginServicer):
         return pb.PreStartContainerResponse()
 
     async def ListAndWatch(self, request: pb.Empty,
-                           context: Context) -> AsyncIterator[pb.ListAndWatchResponse]:
+                           context: Context) -> AsyncIterator[bytes]:  # see devicelist
         if self.open_streams >= self.max_streams:
             # Logged once while at the bound, so a client retrying in a loop cannot flood the log.
             log.log(logging.DEBUG if self._refusing else logging.WARNING,
@@ -113,7 +107,7 @@ class TrackedDevicePlugin(PluginServicer):
                 self._publish(state)
                 self.lists_sent += 1
                 # Resumes once gRPC took the message; the loop then sends the state as it is now.
-                yield self._lists[state.healthy]
+                yield self.devices.wire(state.healthy)
                 if first:  # now the kubelet has the list: what it counts as the node's capacity
                     log.info("advertising %d devices to the kubelet, all %s", len(self.device_ids),
                              HEALTHY if state.healthy else UNHEALTHY)

@@ -1,0 +1,33 @@
+"""Which hypervisor device this node has, waiting for one to appear: both daemons need it before
+they can build a plugin, and it needs no prober (the bootstrap never opens the device)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from hlplugin import hvnode
+from hlplugin.config import HYPERVISORS, Settings, show
+from hlplugin.deviceplugin.watch import DirWatcher
+from hlplugin.names import NO_HYPERVISOR_HINT
+
+log = logging.getLogger(__name__)
+
+
+async def wait_for_hypervisor(settings: Settings) -> str:
+    """``auto`` with no device yet: stay up (not ready) until /dev/mshv or /dev/kvm appears."""
+    found = settings.detect_hypervisor()
+    if found is not None:
+        return found
+    skipped = "".join(f"; {why}" for why in hvnode.skipped(settings.dev_dir))
+    log.warning("no hypervisor device under %s (looked for mshv and kvm%s); waiting for one; %s",
+                show(settings.dev_dir), skipped, NO_HYPERVISOR_HINT)
+    # aclosing: leaving the loop early must close the watcher now, not whenever the garbage
+    # collector finalizes the generator (by then its inotify fd number may belong to another).
+    async with contextlib.aclosing(DirWatcher(settings.dev_dir, HYPERVISORS).changes()) as changes:
+        async for _ in changes:
+            found = settings.detect_hypervisor()
+            if found is not None:
+                log.info("hypervisor device %s appeared", settings.dev_dir / found)
+                return found
+    raise AssertionError("unreachable: the watcher never ends")
