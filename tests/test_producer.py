@@ -18,8 +18,9 @@ from hlplugin.deviceplugin.conditions import HealthTracker
 from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
-from hlplugin.deviceplugin.producer import Producer, supervise
+from hlplugin.deviceplugin.producer import Producer
 from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.watch import supervise
 
 
 async def test_a_dead_child_is_logged_once_and_restarted(caplog: pytest.LogCaptureFixture) -> None:
@@ -34,7 +35,7 @@ async def test_a_dead_child_is_logged_once_and_restarted(caplog: pytest.LogCaptu
         settled.set()
         await asyncio.Event().wait()
 
-    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.producer"):
+    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.watch"):
         task = asyncio.create_task(supervise("watching /x", watcher, restart_after=0.01))
         await settled.wait()
         task.cancel()

@@ -20,9 +20,10 @@ from hlplugin.detect import wait_for_hypervisor
 from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import HealthTracker
 from hlplugin.deviceplugin.daemon import DaemonSpec, Launch, Started, run_daemon
-from hlplugin.deviceplugin.lifecycle import Context, PluginLifecycle
+from hlplugin.deviceplugin.interfaces import Context
+from hlplugin.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
-from hlplugin.deviceplugin.producer import Producer
+from hlplugin.deviceplugin.producer import Producer, Trigger
 from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
 from hlplugin.deviceplugin.watch import DirWatcher
 from hlplugin.metrics import HyperlightMetrics
@@ -65,7 +66,7 @@ def node_watch(tracker: HealthTracker, node: Path, recheck: float = 10.0,
     ``recheck`` seconds, in a runner (a hung /dev times out)."""
     problem_of = functools.partial(hvnode.node_problem, node, node.name, sys_dir)
 
-    async def check(trigger: str) -> bool:
+    async def check(trigger: Trigger) -> bool:
         try:
             problem = await producer.runner.run(problem_of)
         except CheckFailed as exc:
@@ -86,10 +87,10 @@ async def bootstrap(settings: Settings, launch: Launch | None = None, *,
     async def setup(hv: str) -> Started:
         watch = node_watch(tracker, settings.dev_dir / hv, budget=settings.probe_timeout,
                            sys_dir=sys_dir)
-        await watch.check("start")  # before registering; run() goes on from here
+        await watch.check(Trigger.START)  # before registering; run() goes on from here
         lifecycle = PluginLifecycle(
             settings.plugin_dir, SOCKET, RESOURCE,
-            lambda: DeviceAccessPlugin(hv, tracker, functools.partial(watch.ensure, 0.0, "allocate"),
+            lambda: DeviceAccessPlugin(hv, tracker, functools.partial(watch.ensure, 0.0, Trigger.ALLOCATE),
                                        metrics),
             register_timeout=settings.register_timeout, metrics=metrics)
         return Started(lifecycle, {"device-health": watch.run(),

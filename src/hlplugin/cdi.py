@@ -25,10 +25,10 @@ from hlplugin.deviceplugin import repeats
 from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import Condition, HealthTracker
 from hlplugin.deviceplugin.ownedfile import NotRegular, OwnedFile
-from hlplugin.deviceplugin.producer import Producer
+from hlplugin.deviceplugin.producer import Producer, Trigger
 from hlplugin.deviceplugin.watch import FILE_EVENTS, DirWatcher
 from hlplugin.dirs import not_a_directory
-from hlplugin.metrics import Metrics
+from hlplugin.metrics import Metrics, Refusal, RepairCause
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,8 @@ class _Outcome:
     """What one pass found and did; applied to condition, tracker and metrics on the event loop."""
 
     condition: Condition
-    repaired: str = ""  # the repair's cause, when we rewrote the file
-    refused: str = ""  # "not_regular" or "write_failed"
+    repaired: RepairCause | None = None  # the repair's cause, when we rewrote the file
+    refused: Refusal | None = None
 
 
 class CdiReconciler:
@@ -133,9 +133,9 @@ class CdiReconciler:
                     break
             except CheckFailed as exc:
                 if self.condition.ok:
-                    self._publish(self._timed_out(exc), "allocate")
+                    self._publish(self._timed_out(exc), Trigger.ALLOCATE)
                 return self.condition
-        return await self.reconcile("allocate")
+        return await self.reconcile(Trigger.ALLOCATE)
 
     def _still_right(self, arrived: float, now: float) -> bool:
         """The last right read began after ``arrived``, or recently with nothing changed since."""
@@ -145,12 +145,12 @@ class CdiReconciler:
             or (now - verified[0] < _TRUST_QUIET
                 and self.producer.wakeup.quiet_since(verified[1])))
 
-    async def reconcile(self, trigger: str) -> Condition:
+    async def reconcile(self, trigger: Trigger) -> Condition:
         """One full pass (inspect, repair if needed, publish the outcome), bounded."""
         await self.producer.check(trigger)
         return self.condition
 
-    async def _step(self, trigger: str) -> bool:
+    async def _step(self, trigger: Trigger) -> bool:
         began, pulse = asyncio.get_running_loop().time(), self.producer.wakeup.pulse()
         try:
             outcome = await self.producer.runner.run(self._pass)
@@ -181,7 +181,7 @@ class CdiReconciler:
             return found is not None and found[0] == self.desired and self.file.metadata_right(found[1])
         return False
 
-    def _publish(self, outcome: _Outcome, trigger: str) -> None:
+    def _publish(self, outcome: _Outcome, trigger: Trigger) -> None:
         """On the event loop: the pass's outcome to the condition, the tracker, metrics and log."""
         if outcome.repaired:  # one line per cause and interval; the counter counts each
             self.lines.log(outcome.repaired, logging.INFO, "repaired CDI spec %s (cause: %s, "
@@ -206,28 +206,28 @@ class CdiReconciler:
                 self.file.replace(self.desired)
         except NotRegular as exc:
             reason = f"{self.path} is {exc}; refusing to replace what we do not own"
-            return _Outcome(Condition(False, reason), refused="not_regular")
+            return _Outcome(Condition(False, reason), refused=Refusal.NOT_REGULAR)
         except OSError as exc:
             name = errno.errorcode.get(exc.errno or 0, "unknown error")
             problem = not_a_directory(self.cdi_dir) if exc.errno in (errno.EEXIST, errno.ENOTDIR) else ""
             reason = f"cannot write {self.path}: {problem or exc.strerror} ({name})"
-            return _Outcome(Condition(False, reason), refused="write_failed")
+            return _Outcome(Condition(False, reason), refused=Refusal.WRITE_FAILED)
         return _Outcome(Condition(True), repaired=cause)
 
-    def _diagnose(self) -> str:
-        """The repair cause, or "" when the file is right. Raises NotRegular."""
+    def _diagnose(self) -> RepairCause | None:
+        """The repair cause, or None when the file is right. Raises NotRegular."""
         try:
             found = self.file.read(MAX_READ)
         except PermissionError:
-            return "metadata"  # a regular file we may not read: its mode or owner is wrong
+            return RepairCause.METADATA  # a regular file we may not read: its mode or owner is wrong
         except OSError:
-            return "malformed"  # unreadable (EIO, ...): rewriting is the best we can do
+            return RepairCause.MALFORMED  # unreadable (EIO, ...): rewriting is the best we can do
         if found is None:
-            return "missing"
+            return RepairCause.MISSING
         content, st = found
         if content != self.desired:
-            return "stale" if well_formed(content) else "malformed"
-        return "" if self.file.metadata_right(st) else "metadata"
+            return RepairCause.STALE if well_formed(content) else RepairCause.MALFORMED
+        return None if self.file.metadata_right(st) else RepairCause.METADATA
 
     async def run(self) -> None:
         """Reconcile on every change to our file or directory, every ``interval`` seconds, and,

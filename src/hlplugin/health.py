@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import Condition, HealthState, HealthTracker
-from hlplugin.deviceplugin.producer import Producer
+from hlplugin.deviceplugin.producer import Producer, Trigger
 from hlplugin.deviceplugin.watch import DirWatcher
 from hlplugin.probe import check_host_identity, close_deferred, probe_device
 
@@ -76,14 +76,9 @@ class DeviceMonitor:
         self.runner.after = close_deferred  # the Allocate check's VM closes after its answer
         self._allocate_checks = SharedCheck(self._allocate_pass)
 
-    @property
-    def checks(self) -> int:
-        """Completed checks, for tests and debugging."""
-        return self.producer.passes
-
     async def check(self) -> HealthState:
         """Run one full check now and record it; the check survives the caller's cancellation."""
-        await self.producer.check("demand")
+        await self.producer.check(Trigger.DEMAND)
         return self.tracker.state
 
     async def ensure_fresh(self, max_age: float = 1.0) -> HealthState:
@@ -135,7 +130,7 @@ class DeviceMonitor:
                        for name, (_, error) in results.items()})
         return HealthState(answer, self.tracker.state.generation)
 
-    async def _pass(self, trigger: str) -> bool:
+    async def _pass(self, trigger: Trigger) -> bool:
         for name, (duration, error) in (await self._run(self._probes(self._device_probe))).items():
             self._record(name, duration, error)
         if self._identity_probe is None:

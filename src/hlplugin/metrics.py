@@ -5,6 +5,8 @@ CDI reconciler (``Metrics``). The bootstrap has neither, so it exports neither.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from prometheus_client.metrics import Counter, Histogram, Info
 from prometheus_client.registry import CollectorRegistry
 
@@ -14,8 +16,26 @@ from hlplugin.deviceplugin.metrics import DevicePluginMetrics, precreate
 PREFIX = "hyperlight"
 
 PROBE_CHECKS = ("device", "host_identity")
-CDI_REPAIR_CAUSES = ("missing", "malformed", "stale", "metadata")
-CDI_REFUSAL_REASONS = ("not_regular", "write_failed")
+
+
+class RepairCause(StrEnum):
+    """Why the CDI reconciler rewrote its spec (label ``cause``, and the log's)."""
+
+    MISSING = "missing"
+    MALFORMED = "malformed"  # not a spec, or unreadable
+    STALE = "stale"  # a well-formed spec, not ours
+    METADATA = "metadata"  # our content, wrong mode or owner
+
+
+class Refusal(StrEnum):
+    """Why it could not (label ``reason``)."""
+
+    NOT_REGULAR = "not_regular"  # something we do not own at the name
+    WRITE_FAILED = "write_failed"
+
+
+CDI_REPAIR_CAUSES = tuple(RepairCause)
+CDI_REFUSAL_REASONS = tuple(Refusal)
 
 
 class HyperlightMetrics(DevicePluginMetrics):

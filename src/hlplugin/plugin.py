@@ -20,7 +20,9 @@ from hlplugin.detect import wait_for_hypervisor
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.daemon import DaemonSpec, Launch, Started, run_daemon
 from hlplugin.deviceplugin.devicelist import DeviceList, NumberedIds
-from hlplugin.deviceplugin.lifecycle import Context, PluginLifecycle
+from hlplugin.deviceplugin.interfaces import Context
+from hlplugin.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.producer import Trigger
 from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
 from hlplugin.health import DeviceMonitor
 from hlplugin.metrics import Metrics
@@ -95,7 +97,7 @@ async def serve(settings: Settings, launch: Launch | None = None) -> None:
             guest_check=settings.guest_check, metrics=metrics)
         # The first pass of each, before registering, so the kubelet's first list is true;
         # their run() loops start from these.
-        await reconciler.reconcile("start")
+        await reconciler.reconcile(Trigger.START)
         await monitor.check()
 
         async def gate() -> HealthState:

@@ -147,7 +147,6 @@ class SelfCheck:
         self.clock = clock
         self.ok = True
         self.checked_at = clock()
-        self.checks = 0
         self._channel: grpc.aio.Channel | None = None
         self._target = ""
         self._options: Any = None  # the channel's GetDevicePluginOptions, made once per channel
@@ -167,7 +166,6 @@ class SelfCheck:
         current = self.lifecycle()
         ok = current is None or await self._ask(current) or await current.alive(self.timeout)
         self.ok, self.checked_at = ok, self.clock()
-        self.checks += 1
         return ok
 
     async def _ask(self, current: PluginLifecycle) -> bool:

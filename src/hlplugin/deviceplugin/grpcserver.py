@@ -39,7 +39,7 @@ import grpc
 from hlplugin.deviceplugin.devicelist import add_servicer
 
 if TYPE_CHECKING:
-    from hlplugin.deviceplugin.lifecycle import PluginServicer
+    from hlplugin.deviceplugin.interfaces import PluginServicer
 
 log = logging.getLogger(__name__)
 

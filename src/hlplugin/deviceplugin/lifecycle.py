@@ -27,10 +27,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
 import grpc
 
@@ -39,34 +37,16 @@ from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.grpcserver import new_server, stop_server
 from hlplugin.deviceplugin.grpcserver import to_completion as _to_completion
 from hlplugin.deviceplugin.holder import Held, Holder, private_path, publish, wait_until_free
+from hlplugin.deviceplugin.interfaces import PluginServicer, ServicerFactory
 from hlplugin.deviceplugin.kubeletsock import Identity, dir_problem, kubelet_problem, listens
 from hlplugin.deviceplugin.kubeletsock import socket_identity as _socket_identity
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
-from hlplugin.deviceplugin.producer import Wakeup
 from hlplugin.deviceplugin.registration import RegistrationFailed, explain, register_with
-from hlplugin.deviceplugin.watch import DirWatcher
+from hlplugin.deviceplugin.watch import DirWatcher, Wakeup
 
 log = logging.getLogger(__name__)
 
 KUBELET_SOCKET = "kubelet.sock"
-
-Context = grpc.aio.ServicerContext[Any, Any]
-
-
-class PluginServicer(pb_grpc.DevicePluginServicer):
-    """What a resource-specific server adds to the generated servicer: a way to end its streams,
-    a stream count with a hook called when it changes, and the largest request it accepts."""
-
-    open_streams: int
-    max_request_bytes: int = 4 * 1024 * 1024
-    on_streams_changed: Callable[[], None] | None = None
-
-    def close_streams(self) -> None:
-        raise NotImplementedError
-
-
-class ServicerFactory(Protocol):
-    def __call__(self) -> PluginServicer: ...
 
 
 @dataclass

@@ -17,109 +17,40 @@ gap, so a dead watcher never silently leaves a producer on polling alone.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
-import select
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import NoReturn
+from collections.abc import Awaitable, Callable, Sequence
+from enum import StrEnum
 
 from hlplugin.deviceplugin.bounded import BoundedRunner
 from hlplugin.deviceplugin.conditions import MIN_PERIOD
-from hlplugin.deviceplugin.watch import DirWatcher, wait_event
+from hlplugin.deviceplugin.watch import DirWatcher, Wakeup
 
 log = logging.getLogger(__name__)
 
 FIRST_BACKOFF = 0.1
 
 
-async def supervise(name: str, child: Callable[[], Awaitable[object]], *,
-                    restart_after: float = 1.0) -> NoReturn:
-    """Run ``child()`` for ever: when it raises or returns, log that once (later failures at
-    debug level) and start it again after ``restart_after`` seconds. Cancellation ends it."""
-    failures = 0
-    while True:
-        try:
-            await child()
-            problem = "it ended"
-        except Exception as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-        failures += 1
-        log.log(logging.WARNING if failures == 1 else logging.DEBUG,
-                "%s failed (%s); restarting it, periodic checks cover the gap", name, problem,
-                extra={"task": name})
-        await asyncio.sleep(max(restart_after, MIN_PERIOD))
+class Trigger(StrEnum):
+    """Why a pass runs (log text and label values: the member's value)."""
+
+    START = "start"  # the first pass of run()
+    WATCH = "watch"  # a watched name changed
+    PERIODIC = "periodic"  # the interval passed while the condition held
+    RETRY = "retry"  # the backoff passed while it failed
+    ENSURE = "ensure"  # ensure() on demand
+    DEMAND = "demand"  # a caller wants a pass now, whatever ran before
+    ALLOCATE = "allocate"  # on demand, for an Allocate call
 
 
-class Wakeup:
-    """Watchers turned into a wake-up that is safe to wait on with a timeout.
-
-    Take ``pulse()`` before looking at the filesystem, then ``wait(pulse, timeout)``: an event
-    that lands between the look and the wait still wakes the waiter. ``running()`` keeps the
-    watchers alive (supervised) for as long as its block lasts.
-    """
-
-    def __init__(self, *watchers: DirWatcher) -> None:
-        self.watchers = watchers
-        self._event = asyncio.Event()
-
-    def pulse(self) -> asyncio.Event:
-        return self._event
-
-    async def wait(self, pulse: asyncio.Event, limit: float) -> bool:
-        """True when woken, False when ``limit`` passed first."""
-        return await wait_event(pulse, limit)
-
-    def live(self) -> bool:
-        """Every watcher is live on inotify: a change cannot pass unseen (a poll would add nothing)."""
-        return bool(self.watchers) and all(w.live_fd is not None for w in self.watchers)
-
-    def quiet_since(self, pulse: asyncio.Event) -> bool:
-        """No watched change since ``pulse`` was taken, as far as the kernel knows right now:
-        not woken since, every watcher live on inotify, and no event waiting unread. Polls the
-        inotify fds; never touches the watched file systems."""
-        if pulse.is_set() or not self.watchers:
-            return False
-        fds = [w.live_fd for w in self.watchers if w.live_fd is not None]
-        if len(fds) < len(self.watchers):
-            return False
-        readable, _, _ = select.select(fds, [], [], 0)
-        return not readable
-
-    def fire(self) -> None:
-        """Wake the waiters now, as a watched change would (for changes seen elsewhere)."""
-        fired, self._event = self._event, asyncio.Event()
-        fired.set()
-
-    async def _feed(self, watcher: DirWatcher) -> None:
-        async for _ in watcher.changes():
-            self.fire()
-
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[Wakeup]:
-        tasks = [asyncio.create_task(
-            supervise(f"watching {w.directory}", functools.partial(self._feed, w),
-                      restart_after=w.poll_interval),
-            name=f"watch {w.directory}") for w in self.watchers]
-        try:
-            yield self
-        finally:
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.wait(tasks)  # never swallows a cancellation of our own
-
-
-Pass = Callable[[str], Awaitable[bool]]
+Pass = Callable[[Trigger], Awaitable[bool]]
 
 
 class Producer:
     """Runs ``step(trigger)`` on its triggers; see the module docstring. ``step`` runs blocking
     work through ``self.runner`` and records its own outcome (conditions, metrics, logs).
 
-    ``trigger`` is "start" for the first pass of run(), "watch" after a watched change,
-    "periodic" (or "retry" while failing) after a timeout, and ``ensure``'s own for one on demand.
+    ``trigger`` says why a pass runs (see ``Trigger``): ``ensure``'s own for one on demand.
     """
 
     def __init__(self, name: str, step: Pass, *, watch: Sequence[DirWatcher] = (),
@@ -145,7 +76,7 @@ class Producer:
         latest = self._latest
         return latest if latest is not None and not latest.done() else None
 
-    async def check(self, trigger: str) -> bool:
+    async def check(self, trigger: Trigger) -> bool:
         """A pass now, as its own task: it survives the caller's cancellation, and its result is
         recorded either way. Passes that overlap queue in the runner, within their budgets."""
         self._began = began = self._clock()
@@ -155,7 +86,7 @@ class Producer:
         self._latest = task
         return await asyncio.shield(task)
 
-    async def ensure(self, max_age: float, trigger: str = "ensure") -> bool:
+    async def ensure(self, max_age: float, trigger: Trigger = Trigger.ENSURE) -> bool:
         """The result of a pass that began at most ``max_age`` before this call: the pass in
         flight or the latest one if it qualifies, else a new one. A success from a pass in flight
         that began earlier is not trusted (it may have looked before a change): the callers it
@@ -171,7 +102,7 @@ class Producer:
             return self.ok
         return await self.check(trigger)
 
-    async def _once(self, trigger: str, began: float) -> bool:
+    async def _once(self, trigger: Trigger, began: float) -> bool:
         ok = await self._step(trigger)
         self.ok, self.completed_at, self._completed_began = ok, self._clock(), began
         self.passes += 1
@@ -182,7 +113,7 @@ class Producer:
         async with self.wakeup.running():
             backoff = FIRST_BACKOFF
             pulse = self.wakeup.pulse()
-            ok = self.ok if self.completed_at is not None else await self.check("start")
+            ok = self.ok if self.completed_at is not None else await self.check(Trigger.START)
             while True:
                 if ok or self.max_backoff is None:
                     delay, backoff = max(self.interval, MIN_PERIOD), FIRST_BACKOFF
@@ -191,4 +122,4 @@ class Producer:
                     backoff = min(backoff * 2, self.max_backoff)
                 woken = await self.wakeup.wait(pulse, delay)
                 pulse = self.wakeup.pulse()  # before the pass: a change during it runs another
-                ok = await self.check("watch" if woken else "periodic" if ok else "retry")
+                ok = await self.check(Trigger.WATCH if woken else Trigger.PERIODIC if ok else Trigger.RETRY)

@@ -17,7 +17,7 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.deviceplugin import repeats
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.devicelist import HEALTHY, UNHEALTHY, DeviceList
-from hlplugin.deviceplugin.lifecycle import Context, PluginServicer
+from hlplugin.deviceplugin.interfaces import Context, PluginServicer
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.quoting import quote
 

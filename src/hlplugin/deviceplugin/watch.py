@@ -2,7 +2,8 @@
 
 Consumers never trust an event's details: an event only says "look again at these names", and the
 consumer re-reads the filesystem. That keeps the polling fallback and inotify equivalent, and makes
-a flood of events cost one re-check per batch.
+a flood of events cost one re-check per batch. ``Wakeup`` turns watchers into one wake-up that is
+safe to wait on with a timeout, and keeps them running (``supervise``).
 """
 
 from __future__ import annotations
@@ -10,12 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Collection
+import select
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Collection
 from pathlib import Path
+from typing import NoReturn
 
 import inotify_simple
+
+from hlplugin.deviceplugin.conditions import MIN_PERIOD
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +55,9 @@ def _signature(path: Path) -> tuple[int, ...] | None:
 class DirWatcher:
     """Yields sets of changed names among ``names`` (all names when ``names`` is None) in ``directory``.
 
-    A directory that is missing, deleted or replaced is waited for and watched again; its
-    (re)appearance reports every name, since anything in it may be new.
+    A directory that is missing, deleted or replaced is waited for (the watch is tried again every
+    ``poll_interval``) and watched again; its (re)appearance reports every name, since anything in
+    it may be new.
     """
 
     def __init__(
@@ -161,3 +168,80 @@ async def wait_event(event: asyncio.Event, limit: float) -> bool:
         async with asyncio.timeout(limit):
             await event.wait()
     return event.is_set()
+
+
+async def supervise(name: str, child: Callable[[], Awaitable[object]], *,
+                    restart_after: float = 1.0) -> NoReturn:
+    """Run ``child()`` for ever: when it raises or returns, log that once (later failures at
+    debug level) and start it again after ``restart_after`` seconds. Cancellation ends it."""
+    failures = 0
+    while True:
+        try:
+            await child()
+            problem = "it ended"
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        failures += 1
+        log.log(logging.WARNING if failures == 1 else logging.DEBUG,
+                "%s failed (%s); restarting it, periodic checks cover the gap", name, problem,
+                extra={"task": name})
+        await asyncio.sleep(max(restart_after, MIN_PERIOD))
+
+
+class Wakeup:
+    """Watchers turned into a wake-up that is safe to wait on with a timeout.
+
+    Take ``pulse()`` before looking at the filesystem, then ``wait(pulse, timeout)``: an event
+    that lands between the look and the wait still wakes the waiter. ``running()`` keeps the
+    watchers alive (supervised) for as long as its block lasts.
+    """
+
+    def __init__(self, *watchers: DirWatcher) -> None:
+        self.watchers = watchers
+        self._event = asyncio.Event()
+
+    def pulse(self) -> asyncio.Event:
+        return self._event
+
+    async def wait(self, pulse: asyncio.Event, limit: float) -> bool:
+        """True when woken, False when ``limit`` passed first."""
+        return await wait_event(pulse, limit)
+
+    def live(self) -> bool:
+        """Every watcher is live on inotify: a change cannot pass unseen (a poll would add nothing)."""
+        return bool(self.watchers) and all(w.live_fd is not None for w in self.watchers)
+
+    def quiet_since(self, pulse: asyncio.Event) -> bool:
+        """No watched change since ``pulse`` was taken, as far as the kernel knows right now:
+        not woken since, every watcher live on inotify, and no event waiting unread. Polls the
+        inotify fds; never touches the watched file systems."""
+        if pulse.is_set() or not self.watchers:
+            return False
+        fds = [w.live_fd for w in self.watchers if w.live_fd is not None]
+        if len(fds) < len(self.watchers):
+            return False
+        readable, _, _ = select.select(fds, [], [], 0)
+        return not readable
+
+    def fire(self) -> None:
+        """Wake the waiters now, as a watched change would (for changes seen elsewhere)."""
+        fired, self._event = self._event, asyncio.Event()
+        fired.set()
+
+    async def _feed(self, watcher: DirWatcher) -> None:
+        async for _ in watcher.changes():
+            self.fire()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Wakeup]:
+        tasks = [asyncio.create_task(
+            supervise(f"watching {w.directory}", functools.partial(self._feed, w),
+                      restart_after=w.poll_interval),
+            name=f"watch {w.directory}") for w in self.watchers]
+        try:
+            yield self
+        finally:
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks)  # never swallows a cancellation of our own

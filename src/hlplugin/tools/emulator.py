@@ -39,7 +39,8 @@ import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET, Context
+from hlplugin.deviceplugin.interfaces import Context
+from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET
 from hlplugin.deviceplugin.watch import wait_event
 
 log = logging.getLogger(__name__)
