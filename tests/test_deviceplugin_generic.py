@@ -67,3 +67,23 @@ def test_the_name_check_sees_a_comment_and_a_string(tmp_path: Path) -> None:
     sample.write_text("from hlplugin.api import x\n# keeps the CDI spec\nNAME = 'hlplugin-probe'\n"
                       "PATH = '/dev/kvm'\n")
     assert len(names_outside_imports(sample)) == 3
+
+
+def test_generic_package_names_none_of_our_flags(tmp_path: Path) -> None:
+    """Operator hints are injected (PluginLifecycle's ``dir_setting``), so the generic package
+    names none of our command-line flags, while the daemons' messages still name them."""
+    from hlplugin.config import OPTIONS
+    from hlplugin.deviceplugin.kubeletsock import dir_problem, kubelet_problem
+
+    flags = re.compile("|".join(re.escape(o.flag) + r"\b" for o in OPTIONS.values()))
+    files = sorted(Path(hlplugin.deviceplugin.__file__).parent.glob("*.py"))
+    offenders = [f"{path.name}:{n}: {line.strip()}" for path in files
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if flags.search(line)]
+    assert not offenders, offenders
+    missing = tmp_path / "missing"
+    assert dir_problem(missing, "--plugin-dir") == (
+        f"{missing} does not exist (is --plugin-dir the kubelet's device-plugins directory?)")
+    tmp_path.joinpath("dir").mkdir()
+    assert kubelet_problem(tmp_path / "dir" / "kubelet.sock", "--plugin-dir") == (
+        f"no kubelet.sock at {tmp_path / 'dir' / 'kubelet.sock'} (is the kubelet running, and is "
+        "--plugin-dir its device-plugins directory?)")

@@ -29,6 +29,7 @@ from hlplugin.deviceplugin.watch import DirWatcher
 from hlplugin.metrics import HyperlightMetrics
 from hlplugin.names import DEVICE_ACCESS_RESOURCE as RESOURCE
 from hlplugin.names import DEVICE_ACCESS_SOCKET as SOCKET
+from hlplugin.names import PLUGIN_DIR_FLAG
 
 
 class DeviceAccessPlugin(TrackedDevicePlugin):
@@ -92,7 +93,7 @@ async def bootstrap(settings: Settings, launch: Launch | None = None, *,
             settings.plugin_dir, SOCKET, RESOURCE,
             lambda: DeviceAccessPlugin(hv, tracker, functools.partial(watch.ensure, 0.0, Trigger.ALLOCATE),
                                        metrics),
-            register_timeout=settings.register_timeout, metrics=metrics)
+            register_timeout=settings.register_timeout, dir_setting=PLUGIN_DIR_FLAG, metrics=metrics)
         return Started(lifecycle, {"device-health": watch.run(),
                                    "plugin": lifecycle.run()})
 

@@ -15,5 +15,8 @@ DEVICE_ACCESS_SOCKET = "hyperlight-device-access.sock"
 NO_HYPERVISOR_HINT = ("is the kvm module loaded (modprobe kvm_intel or kvm_amd), virtualisation "
                       "turned on in the firmware, and, in a virtual machine, nested virtualisation "
                       "enabled?")
+# How operators choose the kubelet's device-plugins directory: the hints in the daemons' messages
+# name it.
+PLUGIN_DIR_FLAG = "--plugin-dir"
 # The longer socket name: what bounds how long the plugin directory's path may be.
 LONGEST_SOCKET = max(HYPERVISOR_SOCKET, DEVICE_ACCESS_SOCKET, key=len)

@@ -28,6 +28,7 @@ from hlplugin.health import DeviceMonitor
 from hlplugin.metrics import Metrics
 from hlplugin.names import HYPERVISOR_RESOURCE as RESOURCE
 from hlplugin.names import HYPERVISOR_SOCKET as SOCKET
+from hlplugin.names import PLUGIN_DIR_FLAG
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ async def serve(settings: Settings, launch: Launch | None = None) -> None:
             settings.plugin_dir, SOCKET, RESOURCE,
             lambda: HypervisorPlugin(hv, settings.device_count, tracker, gate,
                                      cdi_annotations=settings.cdi_annotations, metrics=metrics),
-            register_timeout=settings.register_timeout, metrics=metrics)
+            register_timeout=settings.register_timeout, dir_setting=PLUGIN_DIR_FLAG, metrics=metrics)
         return Started(lifecycle, {"cdi": reconciler.run(), "device-health": monitor.run(),
                                    "plugin": lifecycle.run()})
 

@@ -38,7 +38,13 @@ from hlplugin.deviceplugin.grpcserver import new_server, stop_server
 from hlplugin.deviceplugin.grpcserver import to_completion as _to_completion
 from hlplugin.deviceplugin.holder import Held, Holder, private_path, publish, wait_until_free
 from hlplugin.deviceplugin.interfaces import PluginServicer, ServicerFactory
-from hlplugin.deviceplugin.kubeletsock import Identity, dir_problem, kubelet_problem, listens
+from hlplugin.deviceplugin.kubeletsock import (
+    DIR_SETTING,
+    Identity,
+    dir_problem,
+    kubelet_problem,
+    listens,
+)
 from hlplugin.deviceplugin.kubeletsock import socket_identity as _socket_identity
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.registration import RegistrationFailed, explain, register_with
@@ -72,7 +78,9 @@ class PluginLifecycle:
         stream_grace: float = 3.0,
         kubelet_wait: float = 30.0,
         metrics: DevicePluginMetrics | None = None,
+        dir_setting: str = DIR_SETTING,
     ) -> None:
+        """``dir_setting``: how the operator names ``plugin_dir`` (a flag), for the hints."""
         self.plugin_dir = plugin_dir
         self.socket_path = plugin_dir / socket_name
         self.kubelet_path = plugin_dir / KUBELET_SOCKET
@@ -86,6 +94,7 @@ class PluginLifecycle:
         self._stream_grace = stream_grace
         self._kubelet_wait = kubelet_wait
         self._metrics = metrics
+        self._dir_setting = dir_setting
         self._wakeup = Wakeup(DirWatcher(plugin_dir, {socket_name, KUBELET_SOCKET},
                                          poll_interval=recheck_interval))
         self._instance: _Instance | None = None
@@ -354,10 +363,10 @@ class PluginLifecycle:
         await self._wakeup.wait(pulse, recheck if limit is None else min(limit, recheck))
 
     def _dir_problem(self) -> str:
-        return dir_problem(self.plugin_dir)
+        return dir_problem(self.plugin_dir, self._dir_setting)
 
     def _kubelet_problem(self) -> str:
-        return kubelet_problem(self.kubelet_path)
+        return kubelet_problem(self.kubelet_path, self._dir_setting)
 
     def _fail(self, kind: str, problem: str) -> None:
         """An attempt that could not register: counted, and shown by /readyz."""

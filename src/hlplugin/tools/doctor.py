@@ -1,6 +1,7 @@
 """`hlplugin doctor`: one-shot diagnosis of this node as the daemons would see it.
 
-It reuses the daemons' own checks (hlplugin.probe, hlplugin.cdi, Settings.detect_hypervisor), so
+It reuses the daemons' own checks (hlplugin.probe, hlplugin.cdi_spec, Settings.detect_hypervisor,
+the lifecycle's plugin-dir and kubelet.sock checks in deviceplugin.kubeletsock), so
 a verdict here means what the daemons would conclude, not what a separate tool guesses. Every
 device step runs in a BoundedRunner: a hung ioctl costs a "timed out" row, never a hung doctor.
 Nothing is changed: the CDI spec is only read, and the writability test writes a temp file of the
@@ -21,7 +22,6 @@ import errno
 import json
 import os
 import secrets
-import socket
 import stat
 import time
 from collections.abc import Callable
@@ -33,8 +33,9 @@ from hlplugin import cdi_spec, probe
 from hlplugin.config import Settings
 from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.files import char_device
+from hlplugin.deviceplugin.kubeletsock import connect_error, dir_problem, kubelet_problem, socket_identity
 from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET
-from hlplugin.names import NO_HYPERVISOR_HINT
+from hlplugin.names import NO_HYPERVISOR_HINT, PLUGIN_DIR_FLAG
 from hlplugin.tools.cdi_resolve import resolves_to
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
@@ -332,34 +333,22 @@ def _cdi_spec(path: Path, desired: bytes) -> str:
 
 
 def _plugin_dir(directory: Path) -> str:
-    if not directory.exists():
-        raise _Verdict(FAIL, f"{directory} does not exist (is --plugin-dir the kubelet's "
-                             "device-plugins directory?)")
-    if not directory.is_dir():
-        raise _Verdict(FAIL, f"{directory} is not a directory (is --plugin-dir the kubelet's "
-                             "device-plugins directory?)")
+    problem = dir_problem(directory, PLUGIN_DIR_FLAG)  # the daemons' words for it
+    if problem:
+        raise _Verdict(FAIL, problem)
     if not os.access(directory, os.W_OK | os.X_OK):
         raise _Verdict(FAIL, f"{directory} is not writable; the daemons create their sockets there")
     return f"{directory} is writable"
 
 
 def _kubelet(path: Path) -> str:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise _Verdict(FAIL, f"{path} is missing: is the kubelet running, and is --plugin-dir "
-                             "its device-plugins directory?") from None
-    if not stat.S_ISSOCK(st.st_mode):
-        raise _Verdict(FAIL, f"{path} is not a socket")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(1.0)
-        try:
-            sock.connect(str(path))
-        except OSError as exc:
-            stale = " (a stale socket: a crashed kubelet leaves it behind)" \
-                if exc.errno == errno.ECONNREFUSED else ""
-            raise _Verdict(FAIL, f"{path} does not accept connections: {_os_error(exc)}{stale}") \
-                from None
+    if socket_identity(path) is None:
+        raise _Verdict(FAIL, kubelet_problem(path, PLUGIN_DIR_FLAG))  # the daemons' words for it
+    error = connect_error(path)
+    if error is not None:
+        stale = " (a stale socket: a crashed kubelet leaves it behind)" \
+            if error.errno == errno.ECONNREFUSED else ""
+        raise _Verdict(FAIL, f"{path} does not accept connections: {_os_error(error)}{stale}")
     return f"{path} accepts connections"
 
 
