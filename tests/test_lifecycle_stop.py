@@ -19,7 +19,7 @@ from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
 
 
 def test_cancelled_again_while_stopping_still_stops_the_server_and_removes_its_socket() -> None:
-    """run_daemon re-cancels every 0.25 s (asyncio.wait_for on 3.11 can swallow a cancel); a
+    """Daemon.stop() re-cancels every 0.25 s (asyncio.wait_for on 3.11 can swallow a cancel); a
     re-cancel landing inside server.stop() must not leave a running server for the garbage
     collector (``Server.__del__`` then prints a traceback once the loop is closed) or our socket."""
 

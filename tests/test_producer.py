@@ -15,7 +15,7 @@ from hlplugin.cdi import CdiReconciler
 from hlplugin.cdi_spec import SPEC_FILE, render_spec
 from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.conditions import HealthTracker
-from hlplugin.deviceplugin.daemon import DaemonSpec, Started, run_daemon
+from hlplugin.deviceplugin.daemon import Daemon, DaemonSpec, Started
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.producer import Producer
@@ -130,12 +130,39 @@ async def test_a_failing_root_task_is_one_log_line_and_exit_1(
     spec = DaemonSpec("example daemon", ("127.0.0.1", 0), tracker, DevicePluginMetrics("example"),
                       nothing, setup)
     with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exited:
-        await run_daemon(spec)
+        await Daemon(spec).run()
     assert exited.value.code == 1
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert [r.getMessage() for r in errors] == [
         "example daemon: root task broken failed: ValueError: the disk is on fire; exiting"]
     assert errors[0].task == "broken"  # type: ignore[attr-defined]
+
+
+async def test_root_tasks_failing_together_are_one_log_line_each(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Two root tasks that fail in the same loop iteration (neither awaits, so the group cannot
+    cancel the second first): each gets its line, in the order the tasks were started."""
+    tracker = HealthTracker()
+    lifecycle = PluginLifecycle(tmp_path, "x.sock", "example.com/x",
+                                lambda: TrackedDevicePlugin(["x-0"], tracker))
+
+    async def broken(what: str) -> None:
+        raise ValueError(what)
+
+    async def nothing() -> None:
+        return None
+
+    async def setup(_: None) -> Started:
+        return Started(lifecycle, {"first": broken("one"), "second": broken("two")})
+
+    spec = DaemonSpec("example daemon", ("127.0.0.1", 0), tracker, DevicePluginMetrics("example"),
+                      nothing, setup)
+    with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exited:
+        await Daemon(spec).run()
+    assert exited.value.code == 1
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
+        "example daemon: root task first failed: ValueError: one; exiting",
+        "example daemon: root task second failed: ValueError: two; exiting"]
 
 
 async def test_a_lingering_runner_reuses_its_helper_then_lets_it_go() -> None:

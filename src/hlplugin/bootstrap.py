@@ -19,7 +19,7 @@ from hlplugin.config import Settings, show
 from hlplugin.detect import wait_for_hypervisor
 from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.conditions import HealthTracker
-from hlplugin.deviceplugin.daemon import DaemonSpec, Launch, Started, run_daemon
+from hlplugin.deviceplugin.daemon import Daemon, DaemonSpec, Launch, Started
 from hlplugin.deviceplugin.interfaces import Context
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
@@ -98,8 +98,8 @@ async def bootstrap(settings: Settings, launch: Launch | None = None, *,
                                    "plugin": lifecycle.run()})
 
     # What auto looks for and where, as the main daemon says it.
-    await run_daemon(DaemonSpec(
+    await Daemon(DaemonSpec(
         "hlplugin bootstrap", settings.http_address, tracker, metrics,
         functools.partial(wait_for_hypervisor, settings), setup,
         pending={"hypervisor": f"no mshv or kvm device under {show(settings.dev_dir)}"},
-        launch=launch or Launch()))
+        launch=launch or Launch())).run()

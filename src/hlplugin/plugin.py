@@ -18,7 +18,7 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.config import Settings, show
 from hlplugin.detect import wait_for_hypervisor
 from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.daemon import DaemonSpec, Launch, Started, run_daemon
+from hlplugin.deviceplugin.daemon import Daemon, DaemonSpec, Launch, Started
 from hlplugin.deviceplugin.devicelist import DeviceList, NumberedIds
 from hlplugin.deviceplugin.interfaces import Context
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
@@ -114,8 +114,8 @@ async def serve(settings: Settings, launch: Launch | None = None) -> None:
         return Started(lifecycle, {"cdi": reconciler.run(), "device-health": monitor.run(),
                                    "plugin": lifecycle.run()})
 
-    await run_daemon(DaemonSpec(
+    await Daemon(DaemonSpec(
         "hlplugin serve", settings.http_address, tracker, metrics,
         functools.partial(wait_for_hypervisor, settings), setup,
         pending={"hypervisor": f"no mshv or kvm device under {show(settings.dev_dir)}"},
-        launch=launch or Launch()))
+        launch=launch or Launch())).run()

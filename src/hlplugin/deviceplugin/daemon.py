@@ -56,7 +56,7 @@ class Launch:
 
 @dataclass(frozen=True)
 class DaemonSpec(Generic[T]):
-    """Everything run_daemon needs from one daemon.
+    """Everything a Daemon needs from one daemon.
 
     ``wait`` returns what the daemon needs before it can build its plugin (e.g. which device node
     appeared); until it does, /readyz reports the ``pending`` conditions as failing. ``setup``
@@ -192,112 +192,128 @@ class SelfCheck:
             await channel.close(None)
 
 
-async def run_daemon(spec: DaemonSpec[T]) -> None:
-    """Start HTTP, then run the spec's setup and its named root tasks until a signal.
+class Daemon(Generic[T]):
+    """One daemon's process: HTTP first, then the spec's wait() and setup(), then its named root
+    tasks until a signal or ``stop()``.
 
-    A root task that fails is logged as one line naming it and its error; the others are
-    cancelled and the process exits 1 for the orchestrator to restart it.
+    A root task that fails is logged as one line naming it and its error (one per failed task);
+    the others are cancelled and the process exits 1 for the orchestrator to restart it.
     """
-    loop = asyncio.get_running_loop()
-    me = asyncio.current_task()
-    assert me is not None
-    roots: list[asyncio.Task[None]] = []
-    started: Started | None = None
-    waiting = True
-    stopping = False
-    track_health_metrics(spec.tracker, spec.metrics)
 
-    def current() -> PluginLifecycle | None:
-        return started.lifecycle if started is not None else None
+    def __init__(self, spec: DaemonSpec[T]) -> None:
+        self.spec = spec
+        self._roots: list[asyncio.Task[None]] = []
+        self._started: Started | None = None
+        self._waiting = True
+        self._stopping = False
+        self._task: asyncio.Task[Any] | None = None  # run()'s, which stop() cancels
 
-    def readiness() -> dict[str, tuple[bool, str]]:
-        conditions = plugin_readiness(current, spec.tracker)()
-        if waiting:
-            conditions.update((name, (False, reason)) for name, reason in spec.pending.items())
+    def lifecycle(self) -> PluginLifecycle | None:
+        return self._started.lifecycle if self._started is not None else None
+
+    def readiness(self) -> dict[str, tuple[bool, str]]:
+        """/readyz's conditions: the plugin's (see plugin_readiness), and while wait() has not
+        returned, the spec's ``pending`` ones, failing."""
+        conditions = plugin_readiness(self.lifecycle, self.spec.tracker)()
+        if self._waiting:
+            conditions.update((name, (False, reason)) for name, reason in self.spec.pending.items())
         return conditions
 
-    def stop(again: bool = False) -> None:
+    def stop(self, again: bool = False) -> None:
         """Cancel everything, and again every 0.25 s while anything still runs: on Python 3.11
-        asyncio.wait_for, which gRPC uses inside server shutdown, can swallow a cancellation."""
-        nonlocal stopping
+        asyncio.wait_for, which gRPC uses inside server shutdown, can swallow a cancellation.
+        On the event loop, while run() runs."""
+        me = self._task
+        if me is None:
+            return
         if not again:
-            if stopping:  # a second signal: already on its way
+            if self._stopping:  # a second signal: already on its way
                 return
-            stopping = True
-            log.info("%s stopping", spec.name)
-        pending = [task for task in roots if not task.done()]
+            self._stopping = True
+            log.info("%s stopping", self.spec.name)
+        pending = [task for task in self._roots if not task.done()]
         if again and not pending and me.done():
             return
         for task in pending:
             task.cancel()
-        if not roots or again:
+        if not self._roots or again:
             me.cancel()
-        loop.call_later(0.25, stop, True)
+        me.get_loop().call_later(0.25, self.stop, True)
 
-    signals = spec.launch.signals
-    if signals is None:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop)
-    else:  # the process's handlers, which outlive this loop (see signals.py)
-        def request_stop() -> None:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(stop)
+    async def run(self) -> None:
+        spec = self.spec
+        loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        track_health_metrics(spec.tracker, spec.metrics)
+        signals = spec.launch.signals
+        if signals is None:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, self.stop)
+        else:  # the process's handlers, which outlive this loop (see signals.py)
+            def request_stop() -> None:
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(self.stop)
 
-        signals.connect(request_stop)
-    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
-    for setting in spec.launch.ignored_settings:
-        spec.metrics.settings_ignored.labels(setting=setting).set(1)
+            signals.connect(request_stop)
+        loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
+        for setting in spec.launch.ignored_settings:
+            spec.metrics.settings_ignored.labels(setting=setting).set(1)
 
-    # Read at every scrape, from the same conditions as /readyz: a readiness alert needs no
-    # kube-state-metrics, and cannot disagree with the probe.
-    spec.metrics.ready.set_function(lambda: float(all(ok for ok, _ in readiness().values())))
-    checker = SelfCheck(current)
-    http = HttpServer(readiness, checker.liveness, spec.metrics.registry,
-                      details={"ignored_settings": sorted(spec.launch.ignored_settings)})
-    checking: asyncio.Task[None] | None = None
-    try:
+        # Read at every scrape, from the same conditions as /readyz: a readiness alert needs no
+        # kube-state-metrics, and cannot disagree with the probe.
+        spec.metrics.ready.set_function(
+            lambda: float(all(ok for ok, _ in self.readiness().values())))
+        checker = SelfCheck(self.lifecycle)
+        http = HttpServer(self.readiness, checker.liveness, spec.metrics.registry,
+                          details={"ignored_settings": sorted(spec.launch.ignored_settings)})
+        checking: asyncio.Task[None] | None = None
         try:
-            await http.start(spec.http_address)
-        except OSError as exc:  # in use, not an address of ours, unresolvable: the operator's
-            log.error("%s: cannot serve HTTP on %s: %s", spec.name,
-                      format_address(spec.http_address), _os_reason(exc))
-            raise SystemExit(1) from None
-        checking = asyncio.create_task(checker.run(), name="self-check")
-        found = await spec.wait()
-        waiting = False
-        started = await spec.setup(found)
-        try:
-            async with asyncio.TaskGroup() as group:
-                for task_name, coroutine in started.tasks.items():
-                    roots.append(group.create_task(coroutine, name=task_name))
-        except* Exception as failed:
-            _log_failures(spec.name, roots, failed)
-            raise SystemExit(1) from None
-    except asyncio.CancelledError:
-        log.debug("%s stopped", spec.name)
-    finally:
-        # stop() cancels this task again every 0.25 s until it ends: each step must finish.
-        if checking is not None:
-            checking.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await http.stop()
-        with contextlib.suppress(asyncio.CancelledError):
-            await checker.close()
-        if signals is not None:
-            signals.disconnect()
+            try:
+                await http.start(spec.http_address)
+            except OSError as exc:  # in use, not an address of ours, unresolvable: the operator's
+                log.error("%s: cannot serve HTTP on %s: %s", spec.name,
+                          format_address(spec.http_address), _os_reason(exc))
+                raise SystemExit(1) from None
+            checking = asyncio.create_task(checker.run(), name="self-check")
+            found = await spec.wait()
+            self._waiting = False
+            self._started = started = await spec.setup(found)
+            try:
+                async with asyncio.TaskGroup() as group:
+                    for task_name, coroutine in started.tasks.items():
+                        self._roots.append(group.create_task(coroutine, name=task_name))
+            except* Exception as failed:
+                _log_failures(spec.name, self._roots, failed)
+                raise SystemExit(1) from None
+        except asyncio.CancelledError:
+            log.debug("%s stopped", spec.name)
+        finally:
+            # stop() cancels this task again every 0.25 s until it ends: each step must finish.
+            if checking is not None:
+                checking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await http.stop()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checker.close()
+            if signals is not None:
+                signals.disconnect()
 
 
 def _log_failures(name: str, roots: list[asyncio.Task[None]], group: BaseExceptionGroup[Exception]
                   ) -> None:
     """One error line per failed root task: which task, and what it raised (with its traceback
-    as the record's exception, which the JSON format keeps in one line)."""
+    as the record's exception, which the JSON format keeps in one line). A failure no root task
+    holds (the group's own) gets one line too."""
+    logged = False
     for task in roots:
         if task.done() and not task.cancelled() and task.exception() is not None:
             error = task.exception()
             log.error("%s: root task %s failed: %s: %s; exiting", name, task.get_name(),
                       type(error).__name__, error, exc_info=error,
                       extra={"task": task.get_name(), "error": type(error).__name__})
-            return
+            logged = True
+    if logged:
+        return
     error = group.exceptions[0]
     log.error("%s: a root task failed: %s: %s; exiting", name, type(error).__name__, error,
               exc_info=error, extra={"error": type(error).__name__})

@@ -57,7 +57,7 @@ _abandoned: set[asyncio.Task[None]] = set()
 async def to_completion(work: Coroutine[Any, Any, None]) -> None:
     """Finish bounded clean-up even when cancelled meanwhile, then re-raise the cancellation.
 
-    The daemon re-cancels every 0.25 s while stopping (see run_daemon); a server.stop() cut short
+    The daemon re-cancels every 0.25 s while stopping (see Daemon.stop); a server.stop() cut short
     leaves a running server that the garbage collector shuts down after the loop has closed,
     printing a traceback, and leaves its socket behind.
     """
