@@ -42,3 +42,14 @@ def test_the_check_sees_an_import_of_the_tools(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("from hlplugin.tools.emulator import KubeletEmulator\nfrom hlplugin import tools\n")
     assert {"hlplugin.tools.emulator", "hlplugin.tools"} <= set(imported_modules(sample))
+
+
+MAX_LINES = 400
+
+
+def test_no_hand_written_module_is_over_400_lines() -> None:
+    """New functionality goes into a module of its own (the generated gRPC code is exempt)."""
+    long = {str(p.relative_to(PACKAGE)): n for p in sorted(PACKAGE.rglob("*.py"))
+            if PACKAGE / "api" not in p.parents
+            and (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TextIO
 
 from hlplugin.names import DEVICE_ACCESS_RESOURCE, HYPERVISOR_RESOURCE
-from hlplugin.tools.demo import Daemon, _make_root
+from hlplugin.tools.demo_steps import Daemon, make_root
 from hlplugin.tools.emulator import AdmissionError, KubeletEmulator
 
 CONTROL_SOCKET = "demo.sock"
@@ -75,7 +75,7 @@ class Held:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self.stopping.set)
-        root = _make_root()
+        root = make_root()
         codes: list[int] = []
         try:
             control = await self._start(root)
