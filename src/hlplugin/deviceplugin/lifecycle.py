@@ -1,6 +1,6 @@
 """The generic device-plugin lifecycle, shared by both daemons: serve, register, watch, restart.
 
-One ``PluginLifecycle`` drives one resource-specific servicer (see ``PluginServicer``). It keeps
+One ``PluginLifecycle`` drives one resource-specific servicer (interfaces.py). It keeps
 the kubelet's rules (see docs/kubelet.md):
 
 - Register is synchronous and the kubelet dials us inside it, so we serve before registering.

@@ -31,7 +31,7 @@ from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET
 from hlplugin.names import DEVICE_ACCESS_RESOURCE as ACCESS_RESOURCE
 from hlplugin.names import HYPERVISOR_RESOURCE, NO_HYPERVISOR_HINT
 from hlplugin.tools.demo_steps import (
-    Daemon,
+    DemoDaemon,
     DemoError,
     Narration,
     command_line,
@@ -57,7 +57,7 @@ class Demo(Narration):
         super().__init__(out)
         self.keep = keep
         self.dev_dir = dev_dir
-        self.daemons: list[Daemon] = []
+        self.daemons: list[DemoDaemon] = []
         self.kubelet: KubeletEmulator | None = None
 
     # -- the run -------------------------------------------------------------------------------
@@ -112,10 +112,10 @@ class Demo(Narration):
         self.kubelet = kubelet = KubeletEmulator(plugin_dir)
         await kubelet.start()
         self.item(f"kubelet emulator    serving {kubelet.socket_path}")
-        serve = Daemon("hlplugin serve", [
+        serve = DemoDaemon("hlplugin serve", [
             "serve", "--plugin-dir", str(plugin_dir), "--cdi-dir", str(cdi_dir), "--dev-dir", dev,
             "--host-dev-dir", dev, "--hypervisor", hypervisor])
-        boot = Daemon("hlplugin bootstrap", [
+        boot = DemoDaemon("hlplugin bootstrap", [
             "bootstrap", "--plugin-dir", str(plugin_dir), "--dev-dir", dev,
             "--hypervisor", hypervisor])
         started = time.monotonic()
@@ -246,7 +246,7 @@ class Demo(Narration):
         self.item("(in a pod the runtime creates the node owned by uid/gid 65534, so a non-root "
                   "workload can open it)")
 
-    async def _break_and_repair(self, serve: Daemon, path: Path, desired: bytes) -> None:
+    async def _break_and_repair(self, serve: DemoDaemon, path: Path, desired: bytes) -> None:
         await self._until(lambda: cdi_spec.check_file(path, desired)[0], f"{path} to be written")
         before = await serve.metric("hyperlight_cdi_repairs_total", cause="malformed") or 0.0
         # In place, as an editor or a broken tool would.

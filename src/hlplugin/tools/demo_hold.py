@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TextIO
 
 from hlplugin.names import DEVICE_ACCESS_RESOURCE, HYPERVISOR_RESOURCE
-from hlplugin.tools.demo_steps import Daemon, make_root
+from hlplugin.tools.demo_steps import DemoDaemon, make_root
 from hlplugin.tools.emulator import AdmissionError, KubeletEmulator
 
 CONTROL_SOCKET = "demo.sock"
@@ -63,7 +63,7 @@ class Held:
     def __init__(self, dev_dir: Path, out: TextIO) -> None:
         self.dev_dir = dev_dir
         self.out = out
-        self.daemons: list[Daemon] = []
+        self.daemons: list[DemoDaemon] = []
         self.kubelet: KubeletEmulator | None = None
         self.stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -99,10 +99,10 @@ class Held:
         hypervisor = "mshv" if (self.dev_dir / "mshv").exists() else "kvm"
         self.kubelet = KubeletEmulator(plugin_dir)
         await self.kubelet.start()
-        serve = Daemon("hlplugin serve", [
+        serve = DemoDaemon("hlplugin serve", [
             "serve", "--plugin-dir", str(plugin_dir), "--cdi-dir", str(cdi_dir), "--dev-dir", dev,
             "--host-dev-dir", dev, "--hypervisor", hypervisor])
-        boot = Daemon("hlplugin bootstrap", [
+        boot = DemoDaemon("hlplugin bootstrap", [
             "bootstrap", "--plugin-dir", str(plugin_dir), "--dev-dir", dev,
             "--hypervisor", hypervisor])
         for daemon in (serve, boot):

@@ -53,7 +53,7 @@ class DemoError(Exception):
     """A step that should have worked did not; the demo stops and cleans up."""
 
 
-class Daemon(DaemonProcess):
+class DemoDaemon(DaemonProcess):
     """A demo daemon: the user's HYPERLIGHT_* and DEVICE_* variables must not change the demo."""
 
     def __init__(self, name: str, args: list[str]) -> None:
