@@ -4,6 +4,7 @@ bounded passes, the first pass run once, and a failing root task."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from pathlib import Path
@@ -253,3 +254,17 @@ async def test_ensure_never_answers_with_a_success_that_began_before_it_was_aske
         assert [await f for f in fresh] == [False] * 3  # the new pass's, or the old failure
         assert len(started) == (2 if first else 1)
         results.clear()
+
+
+def test_triggers_and_repair_causes_read_as_their_plain_words() -> None:
+    """The enums keep label values and log text exactly the words they replaced."""
+    from hlplugin.deviceplugin.producer import Trigger
+    from hlplugin.metrics import CDI_REFUSAL_REASONS, CDI_REPAIR_CAUSES, RepairCause
+
+    assert [f"{t}" for t in Trigger] == ["start", "watch", "periodic", "retry", "ensure",
+                                         "demand", "allocate"]
+    record = logging.makeLogRecord({"msg": "trigger: %s", "args": (Trigger.WATCH,)})
+    assert record.getMessage() == "trigger: watch"  # as the log lines format it
+    assert CDI_REPAIR_CAUSES == ("missing", "malformed", "stale", "metadata")
+    assert CDI_REFUSAL_REASONS == ("not_regular", "write_failed")
+    assert json.dumps({"cause": RepairCause.STALE}) == '{"cause": "stale"}'
