@@ -23,9 +23,9 @@ from typing import Any
 
 import harness
 from harness import proc_status
-from hlplugin.tools.emulator import KubeletEmulator
 
 from hlplugin.names import DEVICE_ACCESS_RESOURCE, HYPERVISOR_RESOURCE
+from hlplugin.tools.emulator import KubeletEmulator
 
 V1 = Path("/sys/fs/cgroup/memory")
 V2 = Path("/sys/fs/cgroup")
