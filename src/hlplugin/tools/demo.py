@@ -105,19 +105,13 @@ class Demo(Narration):
     async def _walk(self, root: Path, hypervisor: str) -> None:
         plugin_dir = root / "device-plugins"
         cdi_dir = root / "cdi"
-        dev = str(self.dev_dir)
 
         self.step("start a kubelet emulator and both daemons")
         self.why("start")
         self.kubelet = kubelet = KubeletEmulator(plugin_dir)
         await kubelet.start()
         self.item(f"kubelet emulator    serving {kubelet.socket_path}")
-        serve = DemoDaemon("hlplugin serve", [
-            "serve", "--plugin-dir", str(plugin_dir), "--cdi-dir", str(cdi_dir), "--dev-dir", dev,
-            "--host-dev-dir", dev, "--hypervisor", hypervisor])
-        boot = DemoDaemon("hlplugin bootstrap", [
-            "bootstrap", "--plugin-dir", str(plugin_dir), "--dev-dir", dev,
-            "--hypervisor", hypervisor])
+        serve, boot = DemoDaemon.pair(plugin_dir, cdi_dir, self.dev_dir, hypervisor)
         started = time.monotonic()
         for daemon in (serve, boot):
             self.daemons.append(daemon)

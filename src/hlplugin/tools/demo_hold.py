@@ -95,16 +95,11 @@ class Held:
         return 0 if codes and not any(codes) else 1
 
     async def _start(self, root: Path) -> asyncio.Server | None:
-        plugin_dir, cdi_dir, dev = root / "device-plugins", root / "cdi", str(self.dev_dir)
+        plugin_dir, cdi_dir = root / "device-plugins", root / "cdi"
         hypervisor = "mshv" if (self.dev_dir / "mshv").exists() else "kvm"
         self.kubelet = KubeletEmulator(plugin_dir)
         await self.kubelet.start()
-        serve = DemoDaemon("hlplugin serve", [
-            "serve", "--plugin-dir", str(plugin_dir), "--cdi-dir", str(cdi_dir), "--dev-dir", dev,
-            "--host-dev-dir", dev, "--hypervisor", hypervisor])
-        boot = DemoDaemon("hlplugin bootstrap", [
-            "bootstrap", "--plugin-dir", str(plugin_dir), "--dev-dir", dev,
-            "--hypervisor", hypervisor])
+        serve, boot = DemoDaemon.pair(plugin_dir, cdi_dir, self.dev_dir, hypervisor)
         for daemon in (serve, boot):
             self.daemons.append(daemon)
             await daemon.start()

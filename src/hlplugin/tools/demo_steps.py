@@ -61,6 +61,18 @@ class DemoDaemon(DaemonProcess):
         super().__init__(args, name=name,
                          env={k: v for k, v in os.environ.items() if k not in twins})
 
+    @classmethod
+    def pair(cls, plugin_dir: Path, cdi_dir: Path, dev_dir: Path,
+             hypervisor: str) -> tuple[DemoDaemon, DemoDaemon]:
+        """The main daemon and the bootstrap on one node root, ``dev_dir`` as the host view too."""
+        dev = str(dev_dir)
+        serve = cls("hlplugin serve", [
+            "serve", "--plugin-dir", str(plugin_dir), "--cdi-dir", str(cdi_dir), "--dev-dir", dev,
+            "--host-dev-dir", dev, "--hypervisor", hypervisor])
+        boot = cls("hlplugin bootstrap", [
+            "bootstrap", "--plugin-dir", str(plugin_dir), "--dev-dir", dev, "--hypervisor", hypervisor])
+        return serve, boot
+
     async def readyz(self) -> tuple[int, dict[str, Any]]:
         code, body = await self.get("/readyz")
         try:
