@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import grpc
+import harness
 import pytest
 from harness import Node, daemon, emulator, needs_kvm, needs_root, on_kubelet, scrape, wait_until
 
@@ -107,11 +108,13 @@ async def test_starts_without_kubelet_or_socket_path_then_stops_on_a_signal(
         assert stat.S_ISREG(os.lstat(sock).st_mode)
         body = json.loads(await proc.wait_http("/readyz", 503))
         assert body["conditions"]["registered"]["ok"] is False
+        failed = harness.value(await scrape(proc), "hyperlight_registrations_total", result="failure")
         sock.unlink()
         await wait_until(sock.exists)
-        # Not a wait for an event: the kubelet comes half a second late, once the daemon has
-        # looked for it and gone to wait, so that only kubelet.sock's appearance can wake it.
-        await asyncio.sleep(0.5)
+        # The kubelet comes late: once the daemon has looked for it (an attempt counted as failed)
+        # and gone to wait, so that kubelet.sock's appearance is what wakes it.
+        await harness.wait_metric(proc, lambda s: harness.value(
+            s, "hyperlight_registrations_total", result="failure") > failed)
         async with emulator(node.plugin_dir) as kubelet:
             await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2, timeout=10)
             # SIGTERM or SIGINT: a quick exit that removes the socket and keeps the spec.
