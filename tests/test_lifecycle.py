@@ -6,11 +6,8 @@ through Hyperlight's (tests/test_socket_limit.py has the socket path limit with 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,7 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import emulator, healthy_tracker, wait_until
+from harness import emulator, healthy_tracker, running, short_dir, wait_until
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.deviceplugin.conditions import HealthTracker
@@ -49,25 +46,14 @@ class Slots(TrackedDevicePlugin):
         return response
 
 
-def short_dir() -> Path:
-    """A fresh directory under /tmp: pytest's tmp_path can be too long for a socket path."""
-    path = Path(tempfile.mkdtemp(prefix="hlp-", dir="/tmp"))
-    atexit.register(shutil.rmtree, path, True)
-    return path
-
-
 @asynccontextmanager
 async def lifecycle(plugin_dir: Path, resource: str = RESOURCE, metrics: Metrics | None = None,
                     **options: float) -> AsyncIterator[PluginLifecycle]:
     tracker = healthy_tracker()
     plugin = PluginLifecycle(plugin_dir, SOCKET, resource, lambda: Slots(tracker, metrics),
                              metrics=metrics, **options)
-    task = asyncio.create_task(plugin.run())
-    try:
+    async with running(plugin):
         yield plugin
-    finally:
-        task.cancel()
-        await asyncio.wait({task})
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float:

@@ -4,16 +4,13 @@ and a plugin dir whose socket path is one byte too long is refused naming the fl
 from __future__ import annotations
 
 import asyncio
-import atexit
 import functools
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import grpc
 import pytest
-from harness import emulator, healthy_tracker
+from harness import emulator, healthy_tracker, short_dir
 
 from hlplugin import cli, config, names
 from hlplugin.bootstrap import SOCKET as ACCESS_SOCKET
@@ -22,13 +19,6 @@ from hlplugin.deviceplugin import files
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
 
 ACCESS = "hyperlight.dev/device-access"
-
-
-def short_dir() -> Path:
-    """A fresh directory under /tmp: pytest's tmp_path can be too long for a socket path."""
-    path = Path(tempfile.mkdtemp(prefix="hlp-", dir="/tmp"))
-    atexit.register(shutil.rmtree, path, True)
-    return path
 
 
 def plugin_dir_of_length(total: int) -> Path:
