@@ -5,6 +5,7 @@ through Hyperlight's (tests/test_socket_limit.py has the socket path limit with 
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import logging
 import os
@@ -331,3 +332,14 @@ async def test_an_idle_registered_plugin_rechecks_its_sockets_rarely_while_inoti
         plugin._wakeup.fire()
         await wait_until(lambda: len(limits) >= 3, what="rechecks at the short interval")
         assert limits[1:3] == [0.2, 0.2], limits
+
+
+def test_these_tests_reach_the_lifecycle_through_generic_code_only() -> None:
+    """The lifecycle is generic: proved here through Slots, never through Hyperlight's daemons
+    (plugin, bootstrap, cdi, health, probe) or their metrics."""
+    tree = ast.parse(Path(__file__).read_text())
+    imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)} | {
+        alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    ours = {m for m in imported if m.split(".")[0] == "hlplugin"}
+    generic = {m for m in ours if m.startswith("hlplugin.deviceplugin.")}
+    assert ours - generic == {"hlplugin.api", "hlplugin.tools.emulator"}, ours
