@@ -21,10 +21,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import harness
-from harness import proc_status
-
 from hlplugin.names import DEVICE_ACCESS_RESOURCE, HYPERVISOR_RESOURCE
+from hlplugin.tools import drive
+from hlplugin.tools.drive import proc_status
 from hlplugin.tools.emulator import KubeletEmulator
 
 V1 = Path("/sys/fs/cgroup/memory")
@@ -106,7 +105,7 @@ def mib(n: float) -> float:
 
 def available() -> str:
     """"" when memory cgroups can be made here, else why not."""
-    if not harness.IS_ROOT:
+    if not drive.IS_ROOT:
         return "needs root (memory cgroups)"
     if not (V1 / "cgroup.procs").exists() and "memory" not in _read(V2 / "cgroup.controllers"):
         return "no memory cgroup controller (v1 or v2)"
@@ -131,12 +130,12 @@ def process_figures(pid: int) -> dict[str, float]:
 
 
 class Process:
-    """One measured process: a daemon (harness.Daemon) or a floor script, in its own cgroup."""
+    """One measured process: a daemon (drive.Daemon) or a floor script, in its own cgroup."""
 
     def __init__(self, who: str, argv: Sequence[str], limit: int | None = None) -> None:
         self.who = who
         self.cgroup = MemoryCgroup(who, limit)
-        self.daemon: harness.Daemon | None = None
+        self.daemon: drive.Daemon | None = None
         self.child: asyncio.subprocess.Process | None = None
         self.argv = list(argv)
         self.started = 0.0
@@ -144,7 +143,7 @@ class Process:
     async def start(self) -> Process:
         self.started = time.monotonic()
         if self.argv[0] in ("serve", "bootstrap"):
-            self.daemon = harness.Daemon(self.argv)
+            self.daemon = drive.Daemon(self.argv)
             self.daemon.args = self.cgroup.wrap(self.daemon.args)
             await self.daemon.start()
         else:
@@ -187,11 +186,11 @@ async def start_to_register(kubelet: KubeletEmulator, proc: Process, resource: s
     return kubelet.resources[resource].registered_at - proc.started, time.monotonic() - proc.started
 
 
-async def measure_starts(tmp: Path, starts: int, make_node: Callable[[Path, str], harness.Node],
-                         bootstrap_args: Callable[[harness.Node], list[str]]) -> dict[str, Any]:
+async def measure_starts(tmp: Path, starts: int, make_node: Callable[[Path, str], drive.Node],
+                         bootstrap_args: Callable[[drive.Node], list[str]]) -> dict[str, Any]:
     """Median start -> Register and -> first list of each daemon and the floor plugin, started in
     turn (the order rotates) against one kubelet emulator per start."""
-    kinds: dict[str, tuple[Callable[[harness.Node], list[str]], str, int]] = {
+    kinds: dict[str, tuple[Callable[[drive.Node], list[str]], str, int]] = {
         "floor": (lambda n: ["-c", FLOOR_PLUGIN, str(n.plugin_dir), FLOOR_RESOURCE], FLOOR_RESOURCE, 1),
         "main": (lambda n: n.serve_args("--hypervisor", "kvm", "--device-count", "2000"),
                  HYPERVISOR_RESOURCE, 2000),
@@ -203,7 +202,7 @@ async def measure_starts(tmp: Path, starts: int, make_node: Callable[[Path, str]
         for who in order[i % 3:] + order[:i % 3]:
             args, resource, count = kinds[who]
             node = make_node(tmp, f"start-{who}-{i}")
-            async with harness.emulator(node.plugin_dir) as kubelet:
+            async with drive.emulator(node.plugin_dir) as kubelet:
                 proc = Process(f"start-{who}-{i}", args(node))
                 async with running(proc):
                     times[who].append(await start_to_register(kubelet, proc, resource, count))

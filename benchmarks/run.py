@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import footprint  # beside this script: on sys.path as the script's directory
 import grpc
 import inotify_simple
 
@@ -40,15 +41,11 @@ from hlplugin.config import MAX_DEVICE_COUNT
 from hlplugin.deviceplugin.servicer import MAX_STREAMS
 from hlplugin.names import DEVICE_ACCESS_RESOURCE, HYPERVISOR_RESOURCE, HYPERVISOR_SOCKET
 from hlplugin.probe import check_host_identity, probe_kvm
+from hlplugin.tools import drive
+from hlplugin.tools.drive import Node, proc_status, wait_until
 from hlplugin.tools.emulator import KUBELET_MAX_MESSAGE, KubeletEmulator
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the one harness: node root, daemon process, poller
-sys.path.insert(0, str(ROOT / "benchmarks"))  # footprint.py, also when run by runpy
-import footprint  # noqa: E402
-import harness  # noqa: E402
-from harness import Node, proc_status, wait_until  # noqa: E402
-
 KVM = Path("/dev/kvm")
 
 
@@ -147,14 +144,14 @@ def bootstrap_args(node: Node) -> list[str]:
 
 @contextlib.asynccontextmanager
 async def served(tmp: Path, name: str, count: int = 2000, bootstrap: bool = False,
-                 timeout: float = 30.0) -> AsyncIterator[tuple[Node, KubeletEmulator, harness.Daemon]]:
+                 timeout: float = 30.0) -> AsyncIterator[tuple[Node, KubeletEmulator, drive.Daemon]]:
     """A kubelet emulator and the main daemon (or the bootstrap), registered with every slot
     Healthy; both stopped on the way out."""
     node = make_node(tmp, name)
     args = bootstrap_args(node) if bootstrap else node.serve_args(
         "--hypervisor", "kvm", "--device-count", str(count))
     resource, count = (DEVICE_ACCESS_RESOURCE, 1) if bootstrap else (HYPERVISOR_RESOURCE, count)
-    async with harness.on_kubelet(node, args) as (kubelet, proc):
+    async with drive.on_kubelet(node, args) as (kubelet, proc):
         await kubelet.wait_for(lambda: kubelet.allocatable(resource) == count, timeout)
         yield node, kubelet, proc
 
@@ -309,7 +306,7 @@ def measure_repairs(spec: Path, count: int) -> dict[str, list[float]]:
                 watch.read(timeout=0)
                 t0 = time.monotonic()
                 act()
-                while not harness.spec_is_exact(spec, desired):
+                while not drive.spec_is_exact(spec, desired):
                     watch.read(timeout=50)
                     if time.monotonic() - t0 > 30:
                         raise TimeoutError(f"{kind} not repaired")
@@ -416,15 +413,15 @@ async def bench_bootstrap_memory(tmp: Path, p: Profile) -> None:
 
 async def bench_idle(tmp: Path, p: Profile) -> None:
     async with served(tmp, "idle") as (node, kubelet, main), \
-            baseline_server(node.root) as (_, base_pid), harness.daemon(bootstrap_args(node)) as boot:
+            baseline_server(node.root) as (_, base_pid), drive.daemon(bootstrap_args(node)) as boot:
         await kubelet.wait_for(lambda: kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == 1, 30)
         await asyncio.sleep(1.0)  # settle: start-up work done before the window opens
         pids = {"main": main.pid, "bootstrap": boot.pid, "baseline": base_pid}
-        before = {k: harness.cpu_seconds(v) for k, v in pids.items()}
+        before = {k: drive.cpu_seconds(v) for k, v in pids.items()}
         t0 = time.monotonic()
         await asyncio.sleep(p.idle)  # the measurement window itself
         wall = time.monotonic() - t0
-        used = {k: (harness.cpu_seconds(v) - before[k]) / wall * 100 for k, v in pids.items()}
+        used = {k: (drive.cpu_seconds(v) - before[k]) / wall * 100 for k, v in pids.items()}
     for who, work in (("main", "CDI check 10 s, device check 10 s (KVM + guest), socket recheck 1 s"),
                       ("bootstrap", "node lstat 10 s, socket recheck 1 s")):
         record(f"idle CPU, {who} daemon ({p.idle:.0f} s)", round(used[who], 3), "% of a core",
@@ -467,18 +464,18 @@ async def bench_footprint(tmp: Path, p: Profile) -> None:
                              footprint.LIMITS["main"])
     boot = footprint.Process("bootstrap", bootstrap_args(node), footprint.LIMITS["bootstrap"])
     floor = footprint.Process("floor", ["-c", BASELINE_SERVER, str(node.root / "floor.sock")])
-    async with harness.emulator(node.plugin_dir) as kubelet, footprint.running(floor, main, boot):
+    async with drive.emulator(node.plugin_dir) as kubelet, footprint.running(floor, main, boot):
         await kubelet.wait_for(lambda: kubelet.allocatable(HYPERVISOR_RESOURCE) == 2000
                                and kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == 1, 60)
         await wait_until((node.root / "floor.sock").exists, 30, "floor socket")
         await asyncio.sleep(2.0)  # settle: start-up work done before the window opens
         procs = {"main": main, "bootstrap": boot, "floor": floor}
-        before = {k: (footprint.cpu_seconds(v.pid), harness.cpu_seconds(v.pid)) for k, v in procs.items()}
+        before = {k: (footprint.cpu_seconds(v.pid), drive.cpu_seconds(v.pid)) for k, v in procs.items()}
         t0 = time.monotonic()
         await asyncio.sleep(p.footprint_idle)
         wall = time.monotonic() - t0
         cpu = {k: (footprint.cpu_seconds(v.pid) - before[k][0]) / wall * 100 for k, v in procs.items()}
-        ticks = {k: (harness.cpu_seconds(v.pid) - before[k][1]) / wall * 100 for k, v in procs.items()}
+        ticks = {k: (drive.cpu_seconds(v.pid) - before[k][1]) / wall * 100 for k, v in procs.items()}
         idle = {k: v.figures() for k, v in procs.items()}
         async with grpc.aio.insecure_channel(target(node)) as dch, \
                 grpc.aio.insecure_channel(f"unix://{node.root / 'floor.sock'}") as fch:
@@ -520,7 +517,7 @@ async def bench_footprint(tmp: Path, p: Profile) -> None:
     ceiling = footprint.Process(
         "ceiling", node.serve_args("--hypervisor", "kvm", "--device-count", str(count)),
         footprint.LIMITS["main"])
-    async with harness.emulator(node.plugin_dir) as kubelet, footprint.running(ceiling):
+    async with drive.emulator(node.plugin_dir) as kubelet, footprint.running(ceiling):
         await kubelet.wait_for(lambda: kubelet.allocatable(HYPERVISOR_RESOURCE) == count, 120)
         for ok in (False, True):
             await flip(node, kubelet, ok, count)

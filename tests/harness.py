@@ -1,130 +1,142 @@
-"""Shared test machinery: run the real daemons as processes against the kubelet emulator."""
+"""Shared test machinery: run the real daemons as processes against the kubelet emulator. The core
+(node root, daemon process, emulator, poller) is hlplugin.tools.drive, which the benchmarks share."""
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
-import inspect
+import json
 import os
+import re
 import shutil
-import signal
 import stat
 import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import grpc
 import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
+from hlplugin.cdi_spec import SPEC_FILE, TEMP_PREFIX
 from hlplugin.deviceplugin.conditions import HealthTracker
 from hlplugin.metrics import Metrics
-from hlplugin.tools.emulator import KubeletEmulator
+from hlplugin.tools.drive import (  # noqa: F401  (the harness is the tests' one entry: re-exported)
+    IS_ROOT,
+    Daemon,
+    Node,
+    cpu_seconds,
+    daemon,
+    emulator,
+    on_kubelet,
+    proc_status,
+    short_dir,
+    spec_is_exact,
+    wait_until,
+)
+from hlplugin.tools.emulator import AdmissionError, KubeletEmulator
 from hlplugin.tools.process import DaemonProcess
 
 HAVE_KVM = os.path.exists("/dev/kvm") and os.access("/dev/kvm", os.R_OK | os.W_OK)
-IS_ROOT = os.geteuid() == 0
 needs_kvm = pytest.mark.skipif(not HAVE_KVM, reason="needs a usable /dev/kvm")
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="needs root (mknod, mounts)")
 
 
+def temp_files(directory: Path) -> list[str]:
+    """The reconciler's temporary files in ``directory`` (none where there is no directory)."""
+    names = os.listdir(directory) if directory.is_dir() else []
+    return sorted(n for n in names if n.startswith(TEMP_PREFIX))
+
+
+def sh(*argv: str) -> None:
+    """Run a command that must succeed (mount, umount ...); its stderr is in the exception."""
+    subprocess.run(argv, check=True, capture_output=True, timeout=30)
+
+
+class Runs(Protocol):
+    async def run(self) -> None: ...
+
+
+@contextlib.asynccontextmanager
+async def running(runner: Runs) -> AsyncIterator[asyncio.Task[None]]:
+    """``runner.run()`` as a task for the block, cancelled and awaited on the way out."""
+    task = asyncio.create_task(runner.run())
+    try:
+        yield task
+    finally:
+        task.cancel()
+        await asyncio.wait({task})  # not "await task": that would swallow our own cancellation
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            raise error
+
+
+# Allocate's refusal names the failing condition(s) and why.
+REFUSAL = re.compile(r"is not usable on this node: .*\b(cdi|device|host_identity): \S")
+
+
 @dataclass
-class Node:
-    """A temporary node root: kubelet plugin dir, CDI dir, and device dirs."""
+class Rig:
+    """`hlplugin serve` registered on the kubelet emulator: what the kubelet, a pod and an operator
+    see of it. ``desired`` is the spec every repair must produce."""
 
-    root: Path
-    plugin_dir: Path
-    cdi_dir: Path
-    dev_dir: Path
-    host_dev_dir: Path
+    node: Node
+    kubelet: KubeletEmulator
+    proc: Daemon
+    count: int
+    desired: bytes
+    resource: str = "hyperlight.dev/hypervisor"
+    guard: float = 20.0  # seconds; only ever reached when something is broken
 
-    @classmethod
-    def make(cls, root: Path, dev_dir: Path | None = None, host_dev_dir: Path | None = None) -> Node:
-        # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
-        plugin_dir = Path(tempfile.mkdtemp(prefix="hlp-", dir="/tmp"))
-        atexit.register(shutil.rmtree, plugin_dir, True)
-        return cls(root, plugin_dir, root / "cdi", dev_dir or Path("/dev"), host_dev_dir or Path("/dev"))
+    @property
+    def spec(self) -> Path:
+        return self.node.cdi_dir / SPEC_FILE
 
-    def serve_args(self, *extra: str) -> list[str]:
-        return ["serve", "--plugin-dir", str(self.plugin_dir), "--cdi-dir", str(self.cdi_dir),
-                "--dev-dir", str(self.dev_dir), "--host-dev-dir", str(self.host_dev_dir), *extra]
+    async def wait(self, predicate: Callable[[], bool]) -> float:
+        """Seconds until ``predicate`` held, woken by the emulator's every change."""
+        began = time.monotonic()
+        await self.kubelet.wait_for(predicate, self.guard)
+        return time.monotonic() - began
 
+    async def healthy(self) -> float:
+        return await self.wait(lambda: self.kubelet.allocatable(self.resource) == self.count)
 
-class Daemon(DaemonProcess):
-    """A daemon under test: faulthandler on, and a daemon that does not stop in time fails the
-    test after showing where it hangs."""
+    async def withdrawn(self) -> float:
+        return await self.wait(lambda: self.kubelet.capacity(self.resource) == self.count
+                               and self.kubelet.allocatable(self.resource) == 0)
 
-    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None) -> None:
-        super().__init__(args, env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})
-        self.started = 0.0
+    async def admit(self) -> None:
+        """A fresh allocation: admitted with the CDI reference, and the spec on disk is exact."""
+        response = await self.kubelet.admit(self.resource)
+        assert [d.name for d in response.container_responses[0].cdi_devices] == [
+            f"{self.resource}=kvm"]
+        assert self.spec.read_bytes() == self.desired
 
-    async def start(self) -> Daemon:
-        self.started = time.monotonic()  # what a start-up time is measured from
-        await super().start()
-        return self
+    async def refused(self, *names: str) -> str:
+        """A raw Allocate (the kubelet would not even try) is refused, naming why."""
+        with pytest.raises(AdmissionError) as refused:
+            await self.kubelet.allocate(self.resource, [["kvm-0"]])
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION, refused.value
+        details = refused.value.details
+        assert REFUSAL.search(details), details
+        for name in names:
+            assert name in details, (name, details)
+        return details
 
-    async def signal(self, signum: int = signal.SIGTERM, timeout: float = 10.0,
-                     *, kill_on_timeout: bool = False) -> int:
-        return await super().signal(signum, timeout, kill_on_timeout=kill_on_timeout)
+    async def conditions(self, status: int) -> dict[str, Any]:
+        conditions: dict[str, Any] = json.loads(await self.proc.wait_http("/readyz", status))["conditions"]
+        return conditions
 
-    http = DaemonProcess.get
-
-
-@contextlib.asynccontextmanager
-async def daemon(args: Sequence[str], env: dict[str, str] | None = None, *,
-                 graceful: bool = False) -> AsyncIterator[Daemon]:
-    """The daemon started with ``args``; on the way out killed or, if ``graceful``, stopped with
-    SIGTERM (a daemon that does not stop in time fails the test)."""
-    proc = await Daemon(args, env).start()
-    try:
-        yield proc
-    finally:
-        await (proc.stop() if graceful else proc.signal(signal.SIGKILL))
-
-
-@contextlib.asynccontextmanager
-async def emulator(plugin_dir: Path, mode: str = "normal") -> AsyncIterator[KubeletEmulator]:
-    """A kubelet emulator serving in ``plugin_dir`` (``mode`` as KubeletEmulator's) for the block."""
-    kubelet = KubeletEmulator(plugin_dir, mode=mode)
-    await kubelet.start()
-    try:
-        yield kubelet
-    finally:
-        await kubelet.stop()
-
-
-@contextlib.asynccontextmanager
-async def on_kubelet(node: Node, args: Sequence[str], env: dict[str, str] | None = None, *,
-                     mode: str = "normal") -> AsyncIterator[tuple[KubeletEmulator, Daemon]]:
-    """A kubelet emulator on ``node``, then the daemon started with ``args``; the daemon is
-    stopped first on the way out, then the kubelet."""
-    async with emulator(node.plugin_dir, mode) as kubelet, \
-            daemon(args, env, graceful=True) as proc:
-        yield kubelet, proc
-
-
-async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0,
-                     what: str = "", step: float = 0.005) -> float:
-    """The one poller: wait until ``predicate()`` holds and return how long that took; past
-    ``timeout`` (a guard, not a measurement) fail naming ``what``. ``predicate`` may be async (an
-    HTTP probe). Prefer waiting on an event (KubeletEmulator.wait_for, a tracker's
-    wait_for_change) where the code under test offers one."""
-    loop = asyncio.get_running_loop()
-    began = loop.time()
-    while True:
-        result = predicate()
-        if await result if inspect.isawaitable(result) else result:
-            return loop.time() - began
-        if loop.time() - began > timeout:
-            raise TimeoutError(f"{what or 'condition'} not met within {timeout:g}s")
-        await asyncio.sleep(step)
+    async def live(self) -> None:
+        code, body = await self.proc.http("/healthz")
+        assert code == 200, body
 
 
 # The one metrics reader.
@@ -164,19 +176,6 @@ async def wait_metric(proc: DaemonProcess, predicate: Callable[[Samples], bool],
     return latest
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS, VmHWM ... in KiB from /proc/<pid>/status."""
-    return {key: int(value.split()[0]) for key, _, value in
-            (line.partition(":") for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-            if value.strip().endswith("kB")}
-
-
 def obstruct_with_directory(path: Path) -> None:
     """Put a directory where the CDI spec belongs. The daemon rewrites a deleted spec at once, so
     a directory made beside it is renamed into the gap, as often as it takes."""
@@ -187,17 +186,6 @@ def obstruct_with_directory(path: Path) -> None:
             path.unlink()
         with contextlib.suppress(NotADirectoryError, FileExistsError):
             os.rename(spare, path)
-
-
-def spec_is_exact(path: Path, desired: bytes) -> bool:
-    """``path`` is a regular file, mode 0644, holding exactly ``desired``: what the reconciler
-    keeps, seen without following a symlink."""
-    try:
-        st = os.lstat(path)
-        return (stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644
-                and path.read_bytes() == desired)
-    except OSError:
-        return False
 
 
 GUARD = 10.0  # seconds; only ever reached when a test is broken

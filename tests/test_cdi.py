@@ -22,12 +22,12 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import needs_root, spec_is_exact, wait_until
+from harness import needs_root, running, sh, spec_is_exact, temp_files, wait_until
 
 import hlplugin.cdi
 from hlplugin.cdi import CdiReconciler
@@ -40,8 +40,9 @@ DESIRED = render_spec("kvm", 65534, 65534)
 STALE = render_spec("kvm", 1000, 1000)  # well-formed, another uid/gid
 
 
-class Rig:
-    """A reconciler wired to a real tracker and metrics registry."""
+class Reconciler:
+    """A reconciler in process, wired to a real tracker and metrics registry (harness.Rig is the
+    daemon's, on a kubelet)."""
 
     def __init__(self, cdi_dir: Path, **kwargs: Any) -> None:
         self.tracker = HealthTracker(required=("cdi",))
@@ -70,27 +71,11 @@ def cdi_dir(tmp_path: Path) -> Path:
     return path
 
 
-@contextlib.asynccontextmanager
-async def running(rec: CdiReconciler) -> AsyncIterator[asyncio.Task[None]]:
-    task = asyncio.create_task(rec.run())
-    try:
-        yield task
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 def assert_desired(path: Path) -> None:
     """Our spec, as we own it (valid CDI: test_rendered_spec_validates_against_the_cdi_schema)."""
     assert spec_is_exact(path, DESIRED)
     st = os.lstat(path)
     assert (st.st_uid, st.st_gid) == (os.geteuid(), os.getegid())
-
-
-def temp_files(directory: Path) -> list[str]:
-    names = os.listdir(directory) if directory.is_dir() else []
-    return sorted(n for n in names if n.startswith(TEMP_PREFIX))
 
 
 def state(path: Path) -> object:
@@ -105,10 +90,6 @@ def state(path: Path) -> object:
     if stat.S_ISDIR(st.st_mode):
         return identity, {name: state(path / name) for name in os.listdir(path)}
     return identity, path.read_bytes() if stat.S_ISREG(st.st_mode) else st.st_rdev
-
-
-def sh(*argv: str) -> None:
-    subprocess.run(argv, check=True)
 
 
 def test_desired_spec_is_exactly_the_documented_content_rendered_deterministically() -> None:
@@ -262,7 +243,7 @@ async def test_a_wrong_or_missing_spec_is_repaired_once_and_reported(
         tmp_path: Path, caplog: pytest.LogCaptureFixture,
         damage: Callable[[Path], None] | None, cause: str, umask: int) -> None:
     cdi_dir = tmp_path / "a" / "b" / "cdi"
-    rig = Rig(cdi_dir)
+    rig = Reconciler(cdi_dir)
     if damage is not None:
         cdi_dir.mkdir(parents=True)
         damage(rig.path)
@@ -295,7 +276,7 @@ async def test_a_change_made_while_a_shared_pass_or_read_ran_is_never_answered_a
     """ensure() shares a pass or read already in flight; one that read the spec before a change
     made while it ran must not answer for the change. Without a watch running, inotify vouches
     for nothing, so only a read that began after the call may."""
-    rig = Rig(cdi_dir)
+    rig = Reconciler(cdi_dir)
     assert (await rig.rec.reconcile("start")).ok
     calls = rig.rec.producer.runner.calls
     first = asyncio.create_task(rig.rec.reconcile("watch") if shared == "pass" else rig.rec.ensure())
@@ -326,7 +307,7 @@ def test_ensure_is_cheap_when_right_repairs_what_it_can_reports_what_it_cannot(
     """Also where renameat2 has no flags (a filesystem without them, as some FUSE ones): the
     repairs fall back to check-and-rename, and say so once."""
     async def scenario() -> None:  # in the child, caplog's handler collects the child's records
-        rig = Rig(cdi_dir)
+        rig = Reconciler(cdi_dir)
         assert check_file(rig.path, DESIRED) == (False, f"{rig.path} is missing")
         rig.path.write_bytes(STALE)
         ok, diff = check_file(rig.path, DESIRED)
@@ -517,7 +498,7 @@ def test_hostile_path_or_storage_is_refused_left_alone_retried_and_recovers(
                   if refusal == "not_regular" else f"cannot write {path}: {detail}")
 
         async def scenario() -> None:
-            rig = Rig(cdi_dir, max_backoff=0.01)
+            rig = Reconciler(cdi_dir, max_backoff=0.01)
             assert await rig.rec.reconcile("start") == Condition(False, reason) == rig.cdi
             assert rig.refusals(refusal) == 1
             assert not (await rig.rec.ensure()).ok
@@ -610,7 +591,7 @@ async def test_a_symlink_or_directory_swapped_in_during_repairs_is_never_replace
     rounds, budget = 3000, 20.0
     target = tmp_path / "victim.txt"
     target.write_bytes(b"not yours\n")
-    rig = Rig(cdi_dir, interval=60.0)
+    rig = Reconciler(cdi_dir, interval=60.0)
     side = cdi_dir / "intruder"
     swapper = Swapper(rig.path, side)
     tally = {"rounds": 0, "ours_seen": 0}
@@ -679,7 +660,7 @@ async def test_run_removes_crash_leftovers_repairs_promptly_and_touches_nothing_
     temp_dir = cdi_dir / f"{TEMP_PREFIX}dir"
     temp_dir.mkdir()
     neighbours = {p: state(p) for p in [sibling, *lookalikes, target, link, temp_dir]}
-    rig = Rig(cdi_dir, interval=60.0)
+    rig = Reconciler(cdi_dir, interval=60.0)
     assert rig.rec.file.cleanup_leftovers() == 2
     assert not any(p.exists() for p in leftovers)
     leftovers[0].write_bytes(b"partial")  # run() removes it at start
@@ -750,7 +731,7 @@ async def test_run_repairs_periodically_but_never_more_often_than_the_floor(
     def clock() -> float:  # first read while N passes are done: pass N + 1 starting
         return began.setdefault(rig.rec.producer.passes, time.monotonic())
 
-    rig = Rig(cdi_dir, interval=0, clock=clock)
+    rig = Reconciler(cdi_dir, interval=0, clock=clock)
     alias = tmp_path / "alias.json"
     passes = began.values()  # in order of insertion: pass by pass
 

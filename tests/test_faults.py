@@ -39,10 +39,22 @@ import harness
 import pytest
 from faultreport import KVM, Row, scenario
 from fusefs import HangingFs
-from harness import Node, needs_kvm, needs_root, on_kubelet, scrape, spec_is_exact, wait_metric, wait_until
+from harness import (
+    Node,
+    Rig,
+    needs_kvm,
+    needs_root,
+    on_kubelet,
+    scrape,
+    sh,
+    spec_is_exact,
+    temp_files,
+    wait_metric,
+    wait_until,
+)
 
 from hlplugin.cdi import DEFAULT_BUDGET
-from hlplugin.cdi_spec import SPEC_FILE, TEMP_PREFIX, render_spec
+from hlplugin.cdi_spec import SPEC_FILE, render_spec
 from hlplugin.tools.emulator import AdmissionError, KubeletEmulator
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
@@ -58,7 +70,7 @@ NULL_RDEV = os.makedev(1, 3)  # /dev/null's numbers: a device that exists but is
 STALE = render_spec("kvm", 1000, 1000)  # well-formed, another uid/gid
 MALFORMED = b'{"cdiVersion": "0.3.0", "kind": "hyperlight.dev/hyperv'
 SIBLING = b'{"cdiVersion": "0.5.0", "kind": "vendor.example/gpu", "devices": []}\n'
-REASON = re.compile(r"is not usable on this node: .*\b(cdi|device|host_identity): \S")
+REASON = harness.REFUSAL
 # What `hlplugin cdi` prints: the exact content every repair must produce.
 DESIRED = subprocess.run([sys.executable, "-m", "hlplugin", "cdi", "--hypervisor", "kvm"],
                          capture_output=True, check=True, timeout=60).stdout
@@ -107,14 +119,6 @@ def obstruct(path: Path, make: Callable[[Path], None]) -> None:
 
 def remove_obstruction(path: Path) -> None:
     (os.rmdir if path.is_dir() and not path.is_symlink() else os.unlink)(path)
-
-
-def temp_files(directory: Path) -> list[str]:
-    return sorted(n for n in os.listdir(directory) if n.startswith(TEMP_PREFIX))
-
-
-def sh(*argv: str) -> None:
-    subprocess.run(argv, check=True, capture_output=True, timeout=30)
 
 
 @contextlib.contextmanager
@@ -193,55 +197,6 @@ def repairs(samples: harness.Samples) -> dict[str, float]:
             if name == "hyperlight_cdi_repairs_total"}
 
 
-@dataclass
-class Rig:
-    node: Node
-    kubelet: KubeletEmulator
-    proc: harness.Daemon
-
-    @property
-    def spec(self) -> Path:
-        return self.node.cdi_dir / SPEC_FILE
-
-    async def wait(self, predicate: Callable[[], bool]) -> float:
-        """Seconds until ``predicate`` held, woken by the emulator's every change."""
-        began = time.monotonic()
-        await self.kubelet.wait_for(predicate, GUARD)
-        return time.monotonic() - began
-
-    async def healthy(self) -> float:
-        return await self.wait(lambda: self.kubelet.allocatable(RESOURCE) == COUNT)
-
-    async def withdrawn(self) -> float:
-        return await self.wait(lambda: self.kubelet.capacity(RESOURCE) == COUNT
-                               and self.kubelet.allocatable(RESOURCE) == 0)
-
-    async def admit(self) -> None:
-        """A fresh allocation: admitted with the CDI reference, and the spec on disk is exact."""
-        response = await self.kubelet.admit(RESOURCE)
-        assert [d.name for d in response.container_responses[0].cdi_devices] == [CDI_NAME]
-        assert self.spec.read_bytes() == DESIRED
-
-    async def refused(self, *names: str) -> str:
-        """A raw Allocate (the kubelet would not even try) is refused, naming why."""
-        with pytest.raises(AdmissionError) as refused:
-            await self.kubelet.allocate(RESOURCE, [["kvm-0"]])
-        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION, refused.value
-        details = refused.value.details
-        assert REASON.search(details), details
-        for name in names:
-            assert name in details, (name, details)
-        return details
-
-    async def conditions(self, status: int) -> dict[str, Any]:
-        conditions: dict[str, Any] = json.loads(await self.proc.wait_http("/readyz", status))["conditions"]
-        return conditions
-
-    async def live(self) -> None:
-        code, body = await self.proc.http("/healthz")
-        assert code == 200, body
-
-
 @contextlib.asynccontextmanager
 async def matrix_row(name: str, node: Node, *extra: str,
                      keep: Sequence[str] = ("vendor-gpu.json",)) -> AsyncIterator[tuple[Row, Rig]]:
@@ -250,7 +205,7 @@ async def matrix_row(name: str, node: Node, *extra: str,
     with scenario(name, [node.cdi_dir / kept for kept in keep]) as row:
         async with on_kubelet(node, node.serve_args(*SERVE, *extra)) as (kubelet, proc):
             try:
-                r = Rig(node, kubelet, proc)
+                r = Rig(node, kubelet, proc, COUNT, DESIRED, guard=GUARD)
                 await r.healthy()
                 yield row, r
             except BaseException:
@@ -439,7 +394,7 @@ async def test_registration_failure_is_bounded_then_recovers(tmp_path: Path, kin
                     "hyperlight_registrations_total", result="failure")
                 row.facts["attempts"] = f"{failures:.0f} failed in {time.monotonic() - began:.1f}s"
                 # Why each attempt failed, logged once: test_lifecycle's registration failures.
-                r = Rig(node, kubelet, proc)
+                r = Rig(node, kubelet, proc, COUNT, DESIRED, guard=GUARD)
                 assert not (await r.conditions(503))["registered"]["ok"]
                 await r.live()
                 await kubelet.stop(remove_socket=True)
@@ -620,11 +575,9 @@ async def test_hung_filesystem_is_bounded(tmp_path: Path, condition: str) -> Non
                     assert str(r.spec) in why, why
                 refusals = []
                 for _ in range(4 if device else 1):
-                    if device:
-                        # Not a wait for an event: health must be older than 1 s for this Allocate
-                        # to ask for a check of its own, which waits at most its budget for the
-                        # stuck helper, then refuses.
-                        await asyncio.sleep(1.1)
+                    # Each Allocate asks for a device check that began after it (runs are
+                    # numbered: no clock, no wait for health to age), which waits at most its
+                    # budget for the stuck helper, then refuses.
                     t0 = time.monotonic()
                     await r.refused("still stuck" if device else "cdi: cannot check")
                     refusals.append(time.monotonic() - t0)

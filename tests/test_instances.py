@@ -6,21 +6,28 @@ and once with two real daemons."""
 from __future__ import annotations
 
 import asyncio
-import atexit
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import pytest
-from harness import Node, daemon, emulator, healthy_tracker, needs_kvm, on_kubelet, wait_until
+from harness import (
+    Node,
+    daemon,
+    emulator,
+    healthy_tracker,
+    needs_kvm,
+    on_kubelet,
+    running,
+    short_dir,
+    wait_until,
+)
 
 from hlplugin import names
 from hlplugin.deviceplugin.conditions import HealthState
@@ -35,12 +42,6 @@ SOCKET = "hyperlight.sock"
 HELD = "is served by another instance"
 
 
-def short_dir() -> Path:
-    path = Path(tempfile.mkdtemp(prefix="hlp-", dir="/tmp"))
-    atexit.register(shutil.rmtree, path, True)
-    return path
-
-
 @asynccontextmanager
 async def lifecycle(plugin_dir: Path, **options: float) -> AsyncIterator[PluginLifecycle]:
     tracker = healthy_tracker()
@@ -50,12 +51,8 @@ async def lifecycle(plugin_dir: Path, **options: float) -> AsyncIterator[PluginL
 
     plugin = PluginLifecycle(plugin_dir, SOCKET, RESOURCE,
                              lambda: HypervisorPlugin("kvm", 4, tracker, gate), **options)
-    task = asyncio.create_task(plugin.run())
-    try:
+    async with running(plugin):
         yield plugin
-    finally:
-        task.cancel()
-        await asyncio.wait({task})
 
 
 def listener(path: Path) -> socket.socket:

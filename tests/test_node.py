@@ -4,8 +4,10 @@ run instead) and the example workload from `kubectl kustomize` output, run in po
 kubelet emulator in the kubelet's place (device manager and prober). The kubelet is the only thing
 emulated.
 
-The tests share one node and run in order: bootstrap, main daemon, workload, probes, faults,
-memory, termination. deploy/local-node.sh builds the image (or HLPLUGIN_IMAGE names a built one).
+The tests share one node; each makes, starts or restarts the containers it needs (the `running`
+fixture), so any one runs alone and in any order. In file order: bootstrap, main daemon, workload,
+probes, faults, memory, termination. deploy/local-node.sh builds the image (or HLPLUGIN_IMAGE
+names a built one).
 """
 
 from __future__ import annotations
@@ -152,6 +154,36 @@ class Cluster:
     def start(self, container: Container) -> None:
         self.node.start(container)
 
+    def _serving(self, resource: str, socket: str, count: int | None = None) -> bool:
+        """Registered with healthy devices and its socket there: running, without asking podman
+        (a container stopped by a test has removed its socket; a killed one is restarted there)."""
+        allocatable = self.kubelet.allocatable(resource)
+        return (allocatable == count if count else allocatable > 0) and is_socket(self.plugin_dir / socket)
+
+    def ensure_bootstrap(self) -> Container:
+        """The bootstrap container, made if no test made it yet, running and registered."""
+        if self.bootstrap is None:
+            self.bootstrap = self.node.create(self.bootstrap_pod, "device-access", self.admit)
+        if not self._serving(ACCESS, "hyperlight-device-access.sock", 1) \
+                and not self.bootstrap.state()["Running"]:  # not started yet, or stopped by a test
+            self.start(self.bootstrap)
+        self.wait(lambda: self.kubelet.allocatable(ACCESS) == 1,
+                  f"{ACCESS} registered by the bootstrap container with 1 healthy device")
+        return self.bootstrap
+
+    def ensure_main(self) -> Container:
+        """The main container (after the bootstrap's, whose device it is allocated), made if no
+        test made it yet, running and registered with healthy devices."""
+        self.ensure_bootstrap()
+        if self.main is None:
+            self.main = self.node.create(self.main_pod, "device-plugin", self.admit)
+        if not self._serving(HYPERVISOR, "hyperlight.sock") and not self.main.state()["Running"]:
+            self.start(self.main)
+        self.wait(lambda: self.kubelet.allocatable(HYPERVISOR) > 0,
+                  f"{HYPERVISOR} registered by the main container with healthy devices",
+                  Prober(self.main).budget())
+        return self.main
+
 
 @pytest.fixture(scope="module")
 def image() -> str:
@@ -206,6 +238,13 @@ def cluster(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cl
         shutil.rmtree(plugin_dir, ignore_errors=True)
 
 
+@pytest.fixture
+def running(cluster: Cluster) -> Cluster:
+    """The node with both daemons' containers running and registered, whatever ran before."""
+    cluster.ensure_main()
+    return cluster
+
+
 def mib(size: float) -> float:
     return round(size / 2**20, 1)
 
@@ -223,7 +262,8 @@ def obstruct(spec: Path) -> None:
 
 
 def probers(c: Cluster) -> tuple[Prober, Prober]:
-    assert c.bootstrap is not None and c.main is not None, "the earlier tests start the daemons"
+    """The readiness and liveness probers of both containers (the ``running`` fixture's)."""
+    assert c.bootstrap is not None and c.main is not None, "use the running fixture"
     return Prober(c.bootstrap), Prober(c.main)
 
 
@@ -249,25 +289,16 @@ def test_build_fails_when_the_context_lacks_a_file(image: str, tmp_path: Path) -
 
 
 def test_bootstrap_container_registers_device_access(cluster: Cluster) -> None:
-    c = cluster
-    c.bootstrap = c.node.create(c.bootstrap_pod, "device-access", c.admit)
-    c.start(c.bootstrap)
-    c.wait(lambda: c.kubelet.allocatable(ACCESS) == 1,
-           f"{ACCESS} registered by the bootstrap container with 1 healthy device")
+    cluster.ensure_bootstrap()  # made, started, and registered with 1 healthy device
 
 
 def test_main_container_gets_kvm_only_from_allocate_and_registers(cluster: Cluster) -> None:
     c = cluster
-    assert c.kubelet.registered(ACCESS), "needs the bootstrap container"
-    c.main = c.node.create(c.main_pod, "device-plugin", c.admit)
-    (response,) = c.main.allocations.values()
+    main = c.ensure_main()  # made with what Allocate of the bootstrap's device gave, registered
+    (response,) = main.allocations.values()
     assert [(d.container_path, d.host_path, d.permissions) for d in response.devices] == [
         ("/dev/kvm", "/dev/kvm", "rw")], response
-    assert c.main.created_args.count("--device") == 1, "nothing but Allocate gives it a device"
-    c.start(c.main)
-    c.wait(lambda: c.kubelet.allocatable(HYPERVISOR) > 0,
-           f"{HYPERVISOR} registered by the main container with healthy devices",
-           Prober(c.main).budget())
+    assert main.created_args.count("--device") == 1, "nothing but Allocate gives it a device"
     env = {e["name"]: e["value"] for e in c.main_pod["spec"]["containers"][0]["env"]}
     assert c.kubelet.capacity(HYPERVISOR) == int(env["DEVICE_COUNT"])
     spec = c.cdi_dir / "hyperlight.json"
@@ -275,8 +306,8 @@ def test_main_container_gets_kvm_only_from_allocate_and_registers(cluster: Clust
         (True, ""), f"the main container's CDI spec did not reach the CDI hostPath {CDI_DIR}"
 
 
-def test_example_workloads_create_a_vm_through_cdi_as_65534(cluster: Cluster) -> None:
-    c = cluster
+def test_example_workloads_create_a_vm_through_cdi_as_65534(running: Cluster) -> None:
+    c = running
     assert c.workloads, f"no example workload requests {HYPERVISOR} in {EXAMPLES}"
     for pod_name, pod in c.workloads:
         workload = c.node.create(pod, pod_name, c.admit)
@@ -310,10 +341,7 @@ def test_translation_agrees_with_podman_kube_play(cluster: Cluster) -> None:
     if shutil.which("catatonit") is None:
         pytest.skip("podman kube play needs catatonit for its infra container (apt-get install catatonit)")
     c = cluster
-    pairs = [(c.bootstrap, c.bootstrap_pod), (c.main, c.main_pod)]
-    assert all(container is not None for container, _ in pairs), "the earlier tests create them"
-    for container, pod in pairs:
-        assert container is not None
+    for container, pod in ((c.ensure_bootstrap(), c.bootstrap_pod), (c.ensure_main(), c.main_pod)):
         env = [e["name"] for e in container.spec.get("env", [])]
         theirs = comparable(kube_play_config(c.node, pod, container.spec["name"]), env)
         ours = comparable(container.inspect(), env)
@@ -325,8 +353,8 @@ def test_translation_agrees_with_podman_kube_play(cluster: Cluster) -> None:
 # --- 4. probes ----------------------------------------------------------------------------------
 
 
-def test_both_daemons_ready_within_the_probes_budget(cluster: Cluster) -> None:
-    boot, main = probers(cluster)
+def test_both_daemons_ready_within_the_probes_budget(running: Cluster) -> None:
+    boot, main = probers(running)
     with boot, main:
         for prober in (boot, main):
             prober.wait(lambda p: p.ready, prober.budget(), "Ready under the readiness probe")
@@ -338,8 +366,8 @@ def test_both_daemons_ready_within_the_probes_budget(cluster: Cluster) -> None:
                         "a successful liveness probe")
 
 
-def test_readiness_reports_an_obstructed_cdi_path_and_recovers_without_restart(cluster: Cluster) -> None:
-    c = cluster
+def test_readiness_reports_an_obstructed_cdi_path_and_recovers_without_restart(running: Cluster) -> None:
+    c = running
     assert c.main is not None
     started = c.main.state()["StartedAt"]
     spec = c.cdi_dir / "hyperlight.json"
@@ -363,8 +391,8 @@ def test_readiness_reports_an_obstructed_cdi_path_and_recovers_without_restart(c
 # --- 5. faults through the runtime --------------------------------------------------------------
 
 
-def test_sigkill_of_the_main_container_then_restart_re_registers(cluster: Cluster) -> None:
-    c = cluster
+def test_sigkill_of_the_main_container_then_restart_re_registers(running: Cluster) -> None:
+    c = running
     assert c.main is not None
     spec = c.cdi_dir / "hyperlight.json"
     before = spec.read_bytes()
@@ -379,8 +407,8 @@ def test_sigkill_of_the_main_container_then_restart_re_registers(cluster: Cluste
     assert spec.read_bytes() == before, "the CDI spec changed across the restart"
 
 
-def test_kubelet_restart_both_containers_register_again(cluster: Cluster) -> None:
-    c = cluster
+def test_kubelet_restart_both_containers_register_again(running: Cluster) -> None:
+    c = running
     calls = c.kubelet.register_calls
     c.loop.call(c.kubelet.restart())  # deletes every socket in the plugin directory
     c.wait(lambda: c.kubelet.allocatable(ACCESS) == 1 and c.kubelet.allocatable(HYPERVISOR) > 0,
@@ -390,8 +418,8 @@ def test_kubelet_restart_both_containers_register_again(cluster: Cluster) -> Non
         assert is_socket(c.plugin_dir / socket), f"{socket} was not recreated"
 
 
-def test_a_tampered_cdi_spec_is_repaired_by_the_container(cluster: Cluster) -> None:
-    c = cluster
+def test_a_tampered_cdi_spec_is_repaired_by_the_container(running: Cluster) -> None:
+    c = running
     spec = c.cdi_dir / "hyperlight.json"
     good = spec.read_bytes()
     spec.write_text('{"cdiVersion": "0.5.0", "kind": "evil.example/x", "devices": []}')
@@ -401,8 +429,8 @@ def test_a_tampered_cdi_spec_is_repaired_by_the_container(cluster: Cluster) -> N
 # --- 6. memory as the kubelet sees it -----------------------------------------------------------
 
 
-def test_working_set_idle_and_after_load_within_limits(cluster: Cluster) -> None:
-    c = cluster
+def test_working_set_idle_and_after_load_within_limits(running: Cluster) -> None:
+    c = running
     assert c.bootstrap is not None and c.main is not None
     containers = {"device-access": c.bootstrap, "device-plugin": c.main}
     idle = {n: x.working_set() for n, x in containers.items()}
@@ -450,8 +478,7 @@ def test_working_set_idle_and_after_load_within_limits(cluster: Cluster) -> None
 def test_podman_stop_exits_0_within_the_grace_period_and_leaves_no_socket(cluster: Cluster,
                                                                         which: str) -> None:
     c = cluster
-    container = c.main if which == "main" else c.bootstrap
-    assert container is not None
+    container = c.ensure_main() if which == "main" else c.ensure_bootstrap()
     socket = c.plugin_dir / ("hyperlight.sock" if which == "main" else "hyperlight-device-access.sock")
     assert is_socket(socket)
     began = time.monotonic()

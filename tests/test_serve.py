@@ -100,7 +100,8 @@ async def test_starts_without_kubelet_or_socket_path_then_stops_on_a_signal(
     node = Node.make(tmp_path)
     sock = node.plugin_dir / "hyperlight.sock"
     sock.write_text("not ours")
-    async with daemon(node.serve_args("--hypervisor", "kvm", "--device-count", "2")) as proc:
+    async with daemon(node.serve_args("--hypervisor", "kvm", "--device-count", "2",
+                                      "--log-level", "debug")) as proc:
         # No kubelet yet, and a non-socket at our socket path: not deleted; once it goes, we bind.
         await wait_until(lambda: any("not a socket" in m for m in proc.messages()), 10)
         assert sock.read_text() == "not ours"
@@ -109,9 +110,10 @@ async def test_starts_without_kubelet_or_socket_path_then_stops_on_a_signal(
         assert body["conditions"]["registered"]["ok"] is False
         sock.unlink()
         await wait_until(sock.exists)
-        # Not a wait for an event: the kubelet comes half a second late, once the daemon has
-        # looked for it and gone to wait, so that only kubelet.sock's appearance can wake it.
-        await asyncio.sleep(0.5)
+        # The kubelet comes late: once the daemon serves (its debug line, written as it goes on to
+        # look for kubelet.sock and wait), so that kubelet.sock's appearance is what wakes it.
+        await wait_until(lambda: any(m.startswith(f"serving {RESOURCE} on") for m in proc.messages()),
+                         10, "the daemon serving")
         async with emulator(node.plugin_dir) as kubelet:
             await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 2, timeout=10)
             # SIGTERM or SIGINT: a quick exit that removes the socket and keeps the spec.
