@@ -279,3 +279,19 @@ def healthy_tracker() -> HealthTracker:
     tracker = HealthTracker(required=("device",))
     tracker.set_condition("device", True)
     return tracker
+
+
+# A ListAndWatch reader (run with `python -c`, the socket as its argument) that prints the first
+# list's health, then stops itself (SIGSTOP): a kubelet that stops reading. After SIGCONT it
+# prints the health of each list it reads.
+STALLING_CLIENT = """
+import os, signal, sys
+import grpc
+from hlplugin.api import deviceplugin_pb2 as pb, deviceplugin_pb2_grpc as pb_grpc
+with grpc.insecure_channel("unix://" + sys.argv[1]) as channel:
+    stream = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty())
+    print(next(stream).devices[0].health, flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    for response in stream:
+        print(response.devices[0].health, flush=True)
+"""

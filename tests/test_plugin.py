@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import healthy_tracker, wait_until
+from harness import STALLING_CLIENT, healthy_tracker, wait_until
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
@@ -188,19 +188,6 @@ async def test_cancelled_streams_leave_no_task_and_streams_past_the_bound_are_re
     # A client retrying in a loop is logged once while the bound holds, not once per attempt.
     assert [r.getMessage() for r in caplog.records] == [
         f"refused a ListAndWatch stream: {MAX_STREAMS} are open already (at most {MAX_STREAMS})"]
-
-
-STALLING_CLIENT = """
-import os, signal, sys
-import grpc
-from hlplugin.api import deviceplugin_pb2 as pb, deviceplugin_pb2_grpc as pb_grpc
-with grpc.insecure_channel("unix://" + sys.argv[1]) as channel:
-    stream = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty())
-    print(next(stream).devices[0].health, flush=True)
-    os.kill(os.getpid(), signal.SIGSTOP)  # a reader that stops reading, until SIGCONT
-    for response in stream:
-        print(response.devices[0].health, flush=True)
-"""
 
 
 async def test_a_reader_that_stops_reading_gets_the_latest_state_not_a_backlog() -> None:

@@ -17,7 +17,15 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import Node, emulator, healthy_tracker, needs_kvm, obstruct_with_directory, on_kubelet
+from harness import (
+    STALLING_CLIENT,
+    Node,
+    emulator,
+    healthy_tracker,
+    needs_kvm,
+    obstruct_with_directory,
+    on_kubelet,
+)
 
 from hlplugin.deviceplugin.conditions import HealthState
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
@@ -27,18 +35,6 @@ from hlplugin.plugin import HypervisorPlugin
 RESOURCE = "hyperlight.dev/hypervisor"
 SLOTS = 2000  # the default: ~40 KB a list, so a stopped reader's window fills in two lists
 POD_GRACE = 5.0  # seconds between the kubelet's SIGTERM and its SIGKILL (deploy/base)
-
-STALLING_CLIENT = """
-import os, signal, sys
-import grpc
-from hlplugin.api import deviceplugin_pb2 as pb, deviceplugin_pb2_grpc as pb_grpc
-with grpc.insecure_channel("unix://" + sys.argv[1]) as channel:
-    stream = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty())
-    print(next(stream).devices[0].health, flush=True)
-    os.kill(os.getpid(), signal.SIGSTOP)  # a reader that stops reading, for ever
-    for response in stream:
-        pass
-"""
 
 
 @needs_kvm
