@@ -5,17 +5,14 @@ and records what happens to its stream), so nothing of ours decides what the emu
 from __future__ import annotations
 
 import asyncio
-import atexit
-import shutil
 import socket
-import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
 import pytest
-from harness import emulator, wait_until
+from harness import emulator, short_dir, wait_until
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
@@ -23,13 +20,6 @@ from hlplugin.deviceplugin.kubeletsock import listens, socket_identity
 from hlplugin.tools.emulator import CHECKPOINT, AdmissionError, Pod
 
 ACCESS = "hyperlight.dev/device-access"
-
-
-def short_dir() -> Path:
-    """A fresh directory under /tmp: pytest's tmp_path can be too long for a socket path."""
-    path = Path(tempfile.mkdtemp(prefix="hle-", dir="/tmp"))
-    atexit.register(shutil.rmtree, path, True)
-    return path
 
 
 class BarePlugin(pb_grpc.DevicePluginServicer):
