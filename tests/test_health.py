@@ -113,33 +113,40 @@ async def test_failing_probes_set_their_reasons_and_metrics_and_every_change_wak
     woken.cancel()
 
 
+async def ensure_fresh(mon: DeviceMonitor, max_age: float = 1.0) -> HealthState:
+    """Health from a check that began at most ``max_age`` ago (the producer's ensure; the daemon
+    itself asks for_allocate)."""
+    await mon.producer.ensure(max_age)
+    return mon.tracker.state
+
+
 async def test_ensure_fresh_burst_probes_once_and_reprobes_after_max_age() -> None:
     now = [100.0]
 
     probe = Gate(released=True)
     mon = monitor(device_probe=probe, clock=lambda: now[0])
-    states = await asyncio.gather(*(mon.ensure_fresh() for _ in range(50)))
+    states = await asyncio.gather(*(ensure_fresh(mon) for _ in range(50)))
     assert probe.calls == 1
     assert all(s.healthy for s in states)
 
     now[0] += 0.9
-    await asyncio.gather(*(mon.ensure_fresh() for _ in range(10)))
+    await asyncio.gather(*(ensure_fresh(mon) for _ in range(10)))
     assert probe.calls == 1
 
     now[0] += 0.2  # 1.1 s after the check began
-    await mon.ensure_fresh()
+    await ensure_fresh(mon)
     assert probe.calls == 2
     now[0] += 0.001  # a moment later: the check that began before is not fresh enough
-    await mon.ensure_fresh(max_age=0.0)
+    await ensure_fresh(mon, max_age=0.0)
     assert probe.calls == 3
 
 
 async def test_cancelled_callers_and_stuck_probes_fail_nothing_and_poison_nothing(gate: Gate) -> None:
     mon = monitor(device_probe=gate, budget=GUARD)
-    first = asyncio.create_task(mon.ensure_fresh())  # starts the check
+    first = asyncio.create_task(ensure_fresh(mon))  # starts the check
     await wait_until(gate.started.is_set)
-    joiner = asyncio.create_task(mon.ensure_fresh())  # shares it
-    patient = asyncio.create_task(mon.ensure_fresh())  # shares it, and waits it out
+    joiner = asyncio.create_task(ensure_fresh(mon))  # shares it
+    patient = asyncio.create_task(ensure_fresh(mon))  # shares it, and waits it out
     await asyncio.sleep(0)  # one loop turn: both new callers reach their await on the shared check
     for caller in (first, joiner):
         caller.cancel()
@@ -184,7 +191,7 @@ async def test_cancelled_callers_and_stuck_probes_fail_nothing_and_poison_nothin
     assert sample(mon, "failures_total", reason="timeout") == 1
     started = mon.runner.threads_started
     for _ in range(3):
-        state = await mon.ensure_fresh(max_age=0.0)
+        state = await ensure_fresh(mon, max_age=0.0)
         assert "still stuck" in state.reasons["device"]
         assert mon.runner.threads_started == started  # no helper started next to the stuck one
         assert mon.runner.busy

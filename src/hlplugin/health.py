@@ -81,15 +81,6 @@ class DeviceMonitor:
         await self.producer.check(Trigger.DEMAND)
         return self.tracker.state
 
-    async def ensure_fresh(self, max_age: float = 1.0) -> HealthState:
-        """Health from a check that began at most ``max_age`` ago: a recent or in-flight one,
-        else a new one (a success that began earlier is not trusted; see Producer.ensure).
-
-        A burst of Allocates costs one probe; a cancelled caller leaves the shared check running.
-        """
-        await self.producer.ensure(max_age)
-        return self.tracker.state
-
     async def for_allocate(self) -> HealthState:
         """The device (and host identity) as a check that began after this call finds them: the
         upstream check (no guest run; the periodic check runs the guest). Concurrent callers share
