@@ -20,7 +20,6 @@ from harness import Daemon, Node, wait_until
 from prometheus_client import CollectorRegistry
 
 from hlplugin import config
-from hlplugin.deviceplugin.daemon import SelfCheck
 from hlplugin.deviceplugin.http import HttpServer, Limits, connection_cap
 from hlplugin.tools.process import free_port
 
@@ -205,22 +204,6 @@ async def test_ipv6_loopback_and_dual_stack_any() -> None:
     async with server(host="::") as http:
         assert status(await exchange(http.port, request(), host="::1")) == 200
         assert status(await exchange(http.port, request(), host="127.0.0.1")) == 200
-
-
-async def test_self_check_result_goes_stale_when_the_loop_stops_checking() -> None:
-    """/healthz answers from the last self-check; one that has not run for too long (the event
-    loop or the task stuck) fails liveness with that reason."""
-    now = [1000.0]
-    check = SelfCheck(lambda: None, interval=2.0, timeout=1.0, clock=lambda: now[0])
-
-    assert await check.check()
-    now[0] += check.stale_after - 0.1
-    assert check.liveness() == (True, "")
-    now[0] += 0.2
-    ok, reason = check.liveness()
-    assert not ok and "self-check has not run" in reason
-    await check.check()
-    assert check.liveness() == (True, "")
 
 
 @pytest.mark.parametrize(("text", "address"), [

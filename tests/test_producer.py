@@ -4,6 +4,7 @@ bounded passes, the first pass run once, and a failing root task."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import threading
@@ -19,7 +20,7 @@ from hlplugin.deviceplugin.conditions import HealthTracker
 from hlplugin.deviceplugin.daemon import Daemon, DaemonSpec, Started
 from hlplugin.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
-from hlplugin.deviceplugin.producer import Producer
+from hlplugin.deviceplugin.producer import Producer, Trigger
 from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
 from hlplugin.deviceplugin.watch import supervise
 
@@ -268,3 +269,40 @@ def test_triggers_and_repair_causes_read_as_their_plain_words() -> None:
     assert CDI_REPAIR_CAUSES == ("missing", "malformed", "stale", "metadata")
     assert CDI_REFUSAL_REASONS == ("not_regular", "write_failed")
     assert json.dumps({"cause": RepairCause.STALE}) == '{"cause": "stale"}'
+
+
+async def test_periodic_passes_of_one_period_share_a_wake_up() -> None:
+    """Two producers of the same interval, started apart, pass periodically on the same ticks of
+    the loop's clock (one wake-up for both on an idle node), and never less often than that; each
+    producer's passes run in one helper thread that waits between them (none started per pass)."""
+    loop = asyncio.get_running_loop()
+    seen: dict[str, list[float]] = {"a": [], "b": []}
+
+    def producer(name: str) -> Producer:
+        async def step(trigger: Trigger) -> bool:
+            if trigger is Trigger.PERIODIC:
+                seen[name].append(loop.time())
+            return True
+
+        async def step_in_helper(trigger: Trigger) -> bool:
+            return await made.runner.run(lambda: True) and await step(trigger)
+
+        made = Producer(name, step_in_helper, interval=0.3)
+        producers.append(made)
+        return made
+
+    producers: list[Producer] = []
+    first = asyncio.create_task(producer("a").run())
+    await asyncio.sleep(0.13)  # out of phase, were passes timed from each one's start
+    second = asyncio.create_task(producer("b").run())
+    try:
+        await wait_until(lambda: len(seen["a"]) >= 3 and len(seen["b"]) >= 2, 10, "periodic passes")
+    finally:
+        first.cancel()
+        second.cancel()
+        await asyncio.wait([first, second])
+    for name in seen:
+        assert all(min(t % 0.3, 0.3 - t % 0.3) < 0.05 for t in seen[name]), seen
+        assert all(0.2 < b - a < 0.4 for a, b in itertools.pairwise(seen[name])), seen
+    assert min(abs(t - u) for t in seen["b"] for u in seen["a"]) < 0.01, seen
+    assert [made.runner.threads_started for made in producers] == [1, 1]

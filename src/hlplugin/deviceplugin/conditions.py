@@ -22,6 +22,17 @@ log = logging.getLogger(__name__)
 MIN_PERIOD = 0.1
 
 
+def until_tick(period: float, now: float) -> float:
+    """Seconds from ``now`` to the next multiple of ``period`` (at least MIN_PERIOD away).
+
+    Periodic work waits for these ticks of the loop's clock instead of ``period`` after its last
+    pass, so one process's periodic checks of the same period share one wake-up: on an idle node
+    the wake-ups, not the checks, are most of what a daemon costs (docs/benchmarks.md).
+    """
+    delay = period - now % period
+    return delay if delay >= MIN_PERIOD else delay + period
+
+
 @dataclass(frozen=True)
 class Condition:
     ok: bool

@@ -129,49 +129,60 @@ _EMPTY = pb.Empty()
 
 
 class SelfCheck:
-    """Liveness kept fresh by the event loop, so /healthz costs no I/O however often it is asked.
+    """Liveness, proved only while the kubelet's probes ask for it: a daemon nobody probes makes
+    no call, and /healthz answers at once, from state (a probe never waits, so a flood of requests
+    can neither stall it nor evict it).
 
-    Every ``interval`` it asks our own gRPC server for its options over one channel kept open
-    (one dial per request let 800 concurrent /healthz take 115 MiB). A failed answer gets a second
-    opinion from ``PluginLifecycle.alive()``, which knows when the socket was just replaced or
-    no server runs between instances. A result older than ``stale_after`` means the loop or this
-    task is stuck, and /healthz fails with that reason; an HTTP answer at all proves the loop runs.
+    /healthz answers the latest check's verdict, and starts the next check (one at a time) when
+    that verdict is failing or began ``fresh_for`` or more ago: under the kubelet's probes, every
+    5 s, each probe starts the check the next one reads. The check is a call to our own gRPC
+    server over one channel kept open (one dial per request let 800 concurrent /healthz take
+    115 MiB); a failed answer gets a second opinion from ``PluginLifecycle.alive()``, which knows
+    when the socket was just replaced or no server runs between instances. A check ends within
+    ``limit`` seconds, passing or failing. An HTTP answer at all proves the event loop turns.
     """
 
-    def __init__(self, lifecycle: Callable[[], PluginLifecycle | None], interval: float = 5.0,
+    def __init__(self, lifecycle: Callable[[], PluginLifecycle | None], fresh_for: float = 4.0,
                  timeout: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.lifecycle = lifecycle
-        self.interval = interval
+        self.fresh_for = fresh_for
         self.timeout = timeout
-        self.stale_after = 3 * interval + 2 * timeout
+        self.limit = 2 * timeout + 0.5  # the call, then the second opinion's
         self.clock = clock
         self.ok = True
-        self.checked_at = clock()
+        self.reason = ""
+        self.checks = 0
+        self.began: float | None = None  # clock() when the latest check began
+        self._running: asyncio.Task[bool] | None = None
         self._channel: grpc.aio.Channel | None = None
         self._target = ""
         self._options: Any = None  # the channel's GetDevicePluginOptions, made once per channel
 
     def liveness(self) -> tuple[bool, str]:
-        age = self.clock() - self.checked_at
-        if age > self.stale_after:
-            return False, f"the self-check has not run for {age:.0f} s (event loop stuck?)"
-        return self.ok, "" if self.ok else "the gRPC server did not answer on its socket"
-
-    async def run(self) -> None:
-        while True:
-            await self.check()
-            await asyncio.sleep(self.interval)
+        """The verdict now; starts the next check if this one is due (on the event loop)."""
+        running = self._running
+        due = not self.ok or self.began is None or self.clock() - self.began >= self.fresh_for
+        if due and (running is None or running.done()):
+            self._running = asyncio.create_task(self.check(), name="self-check")
+        return self.ok, self.reason
 
     async def check(self) -> bool:
+        self.began = self.clock()
+        self.checks += 1
         current = self.lifecycle()
-        ok = current is None or await self._ask(current) or await current.alive(self.timeout)
-        self.ok, self.checked_at = ok, self.clock()
+        try:
+            async with asyncio.timeout(self.limit):
+                ok = current is None or await self._ask(current) or await current.alive(self.timeout)
+            reason = "" if ok else "the gRPC server did not answer on its socket"
+        except TimeoutError:
+            ok, reason = False, f"the gRPC self-check did not end within {self.limit:g} s"
+        self.ok, self.reason = ok, reason
         return ok
 
     async def _ask(self, current: PluginLifecycle) -> bool:
         target = f"unix://{current.socket_path}"
         if self._channel is None or target != self._target:
-            await self.close()
+            await self._close_channel()
             # Reconnect within a second of the server coming back, not after gRPC's backoff.
             self._channel = grpc.aio.insecure_channel(target, options=[
                 ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)])
@@ -179,14 +190,21 @@ class SelfCheck:
             self._options = pb_grpc.DevicePluginStub(self._channel).GetDevicePluginOptions
         try:
             # One unary call is the least that proves the server answers (it runs our handler
-            # on the loop). Profiled: about 2.3 ms of CPU a check, 60 % of it gRPC's own worker
-            # threads waking; a raw HTTP/2 client instead of a channel measured no cheaper.
+            # on the loop). Profiled: most of its CPU is gRPC's own threads waking, on both
+            # ends, which is why it runs only when a probe asks, and at most every fresh_for.
             await self._options(_EMPTY, timeout=self.timeout)
         except grpc.aio.AioRpcError:
             return False
         return True
 
     async def close(self) -> None:
+        if self._running is not None:
+            self._running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._running
+        await self._close_channel()
+
+    async def _close_channel(self) -> None:
         if self._channel is not None:
             channel, self._channel = self._channel, None
             await channel.close(None)
@@ -266,7 +284,6 @@ class Daemon(Generic[T]):
         checker = SelfCheck(self.lifecycle)
         http = HttpServer(self.readiness, checker.liveness, spec.metrics.registry,
                           details={"ignored_settings": sorted(spec.launch.ignored_settings)})
-        checking: asyncio.Task[None] | None = None
         try:
             try:
                 await http.start(spec.http_address)
@@ -274,7 +291,6 @@ class Daemon(Generic[T]):
                 log.error("%s: cannot serve HTTP on %s: %s", spec.name,
                           format_address(spec.http_address), _os_reason(exc))
                 raise SystemExit(1) from None
-            checking = asyncio.create_task(checker.run(), name="self-check")
             found = await spec.wait()
             self._waiting = False
             self._started = started = await spec.setup(found)
@@ -289,8 +305,6 @@ class Daemon(Generic[T]):
             log.debug("%s stopped", spec.name)
         finally:
             # stop() cancels this task again every 0.25 s until it ends: each step must finish.
-            if checking is not None:
-                checking.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await http.stop()
             with contextlib.suppress(asyncio.CancelledError):

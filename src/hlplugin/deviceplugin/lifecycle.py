@@ -34,6 +34,7 @@ import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from hlplugin.deviceplugin.conditions import until_tick
 from hlplugin.deviceplugin.grpcserver import new_server, stop_server
 from hlplugin.deviceplugin.grpcserver import to_completion as _to_completion
 from hlplugin.deviceplugin.holder import Held, Holder, private_path, publish, wait_until_free
@@ -360,6 +361,8 @@ class PluginLifecycle:
         any missed event (with inotify live, only a mount over the directory: every
         ``live_recheck_interval``). Take the pulse before looking at the sockets, never after."""
         recheck = self._live_recheck if self._wakeup.live() else self._recheck
+        # On the interval's ticks, so the daemon's periodic work shares one wake-up.
+        recheck = until_tick(recheck, asyncio.get_running_loop().time())
         await self._wakeup.wait(pulse, recheck if limit is None else min(limit, recheck))
 
     def _dir_problem(self) -> str:

@@ -3,7 +3,8 @@ are kept alive.
 
 A producer runs one *pass* (an async function of its trigger that returns whether its condition
 holds) when a watched name changes (inotify through DirWatcher, polling where inotify is missing),
-every ``interval`` seconds (with capped exponential backoff while failing, if asked), and on
+at every tick of ``interval`` seconds (conditions.until_tick: the periodic passes of a process
+share a wake-up; with capped exponential backoff while failing, if asked), and on
 demand (``ensure(max_age)``: a pass that began at most ``max_age`` before the call, in flight or
 done, is shared, so a burst of callers costs one pass, and a caller that gives up never stops
 it). Passes that block (file systems, ioctls) run in the producer's BoundedRunner: past the
@@ -23,7 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from enum import StrEnum
 
 from hlplugin.deviceplugin.bounded import BoundedRunner
-from hlplugin.deviceplugin.conditions import MIN_PERIOD
+from hlplugin.deviceplugin.conditions import MIN_PERIOD, until_tick
 from hlplugin.deviceplugin.watch import DirWatcher, Wakeup
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,10 @@ class Producer:
         self.name = name
         self.interval = interval
         self.max_backoff = max_backoff
-        self.runner = BoundedRunner(budget, name=f"producer-{name}", linger=linger)
+        # The helper waits for the next periodic pass rather than ending and being started
+        # again for it: on an idle node a thread start costs more than the pass it runs.
+        self.runner = BoundedRunner(budget, name=f"producer-{name}",
+                                    linger=max(linger, 2 * interval))
         self.wakeup = Wakeup(*watch)
         self.ok = False
         self.completed_at: float | None = None  # clock() when the latest pass finished
@@ -115,8 +119,9 @@ class Producer:
             pulse = self.wakeup.pulse()
             ok = self.ok if self.completed_at is not None else await self.check(Trigger.START)
             while True:
-                if ok or self.max_backoff is None:
-                    delay, backoff = max(self.interval, MIN_PERIOD), FIRST_BACKOFF
+                if ok or self.max_backoff is None:  # on the interval's ticks (until_tick)
+                    now = asyncio.get_running_loop().time()
+                    delay, backoff = until_tick(max(self.interval, MIN_PERIOD), now), FIRST_BACKOFF
                 else:
                     delay = min(backoff, self.max_backoff)
                     backoff = min(backoff * 2, self.max_backoff)
