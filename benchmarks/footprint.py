@@ -168,6 +168,25 @@ class Process:
         self.cgroup.remove()
 
 
+async def probed(seconds: float, *processes: Process, period: float = 5.0) -> None:
+    """``seconds`` of the kubelet's liveness and readiness probes on each daemon of ``processes``,
+    every ``period`` (the manifests' 5 s)."""
+
+    async def probe(daemon: drive.Daemon) -> None:
+        while True:
+            for path in ("/healthz", "/readyz"):
+                await daemon.get(path)
+            await asyncio.sleep(period)
+
+    tasks = [asyncio.create_task(probe(p.daemon)) for p in processes if p.daemon is not None]
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 @contextlib.asynccontextmanager
 async def running(*processes: Process) -> AsyncIterator[None]:
     try:

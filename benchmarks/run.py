@@ -66,12 +66,13 @@ class Profile:
     probes: int = 300            # KVM checks timed
     footprint_starts: int = 10   # starts of each daemon and the floor plugin (medians)
     footprint_idle: float = 120.0  # seconds of the footprint's idle window
+    footprint_probed: float = 60.0  # seconds of idle with the kubelet's probes (every 5 s)
     footprint_allocs: int = 2000   # Allocates to the main daemon (and the floor) as the load
 
 
 QUICK = Profile(repeats=2, allocs=300, transitions=6, tampers=10, kubelet_restarts=3, starts=2,
                 mem_allocs=1000, mem_transitions=40, boot_allocs=100, idle=5.0, probes=20,
-                footprint_starts=2, footprint_idle=5.0, footprint_allocs=200)
+                footprint_starts=2, footprint_idle=5.0, footprint_probed=5.0, footprint_allocs=200)
 # The most raw streams the daemon serves next to the kubelet's (it refuses more).
 RAW_STREAMS = MAX_STREAMS - 1
 
@@ -477,6 +478,13 @@ async def bench_footprint(tmp: Path, p: Profile) -> None:
         cpu = {k: (footprint.cpu_seconds(v.pid) - before[k][0]) / wall * 100 for k, v in procs.items()}
         ticks = {k: (drive.cpu_seconds(v.pid) - before[k][1]) / wall * 100 for k, v in procs.items()}
         idle = {k: v.figures() for k, v in procs.items()}
+        # The same, with the kubelet's probes as the manifests set them: /healthz and /readyz
+        # every 5 s (each /healthz may start the daemon's self-check); the floor has no HTTP.
+        before = {k: footprint.cpu_seconds(v.pid) for k, v in procs.items()}
+        t0 = time.monotonic()
+        await footprint.probed(p.footprint_probed, main, boot)
+        wall = time.monotonic() - t0
+        probed = {k: (footprint.cpu_seconds(v.pid) - before[k]) / wall * 100 for k, v in procs.items()}
         async with grpc.aio.insecure_channel(target(node)) as dch, \
                 grpc.aio.insecure_channel(f"unix://{node.root / 'floor.sock'}") as fch:
             await hammer(pb_grpc.DevicePluginStub(dch), p.footprint_allocs, 16)
@@ -498,6 +506,11 @@ async def bench_footprint(tmp: Path, p: Profile) -> None:
                ratio=round(cpu[who] / cpu["floor"], 2) if cpu["floor"] > 0 else None,
                from_ticks=round(ticks[who], 3), floor_from_ticks=round(ticks["floor"], 3),
                baseline_is="the empty grpc.aio server, idle, same window")
+        record(f"idle CPU with the kubelet's probes, {who} daemon ({p.footprint_probed:.0f} s)",
+               round(probed[who], 3), "% of a core", baseline=round(probed["floor"], 3),
+               ratio=round(probed[who] / probed["floor"], 2) if probed["floor"] > 0 else None,
+               probes="GET /healthz and /readyz every 5 s, as the manifests' probes",
+               baseline_is="the empty grpc.aio server, idle (no HTTP to probe), same window")
         extra = 6 if who == "main" else 5
         ws, base = idle[who]["working_set"], idle["floor"]["working_set"]
         record(f"working set idle, {who} daemon", ws, "MiB", goal=f"<= floor + {extra} MiB",

@@ -135,14 +135,16 @@ class SelfCheck:
 
     /healthz answers the latest check's verdict, and starts the next check (one at a time) when
     that verdict is failing or began ``fresh_for`` or more ago: under the kubelet's probes, every
-    5 s, each probe starts the check the next one reads. The check is a call to our own gRPC
+    5 s, every other probe starts the check the next one reads (a check costs several times
+    what the probe's own HTTP exchange does, and finds a hung server just as surely; the
+    restart that follows comes within 26 s, docs/operations.md). The check is a call to our own gRPC
     server over one channel kept open (one dial per request let 800 concurrent /healthz take
     115 MiB); a failed answer gets a second opinion from ``PluginLifecycle.alive()``, which knows
     when the socket was just replaced or no server runs between instances. A check ends within
     ``limit`` seconds, passing or failing. An HTTP answer at all proves the event loop turns.
     """
 
-    def __init__(self, lifecycle: Callable[[], PluginLifecycle | None], fresh_for: float = 4.0,
+    def __init__(self, lifecycle: Callable[[], PluginLifecycle | None], fresh_for: float = 9.0,
                  timeout: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.lifecycle = lifecycle
         self.fresh_for = fresh_for
