@@ -153,8 +153,11 @@ async def _wait(helper: concurrent.futures.Future[T], seconds: float) -> bool:
         return False
     waiter = asyncio.wrap_future(helper)
     try:
-        done, _ = await asyncio.wait((waiter,), timeout=seconds)
-        return bool(done)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                with contextlib.suppress(Exception):  # the helper's own: its caller reads it
+                    await waiter  # cancelling this wrapper never cancels the running helper
+        return helper.done()
     finally:
         # Detach: a cancelled waiter makes the helper's callback a no-op even after loop close.
         if not waiter.done():
