@@ -78,12 +78,21 @@ def still_open(conn: socket.socket) -> bool:
         conn.setblocking(True)
 
 
-def socket_fds(pid: int) -> int:
-    count = 0
+def accepted(pid: int, port: int, clients: list[socket.socket]) -> bool:
+    """The daemon holds the server end of every one of ``clients`` (connected to ``port``): each
+    has its socket's inode (0 until accepted) in /proc/net/tcp and in the daemon's fd table."""
+    want = {c.getsockname()[1] for c in clients}
+    inodes = {}
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, inode = int(fields[1].split(":")[1], 16), int(fields[2].split(":")[1], 16), fields[9]
+        if local == port and remote in want:
+            inodes[remote] = inode
+    held = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(OSError):
-            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
-    return count
+            held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return set(inodes) == want and all(f"socket:[{i}]" in held for i in inodes.values())
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -140,14 +149,13 @@ async def test_without_a_device_every_series_is_there_readyz_explains_and_bad_re
         port = proc.port
         # Half-open connections (the server drops them at its whole-request deadline) hold
         # nothing another client needs: every answer in this block comes while they are connected.
-        before = socket_fds(proc.pid)
         stalled = [b""] * 6 + [b"GET /hea"] * 3 + [b"GET /healthz HTTP/1.1\r\nHost: x\r\n"] * 3
         with contextlib.ExitStack() as stack:  # silent, half a request line, half the headers
             conns = [stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=5))
                      for _ in stalled]
             for conn, payload in zip(conns, stalled, strict=True):
                 conn.sendall(payload)
-            await wait_until(lambda: socket_fds(proc.pid) >= before + len(conns), 10,
+            await wait_until(lambda: accepted(proc.pid, port, conns), 10,
                              "the server accepting every stalled client")
             status, headers, raw = await asyncio.to_thread(get, port, "/readyz")
             assert (status, headers["content-type"]) == (503, "application/json")

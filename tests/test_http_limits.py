@@ -114,6 +114,23 @@ async def test_head_over_the_limit_gets_431_and_is_closed() -> None:
         assert status(answer) == 413
 
 
+async def test_an_answer_sent_before_the_whole_request_arrived_is_read_not_reset() -> None:
+    """A 431 for a 1 MB head: the server answers after 8 KiB, sends a FIN, and drops the rest as
+    it comes, so the client's sending completes and it reads the answer; closing with the rest
+    unread would reset the connection, and the answer with it."""
+    async with server() as http:
+        def send_then_read() -> bytes:
+            with socket.create_connection(("127.0.0.1", http.port), timeout=10) as conn:
+                conn.sendall(b"GET /healthz HTTP/1.1\r\nX: " + b"a" * 1_000_000 + b"\r\n\r\n")
+                chunks = []
+                while chunk := conn.recv(65536):
+                    chunks.append(chunk)
+                return b"".join(chunks)
+
+        for _ in range(3):
+            assert status(await asyncio.to_thread(send_then_read)) == 431
+
+
 async def test_request_cut_off_by_eof_is_not_served() -> None:
     served = Served()
     async with server(served=served) as http:

@@ -139,6 +139,7 @@ class _Connection(asyncio.Protocol):
         self.line_ended = False  # has the request line ended (414 vs 431)?
         self.done = False
         self.eof = False
+        self.complete = False  # the whole request arrived (its end, or EOF)
         self.paced = False  # a whole scrape request, waiting for its turn (scrape.py)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -198,6 +199,7 @@ class _Connection(asyncio.Protocol):
                     if self.body > self.limits.max_body:
                         self._answer(_text(HTTPStatus.REQUEST_ENTITY_TOO_LARGE))
                 elif isinstance(event, h11.EndOfMessage):
+                    self.complete = True
                     self._respond()
                 elif isinstance(event, h11.ConnectionClosed):
                     self.close()
@@ -255,6 +257,14 @@ class _Connection(asyncio.Protocol):
             out = (out or b"") + (self.parser.send(h11.EndOfMessage()) or b"")
         except h11.LocalProtocolError:  # h11 has no state left to answer from
             self.close()
+            return
+        if not (self.complete or self.eof):
+            # Answered before the whole request arrived (too large, malformed): send it and a
+            # FIN, then read and drop the rest until the client closes (or the deadline). A
+            # close with unread bytes would reset the connection, and a reset can discard the
+            # answer before the client reads it.
+            self.transport.write(out)
+            self.transport.write_eof()
             return
         self.transport.pause_reading()
         self.transport.write(out)
