@@ -14,6 +14,13 @@ TOOLING = ("tools", "emulator", "demo", "doctor")
 # prometheus_client's exposition module and what it alone pulls in.
 EXPOSITION = ("prometheus_client.exposition", "http.server", "wsgiref")
 MAIN_ONLY = ("hlplugin.probe", "hlplugin.cdi", "hlplugin.cdi_spec", "hlplugin.health")
+# What neither daemon uses before it registers: h11 parses the first HTTP request (the package is
+# there, its code not run: its submodules load with it); the rest serve a subcommand or an error
+# path (difflib: `hlplugin cdi --check`'s difference), or were stand-ins for a call of os.
+LATER = ("h11._connection", "h11._events", "difflib", "secrets", "hashlib", "platform",
+         "prometheus_client.platform_collector")
+# What only the main daemon uses before it registers, beyond MAIN_ONLY: the CDI file's writer.
+MAIN_BEFORE_REGISTER = ("hlplugin.deviceplugin.ownedfile",)
 
 
 def loaded_after(code: str) -> set[str]:
@@ -40,6 +47,21 @@ def test_the_main_daemon_loads_no_tooling_or_exposition() -> None:
     modules = loaded_after("import hlplugin.plugin")
     assert {"hlplugin.plugin", *MAIN_ONLY} <= modules, sorted(set(MAIN_ONLY) - modules)
     assert not offenders(modules, EXPOSITION)
+
+
+@pytest.mark.parametrize("daemon", ["bootstrap", "plugin"])
+def test_a_daemon_start_loads_nothing_it_uses_later(daemon: str) -> None:
+    """What the command line and either daemon import before Register (the start, as
+    `hlplugin serve|bootstrap` runs it); the bootstrap not even the CDI writer."""
+    modules = loaded_after(f"import hlplugin.cli, hlplugin.{daemon}")
+    assert "h11" in modules  # there for the HTTP server, waiting for its first use
+    later = LATER + (MAIN_ONLY + MAIN_BEFORE_REGISTER if daemon == "bootstrap" else ())
+    assert not offenders(modules, later)
+
+
+def test_h11_loads_at_its_first_use() -> None:
+    modules = loaded_after("import hlplugin.bootstrap, h11\nh11.Connection(h11.SERVER)")
+    assert "h11._connection" in modules
 
 
 @pytest.mark.parametrize("spelling", [

@@ -11,7 +11,7 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hlplugin import __version__, cdi_spec, config, logs
+from hlplugin import __version__, config, logs
 from hlplugin.deviceplugin import files
 from hlplugin.deviceplugin.quoting import clip, quote
 from hlplugin.deviceplugin.signals import StopSignals
@@ -61,7 +61,9 @@ def _file(text: str) -> Path:
     return Path(text)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with ``only`` (the command about to run), the other commands are
+    listed without their options, which a start would build and never parse."""
     parser = _Parser(
         prog="hlplugin",
         description="Kubernetes device plugin for Hyperlight micro-VMs. Every option has an "
@@ -77,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=description.get(name, help_text),
                                   epilog=config.DURATION_HELP if durations else None)
         sub.set_defaults(subparser=sub)  # errors found after parsing print this command's usage
+        if only is not None and name != only:
+            continue
         config.add_options(sub, options, name)
         if name == "cdi":
             for action in sub._actions:
@@ -115,7 +119,8 @@ def _limit_malloc_arenas() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv[0] if argv and argv[0] in _COMMANDS else None)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse reports these with the top level's usage; the command's is the help
         getattr(args, "subparser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -195,6 +200,7 @@ def _run(coroutine: Coroutine[Any, Any, None], signals: StopSignals) -> int:
 
 
 def _cdi(settings: config.Settings, check: Path | None) -> int:
+    from hlplugin import cdi_spec  # the bootstrap has no CDI: not loaded by its start
 
     hypervisor = settings.detect_hypervisor()
     if hypervisor is None:

@@ -23,13 +23,18 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import h11
 from prometheus_client.registry import CollectorRegistry
 
-from hlplugin.deviceplugin import lazyprom
+from hlplugin.deviceplugin import lazymodule, lazyprom
 from hlplugin.deviceplugin.scrape import Pacer
+
+if TYPE_CHECKING:
+    import h11
+else:  # parses the first request: not loaded before the daemon registers
+    h11 = lazymodule.load("h11")
 
 log = logging.getLogger(__name__)
 
