@@ -27,6 +27,7 @@ from hlplugin.names import DEVICE_ACCESS_RESOURCE, HYPERVISOR_RESOURCE
 from hlplugin.tools import drive
 from hlplugin.tools.drive import proc_status
 from hlplugin.tools.emulator import KubeletEmulator
+from hlplugin.tools.process import with_parent_death
 
 V1 = Path("/sys/fs/cgroup/memory")
 V2 = Path("/sys/fs/cgroup")
@@ -143,15 +144,18 @@ class Process:
         self.started = 0.0
 
     async def start(self) -> Process:
-        self.started = time.monotonic()
+        """Start it; ``started`` is taken just before the spawn, and a floor script runs under
+        the same parent-death wrapper as a daemon (setpriv): the two start alike."""
         if self.argv[0] in ("serve", "bootstrap"):
             self.daemon = drive.Daemon(self.argv)
             self.daemon.args = self.cgroup.wrap(self.daemon.args)
             await self.daemon.start()
+            self.started = self.daemon.started
         else:
+            argv = self.cgroup.wrap(with_parent_death([sys.executable, *self.argv]))
+            self.started = time.monotonic()
             self.child = await asyncio.create_subprocess_exec(
-                *self.cgroup.wrap([sys.executable, *self.argv]), stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL)
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL)
         return self
 
     @property

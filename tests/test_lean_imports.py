@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib.metadata import entry_points
 
 import pytest
+from harness import short_dir
 
 TOOLING = ("tools", "emulator", "demo", "doctor")
 # prometheus_client's exposition module and what it alone pulls in.
@@ -57,6 +59,48 @@ def test_a_daemon_start_loads_nothing_it_uses_later(daemon: str) -> None:
     assert "h11" in modules  # there for the HTTP server, waiting for its first use
     later = LATER + (MAIN_ONLY + MAIN_BEFORE_REGISTER if daemon == "bootstrap" else ())
     assert not offenders(modules, later)
+
+
+def test_the_start_freezes_its_imports_and_turns_the_gc_back_on() -> None:
+    """The entry point (the `hlplugin` command, `python -m hlplugin`) turns the cyclic GC off for
+    a start's imports; when the daemon begins to run, their objects are frozen (out of every
+    later collection) and the GC is on again."""
+    (command,) = entry_points(group="console_scripts", name="hlplugin")
+    assert command.value == "hlplugin.__main__:run"
+    code = f"""
+import gc, sys
+import hlplugin.cli as cli
+
+def instead(coroutine, signals):  # where the daemon would begin to run
+    coroutine.close()
+    print(gc.isenabled(), gc.get_freeze_count(), "hlplugin.bootstrap" in sys.modules)
+    return 0
+
+cli._run = instead
+sys.argv = ["hlplugin", "bootstrap", "--plugin-dir", {str(short_dir())!r}, "--hypervisor", "kvm",
+            "--http-address", "127.0.0.1:0"]
+from hlplugin.__main__ import run
+run()
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, check=True)
+    enabled, frozen, imported = result.stdout.split()
+    assert enabled == "True" and imported == "True"
+    assert int(frozen) > 10_000  # the start's objects (some 45,000)
+
+
+def test_serving_http_on_an_ip_address_loads_no_idna_codec() -> None:
+    """The bind's address lookup takes the (numeric) host as bytes: a str would be IDNA-encoded,
+    which loads that codec and its tables."""
+    modules = loaded_after(
+        "import asyncio\nfrom hlplugin.deviceplugin.http import HttpServer\n"
+        "from prometheus_client.registry import CollectorRegistry\n"
+        "async def serve():\n"
+        "    http = HttpServer(dict, lambda: (True, ''), CollectorRegistry())\n"
+        "    await http.start(('127.0.0.1', 0))\n"
+        "    await http.stop()\n"
+        "asyncio.run(serve())")
+    assert "hlplugin.deviceplugin.http" in modules and "encodings.idna" not in modules
 
 
 def test_h11_loads_at_its_first_use() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import sys
 from collections.abc import Coroutine, Sequence
@@ -161,11 +162,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         from hlplugin.plugin import serve
 
+        _imports_done()
         return _run(serve(settings, launch), signals)
     if args.command == "bootstrap":
         from hlplugin.bootstrap import bootstrap
 
+        _imports_done()
         return _run(bootstrap(settings, launch), signals)
+    _imports_done()
     if args.command == "cdi":
         return _cdi(settings, args.check)
     if args.command == "doctor":
@@ -187,6 +191,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hlplugin.tools.demo import demo
 
     return demo(keep=args.keep)
+
+
+def _imports_done() -> None:
+    """The start's imports are done: if the entry point turned the cyclic GC off for them
+    (hlplugin/__main__.py), their objects go out of its sight for good (gc.freeze: the few
+    hundred that were garbage among them stay) and it is turned back on."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
 
 
 def _run(coroutine: Coroutine[Any, Any, None], signals: StopSignals) -> int:

@@ -6,6 +6,7 @@ module adds only the device IDs, the Allocate that hands out CDI references, and
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import sys
@@ -97,9 +98,12 @@ async def serve(settings: Settings, launch: Launch | None = None) -> None:
             interval=settings.health_interval, budget=settings.probe_timeout,
             guest_check=settings.guest_check, metrics=metrics)
         # The first pass of each, before registering, so the kubelet's first list is true;
-        # their run() loops start from these.
-        await reconciler.reconcile(Trigger.START)
-        await monitor.check()
+        # their run() loops start from these. The two are independent and run in helper threads
+        # of their own, at once; meanwhile the loop serializes the device list that list sends.
+        first = asyncio.gather(reconciler.reconcile(Trigger.START), monitor.check())
+        await asyncio.sleep(0)  # both passes off to their threads
+        device_list(hv, settings.device_count)
+        await first
 
         async def gate() -> HealthState:
             # CDI: the inotify-vouched read. The device: a check that began after this Allocate.

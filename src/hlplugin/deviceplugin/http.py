@@ -316,8 +316,13 @@ class HttpServer:
         """One socket on the first address ``host`` resolves to; ``::`` is dual-stack (IPv4 too)
         where the kernel allows it, as asyncio's own binding would make it IPv6-only."""
         host, port = address
-        infos = await asyncio.get_running_loop().getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        try:  # an IP address (the defaults are) needs no lookup: no thread to start for it
+            # (as bytes: a str host is IDNA-encoded first, which loads that codec)
+            infos = socket.getaddrinfo(host.encode(), port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE | socket.AI_NUMERICHOST)
+        except socket.gaierror:  # a name: looked up off the loop
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, _, _, _, sockaddr = infos[0]
         dual = family == socket.AF_INET6 and sockaddr[0] == "::" and socket.has_dualstack_ipv6()
         sock = socket.create_server(sockaddr, family=family, backlog=self.limits.listen_queue,
