@@ -103,6 +103,30 @@ def test_serving_http_on_an_ip_address_loads_no_idna_codec() -> None:
     assert "hlplugin.deviceplugin.http" in modules and "encodings.idna" not in modules
 
 
+def test_the_first_inotify_watch_runs_no_ldconfig() -> None:
+    """inotify_simple would find libc with ctypes.util.find_library, which runs `ldconfig -p`
+    in a subprocess (on the event loop, before Register); the watch module hands it the libc
+    the process has loaded, and inotify works through it."""
+    code = """
+import subprocess, tempfile
+spawned = []
+class Spy(subprocess.Popen):
+    def __init__(self, args, *rest, **options):
+        spawned.append(args)
+        super().__init__(args, *rest, **options)
+subprocess.Popen = Spy
+import hlplugin.deviceplugin.watch, inotify_simple
+with tempfile.TemporaryDirectory() as directory, inotify_simple.INotify() as inotify:
+    inotify.add_watch(directory, inotify_simple.flags.CREATE)
+    open(directory + "/new", "w").close()
+    names = [event.name for event in inotify.read(timeout=10000)]
+print(spawned, names)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, check=True)
+    assert result.stdout.split() == ["[]", "['new']"]
+
+
 def test_h11_loads_at_its_first_use() -> None:
     modules = loaded_after("import hlplugin.bootstrap, h11\nh11.Connection(h11.SERVER)")
     assert "h11._connection" in modules

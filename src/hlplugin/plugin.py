@@ -11,6 +11,7 @@ import functools
 import logging
 import sys
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -53,8 +54,9 @@ class HypervisorPlugin(TrackedDevicePlugin):
     """hyperlight.dev/hypervisor: N shareable slots, each a CDI reference to the one device."""
 
     def __init__(self, hypervisor: str, count: int, tracker: HealthTracker, gate: Gate, *,
-                 cdi_annotations: bool = False, metrics: Metrics | None = None) -> None:
-        super().__init__(device_list(hypervisor, count), tracker, metrics)
+                 cdi_annotations: bool = False, metrics: Metrics | None = None,
+                 first: asyncio.Future[Any] | None = None) -> None:
+        super().__init__(device_list(hypervisor, count), tracker, metrics, first=first)
         self.hypervisor = hypervisor
         self._gate = gate
         self._cdi_name = cdi_spec.qualified_name(hypervisor)
@@ -80,6 +82,12 @@ class HypervisorPlugin(TrackedDevicePlugin):
         return response
 
 
+async def after(first: asyncio.Future[Any], run: Callable[[], Awaitable[None]]) -> None:
+    """``run()`` once ``first`` is done: a producer's loop that goes on from its first pass."""
+    await asyncio.shield(first)
+    await run()
+
+
 async def serve(settings: Settings, launch: Launch | None = None) -> None:
     """The main daemon: CDI reconciler, device monitor and the hyperlight.dev/hypervisor plugin."""
     # Every Allocate waits for a device check in a helper thread, which takes the GIL back after
@@ -97,13 +105,14 @@ async def serve(settings: Settings, launch: Launch | None = None) -> None:
             tracker, hv, settings.dev_dir, settings.host_dev_dir,
             interval=settings.health_interval, budget=settings.probe_timeout,
             guest_check=settings.guest_check, metrics=metrics)
-        # The first pass of each, before registering, so the kubelet's first list is true;
-        # their run() loops start from these. The two are independent and run in helper threads
-        # of their own, at once; meanwhile the loop serializes the device list that list sends.
-        first = asyncio.gather(reconciler.reconcile(Trigger.START), monitor.check())
+        # The first pass of each: independent, in helper threads of their own, at once, while
+        # the plugin starts serving and registers; its first list waits for both, so the
+        # kubelet's first list is true. Each run() loop goes on from its own first pass.
+        cdi_first = asyncio.ensure_future(reconciler.reconcile(Trigger.START))
+        device_first = asyncio.ensure_future(monitor.check())
+        first = asyncio.gather(cdi_first, device_first)
         await asyncio.sleep(0)  # both passes off to their threads
-        device_list(hv, settings.device_count)
-        await first
+        device_list(hv, settings.device_count)  # meanwhile, the lists that first list sends
 
         async def gate() -> HealthState:
             # CDI: the inotify-vouched read. The device: a check that began after this Allocate.
@@ -112,10 +121,11 @@ async def serve(settings: Settings, launch: Launch | None = None) -> None:
 
         lifecycle = PluginLifecycle(
             settings.plugin_dir, SOCKET, RESOURCE,
-            lambda: HypervisorPlugin(hv, settings.device_count, tracker, gate,
+            lambda: HypervisorPlugin(hv, settings.device_count, tracker, gate, first=first,
                                      cdi_annotations=settings.cdi_annotations, metrics=metrics),
             register_timeout=settings.register_timeout, dir_setting=PLUGIN_DIR_FLAG, metrics=metrics)
-        return Started(lifecycle, {"cdi": reconciler.run(), "device-health": monitor.run(),
+        return Started(lifecycle, {"cdi": after(cdi_first, reconciler.run),
+                                   "device-health": after(device_first, monitor.run),
                                    "plugin": lifecycle.run()})
 
     await Daemon(DaemonSpec(
