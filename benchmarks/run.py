@@ -443,7 +443,9 @@ async def bench_probes(tmp: Path, p: Profile) -> None:
 
 
 async def record_starts(tmp: Path, p: Profile) -> None:
-    starts = await footprint.measure_starts(tmp, p.footprint_starts, make_node, bootstrap_args)
+    # A directory of its own: the starts and footprint steps may both run.
+    starts = await footprint.measure_starts(Path(tempfile.mkdtemp(dir=tmp)), p.footprint_starts,
+                                            make_node, bootstrap_args)
     floor_start = starts["floor"]["register_s"]
     for who in ("main", "bootstrap"):
         took = starts[who]["register_s"]
