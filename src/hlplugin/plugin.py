@@ -40,9 +40,10 @@ SWITCH_INTERVAL = 0.0005  # seconds (CPython's default: 0.005); see serve()
 
 @functools.lru_cache(maxsize=2)
 def device_list(hypervisor: str, count: int) -> DeviceList:
-    """``<hv>-0`` .. ``<hv>-<count-1>``, serialized once per process: every registration's
-    servicer sends the same bytes (50,000 devices are 1.2 MiB on the wire, 8 MiB as objects)."""
-    return DeviceList(NumberedIds(hypervisor, count))
+    """``<hv>-0`` .. ``<hv>-<count-1>``, serialized once per process (at the first list, or as
+    serve() says): every registration's servicer sends the same bytes (50,000 devices are
+    1.2 MiB on the wire, 8 MiB as objects)."""
+    return DeviceList(NumberedIds(hypervisor, count), serialized=False)
 
 
 def annotation_key(device_id: str) -> str:
@@ -111,8 +112,10 @@ async def serve(settings: Settings, launch: Launch | None = None) -> None:
         cdi_first = asyncio.ensure_future(reconciler.reconcile(Trigger.START))
         device_first = asyncio.ensure_future(monitor.check())
         first = asyncio.gather(cdi_first, device_first)
-        await asyncio.sleep(0)  # both passes off to their threads
-        device_list(hv, settings.device_count)  # meanwhile, the lists that first list sends
+        # The lists that first list sends, serialized once the passes are done: by then the
+        # plugin is serving, usually waiting for the kubelet to answer Register.
+        devices = device_list(hv, settings.device_count)
+        first.add_done_callback(lambda _: devices.serialize())
 
         async def gate() -> HealthState:
             # CDI: the inotify-vouched read. The device: a check that began after this Allocate.
