@@ -22,14 +22,24 @@ def test_numbered_ids_hold_exactly_the_spellings_they_list() -> None:
         assert outsider not in ids, outsider
 
 
+@pytest.mark.parametrize("serialized", [True, False])
 @pytest.mark.parametrize("count", [1, CHUNK, 2 * CHUNK + 7])
-def test_the_wire_bytes_are_the_whole_message_serialized(count: int) -> None:
+def test_the_wire_bytes_are_the_whole_message_serialized(count: int, serialized: bool) -> None:
+    """At once, or (serialized=False, as the main daemon's start does) at the first use."""
     ids = [f"dev-{i}" for i in reversed(range(count))]  # any order, kept
-    listed = DeviceList(ids)
+    listed = DeviceList(ids, serialized=serialized)
     for ok, health in ((True, "Healthy"), (False, "Unhealthy")):
         whole = pb.ListAndWatchResponse(devices=[pb.Device(ID=i, health=health) for i in ids])
         assert listed.wire(ok) == whole.SerializeToString()
     assert listed.ids == frozenset(ids)
+
+
+def test_a_list_serialized_later_is_serialized_once() -> None:
+    listed = DeviceList(NumberedIds("kvm", 3), serialized=False)
+    listed.serialize()
+    healthy = listed.wire(True)
+    listed.serialize()
+    assert listed.wire(True) is healthy  # the same bytes object: built once
 
 
 def test_every_registration_shares_one_device_list() -> None:

@@ -7,6 +7,7 @@ limit) are in test_http_load.py.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import re
@@ -14,6 +15,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness import Daemon, Node, wait_until
@@ -221,6 +223,29 @@ async def test_ipv6_loopback_and_dual_stack_any() -> None:
     async with server(host="::") as http:
         assert status(await exchange(http.port, request(), host="::1")) == 200
         assert status(await exchange(http.port, request(), host="127.0.0.1")) == 200
+
+
+class CountingExecutor(concurrent.futures.ThreadPoolExecutor):
+    """The loop's default executor, counting what is handed to it (a getaddrinfo, say)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self.submitted = 0
+
+    def submit(self, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        self.submitted += 1
+        return super().submit(*args, **kwargs)
+
+
+@pytest.mark.parametrize(("host", "lookups"), [("127.0.0.1", 0), ("localhost", 1)])
+async def test_an_ip_address_binds_without_a_lookup_thread_a_name_is_looked_up_off_the_loop(
+        host: str, lookups: int) -> None:
+    """Start-up: the loop's executor (a thread started for it) only for a name to resolve."""
+    executor = CountingExecutor()
+    asyncio.get_running_loop().set_default_executor(executor)
+    async with server(host=host) as http:
+        assert status(await exchange(http.port, request())) == 200
+    assert executor.submitted == lookups
 
 
 @pytest.mark.parametrize(("text", "address"), [

@@ -7,13 +7,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib.metadata import entry_points
 
 import pytest
+from harness import short_dir
 
 TOOLING = ("tools", "emulator", "demo", "doctor")
 # prometheus_client's exposition module and what it alone pulls in.
 EXPOSITION = ("prometheus_client.exposition", "http.server", "wsgiref")
 MAIN_ONLY = ("hlplugin.probe", "hlplugin.cdi", "hlplugin.cdi_spec", "hlplugin.health")
+# What neither daemon uses before it registers: h11 parses the first HTTP request (the package is
+# there, its code not run: its submodules load with it); the rest serve a subcommand or an error
+# path (difflib: `hlplugin cdi --check`'s difference), or were stand-ins for a call of os.
+LATER = ("h11._connection", "h11._events", "difflib", "secrets", "hashlib", "platform",
+         "prometheus_client.platform_collector")
+# What only the main daemon uses before it registers, beyond MAIN_ONLY: the CDI file's writer.
+MAIN_BEFORE_REGISTER = ("hlplugin.deviceplugin.ownedfile",)
 
 
 def loaded_after(code: str) -> set[str]:
@@ -40,6 +49,87 @@ def test_the_main_daemon_loads_no_tooling_or_exposition() -> None:
     modules = loaded_after("import hlplugin.plugin")
     assert {"hlplugin.plugin", *MAIN_ONLY} <= modules, sorted(set(MAIN_ONLY) - modules)
     assert not offenders(modules, EXPOSITION)
+
+
+@pytest.mark.parametrize("daemon", ["bootstrap", "plugin"])
+def test_a_daemon_start_loads_nothing_it_uses_later(daemon: str) -> None:
+    """What the command line and either daemon import before Register (the start, as
+    `hlplugin serve|bootstrap` runs it); the bootstrap not even the CDI writer."""
+    modules = loaded_after(f"import hlplugin.cli, hlplugin.{daemon}")
+    assert "h11" in modules  # there for the HTTP server, waiting for its first use
+    later = LATER + (MAIN_ONLY + MAIN_BEFORE_REGISTER if daemon == "bootstrap" else ())
+    assert not offenders(modules, later)
+
+
+def test_the_start_freezes_its_imports_and_turns_the_gc_back_on() -> None:
+    """The entry point (the `hlplugin` command, `python -m hlplugin`) turns the cyclic GC off for
+    a start's imports; when the daemon begins to run, their objects are frozen (out of every
+    later collection) and the GC is on again."""
+    (command,) = entry_points(group="console_scripts", name="hlplugin")
+    assert command.value == "hlplugin.__main__:run"
+    code = f"""
+import gc, sys
+import hlplugin.cli as cli
+
+def instead(coroutine, signals):  # where the daemon would begin to run
+    coroutine.close()
+    print(gc.isenabled(), gc.get_freeze_count(), "hlplugin.bootstrap" in sys.modules)
+    return 0
+
+cli._run = instead
+sys.argv = ["hlplugin", "bootstrap", "--plugin-dir", {str(short_dir())!r}, "--hypervisor", "kvm",
+            "--http-address", "127.0.0.1:0"]
+from hlplugin.__main__ import run
+run()
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, check=True)
+    enabled, frozen, imported = result.stdout.split()
+    assert enabled == "True" and imported == "True"
+    assert int(frozen) > 10_000  # the start's objects (some 45,000)
+
+
+def test_serving_http_on_an_ip_address_loads_no_idna_codec() -> None:
+    """The bind's address lookup takes the (numeric) host as bytes: a str would be IDNA-encoded,
+    which loads that codec and its tables."""
+    modules = loaded_after(
+        "import asyncio\nfrom hlplugin.deviceplugin.http import HttpServer\n"
+        "from prometheus_client.registry import CollectorRegistry\n"
+        "async def serve():\n"
+        "    http = HttpServer(dict, lambda: (True, ''), CollectorRegistry())\n"
+        "    await http.start(('127.0.0.1', 0))\n"
+        "    await http.stop()\n"
+        "asyncio.run(serve())")
+    assert "hlplugin.deviceplugin.http" in modules and "encodings.idna" not in modules
+
+
+def test_the_first_inotify_watch_runs_no_ldconfig() -> None:
+    """inotify_simple would find libc with ctypes.util.find_library, which runs `ldconfig -p`
+    in a subprocess (on the event loop, before Register); the watch module hands it the libc
+    the process has loaded, and inotify works through it."""
+    code = """
+import subprocess, tempfile
+spawned = []
+class Spy(subprocess.Popen):
+    def __init__(self, args, *rest, **options):
+        spawned.append(args)
+        super().__init__(args, *rest, **options)
+subprocess.Popen = Spy
+import hlplugin.deviceplugin.watch, inotify_simple
+with tempfile.TemporaryDirectory() as directory, inotify_simple.INotify() as inotify:
+    inotify.add_watch(directory, inotify_simple.flags.CREATE)
+    open(directory + "/new", "w").close()
+    names = [event.name for event in inotify.read(timeout=10000)]
+print(spawned, names)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, check=True)
+    assert result.stdout.split() == ["[]", "['new']"]
+
+
+def test_h11_loads_at_its_first_use() -> None:
+    modules = loaded_after("import hlplugin.bootstrap, h11\nh11.Connection(h11.SERVER)")
+    assert "h11._connection" in modules
 
 
 @pytest.mark.parametrize("spelling", [

@@ -37,6 +37,13 @@ PROCESS_FAMILIES = {
 }  # fmt: skip
 
 
+def test_python_info_is_prometheus_clients_own_made_at_the_first_collection() -> None:
+    from prometheus_client.platform_collector import PlatformCollector
+
+    ours = [family for family in Metrics().registry.collect() if family.name == "python_info"]
+    assert ours == list(PlatformCollector(registry=None).collect())
+
+
 @needs_kvm
 async def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> None:
     node = Node.make(tmp_path)

@@ -70,6 +70,30 @@ async def refused_with(stub: pb_grpc.DevicePluginStub, request: pb.AllocateReque
     return details
 
 
+async def test_the_first_list_waits_for_the_first_checks_with_the_stream_counted() -> None:
+    """A plugin served before its first checks are done (the main daemon registers while they
+    run) holds every stream's first list until they are, so the kubelet's first list is what
+    they found; meanwhile the stream counts as open (the lifecycle would re-register a plugin
+    the kubelet opened no stream to)."""
+    tracker = HealthTracker(required=("device",))
+    first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def gate() -> HealthState:
+        return tracker.state
+
+    plugin = HypervisorPlugin("kvm", 2, tracker, gate, metrics=Metrics(), first=first)
+    async with served(plugin) as (stub, _):
+        stream = stub.ListAndWatch(pb.Empty())
+        reading = asyncio.create_task(stream.read())
+        await wait_until(lambda: plugin.open_streams == 1, what="the stream open")
+        assert plugin.lists_sent == 0 and not reading.done()
+        tracker.set_condition("device", True)  # what the first check found
+        first.set_result(None)
+        response = await asyncio.wait_for(reading, 10)
+        assert {d.health for d in response.devices} == {"Healthy"} and plugin.lists_sent == 1
+        stream.cancel()
+
+
 async def test_options_streams_and_the_allocate_gate_follow_every_transition() -> None:
     """Every stream gets every transition and ends cleanly; the gate refuses with the reason
     while unhealthy; an unknown ID is the request's fault, healthy or not: INVALID_ARGUMENT."""

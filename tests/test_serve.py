@@ -175,3 +175,38 @@ async def test_ignored_environment_values_are_exported_and_listed_without_failin
                if name == "hyperlight_settings_ignored"}
     assert ignored == {"cdi_interval": 1.0, "device_count": 1.0}  # 1m was taken: not ignored
     assert any("ignoring DEVICE_COUNT" in m for m in proc.messages())
+
+
+@needs_kvm
+@needs_root
+async def test_registers_while_its_first_checks_run_and_lists_what_they_found(tmp_path: Path) -> None:
+    """The first CDI pass and device check run while the plugin starts serving and registers;
+    the first list waits for them. Here the CDI storage hangs from the start (FUSE): the daemon
+    registers with its cdi condition still unchecked, no list sent; once that pass gives up
+    (its budget), the first list is all Unhealthy; storage answering again brings the slots."""
+    from fusefs import HangingFs
+
+    from hlplugin.cdi import DEFAULT_BUDGET
+    from hlplugin.cdi_spec import SPEC_FILE, render_spec
+
+    node = Node.make(tmp_path)
+    spec = render_spec("kvm", 65534, 65534)
+    with HangingFs(node.cdi_dir, SPEC_FILE, stat.S_IFREG | 0o644, content=spec) as fs:
+        fs.hang()
+        args = node.serve_args("--hypervisor", "kvm", "--device-count", "4")
+        async with on_kubelet(node, args) as (kubelet, proc):
+            try:
+                await kubelet.wait_for(lambda: kubelet.registered(RESOURCE), timeout=DEFAULT_BUDGET)
+                status, body = await proc.http("/readyz")
+                conditions = json.loads(body)["conditions"]
+                assert status == 503, conditions
+                # The pass is stuck in the kernel for its budget (5 s): not done at Register.
+                assert conditions["cdi"]["reason"] == "not checked yet", conditions
+                assert kubelet.resources[RESOURCE].lists_received == 0
+                await kubelet.wait_for(lambda: kubelet.resources[RESOURCE].lists_received > 0,
+                                       timeout=DEFAULT_BUDGET + 20)
+                assert kubelet.allocatable(RESOURCE) == 0  # what the timed-out pass found
+                fs.release()
+                await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4, timeout=30)
+            finally:
+                fs.release()  # a helper stuck in the kernel would keep the daemon from exiting

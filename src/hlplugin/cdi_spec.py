@@ -6,7 +6,6 @@ render_spec(), doctor and the tests compare against it, and Allocate names quali
 
 from __future__ import annotations
 
-import difflib
 import json
 from pathlib import Path
 from typing import Any
@@ -80,6 +79,8 @@ def check_file(path: Path, desired: bytes) -> tuple[bool, str]:
     content, _ = found
     if content == desired:
         return True, ""
+    import difflib  # only a difference needs it: not loaded by a daemon's start
+
     diff = difflib.unified_diff(
         desired.decode(errors="replace").splitlines(keepends=True),
         content.decode(errors="replace").splitlines(keepends=True),

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import sys
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hlplugin import __version__, cdi_spec, config, logs
+from hlplugin import __version__, config, logs
 from hlplugin.deviceplugin import files
 from hlplugin.deviceplugin.quoting import clip, quote
 from hlplugin.deviceplugin.signals import StopSignals
@@ -61,7 +62,9 @@ def _file(text: str) -> Path:
     return Path(text)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with ``only`` (the command about to run), the other commands are
+    listed without their options, which a start would build and never parse."""
     parser = _Parser(
         prog="hlplugin",
         description="Kubernetes device plugin for Hyperlight micro-VMs. Every option has an "
@@ -77,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=description.get(name, help_text),
                                   epilog=config.DURATION_HELP if durations else None)
         sub.set_defaults(subparser=sub)  # errors found after parsing print this command's usage
+        if only is not None and name != only:
+            continue
         config.add_options(sub, options, name)
         if name == "cdi":
             for action in sub._actions:
@@ -115,7 +120,8 @@ def _limit_malloc_arenas() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv[0] if argv and argv[0] in _COMMANDS else None)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse reports these with the top level's usage; the command's is the help
         getattr(args, "subparser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -156,11 +162,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         from hlplugin.plugin import serve
 
+        _imports_done()
         return _run(serve(settings, launch), signals)
     if args.command == "bootstrap":
         from hlplugin.bootstrap import bootstrap
 
+        _imports_done()
         return _run(bootstrap(settings, launch), signals)
+    _imports_done()
     if args.command == "cdi":
         return _cdi(settings, args.check)
     if args.command == "doctor":
@@ -184,6 +193,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return demo(keep=args.keep)
 
 
+def _imports_done() -> None:
+    """The start's imports are done: if the entry point turned the cyclic GC off for them
+    (hlplugin/__main__.py), their objects go out of its sight for good (gc.freeze: the few
+    hundred that were garbage among them stay) and it is turned back on."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
+
+
 def _run(coroutine: Coroutine[Any, Any, None], signals: StopSignals) -> int:
     try:
         asyncio.run(coroutine)
@@ -195,6 +213,7 @@ def _run(coroutine: Coroutine[Any, Any, None], signals: StopSignals) -> int:
 
 
 def _cdi(settings: config.Settings, check: Path | None) -> int:
+    from hlplugin import cdi_spec  # the bootstrap has no CDI: not loaded by its start
 
     hypervisor = settings.detect_hypervisor()
     if hypervisor is None:

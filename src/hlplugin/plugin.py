@@ -6,10 +6,12 @@ module adds only the device IDs, the Allocate that hands out CDI references, and
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import sys
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -38,9 +40,10 @@ SWITCH_INTERVAL = 0.0005  # seconds (CPython's default: 0.005); see serve()
 
 @functools.lru_cache(maxsize=2)
 def device_list(hypervisor: str, count: int) -> DeviceList:
-    """``<hv>-0`` .. ``<hv>-<count-1>``, serialized once per process: every registration's
-    servicer sends the same bytes (50,000 devices are 1.2 MiB on the wire, 8 MiB as objects)."""
-    return DeviceList(NumberedIds(hypervisor, count))
+    """``<hv>-0`` .. ``<hv>-<count-1>``, serialized once per process (at the first list, or as
+    serve() says): every registration's servicer sends the same bytes (50,000 devices are
+    1.2 MiB on the wire, 8 MiB as objects)."""
+    return DeviceList(NumberedIds(hypervisor, count), serialized=False)
 
 
 def annotation_key(device_id: str) -> str:
@@ -52,8 +55,9 @@ class HypervisorPlugin(TrackedDevicePlugin):
     """hyperlight.dev/hypervisor: N shareable slots, each a CDI reference to the one device."""
 
     def __init__(self, hypervisor: str, count: int, tracker: HealthTracker, gate: Gate, *,
-                 cdi_annotations: bool = False, metrics: Metrics | None = None) -> None:
-        super().__init__(device_list(hypervisor, count), tracker, metrics)
+                 cdi_annotations: bool = False, metrics: Metrics | None = None,
+                 first: asyncio.Future[Any] | None = None) -> None:
+        super().__init__(device_list(hypervisor, count), tracker, metrics, first=first)
         self.hypervisor = hypervisor
         self._gate = gate
         self._cdi_name = cdi_spec.qualified_name(hypervisor)
@@ -79,6 +83,12 @@ class HypervisorPlugin(TrackedDevicePlugin):
         return response
 
 
+async def after(first: asyncio.Future[Any], run: Callable[[], Awaitable[None]]) -> None:
+    """``run()`` once ``first`` is done: a producer's loop that goes on from its first pass."""
+    await asyncio.shield(first)
+    await run()
+
+
 async def serve(settings: Settings, launch: Launch | None = None) -> None:
     """The main daemon: CDI reconciler, device monitor and the hyperlight.dev/hypervisor plugin."""
     # Every Allocate waits for a device check in a helper thread, which takes the GIL back after
@@ -96,10 +106,16 @@ async def serve(settings: Settings, launch: Launch | None = None) -> None:
             tracker, hv, settings.dev_dir, settings.host_dev_dir,
             interval=settings.health_interval, budget=settings.probe_timeout,
             guest_check=settings.guest_check, metrics=metrics)
-        # The first pass of each, before registering, so the kubelet's first list is true;
-        # their run() loops start from these.
-        await reconciler.reconcile(Trigger.START)
-        await monitor.check()
+        # The first pass of each: independent, in helper threads of their own, at once, while
+        # the plugin starts serving and registers; its first list waits for both, so the
+        # kubelet's first list is true. Each run() loop goes on from its own first pass.
+        cdi_first = asyncio.ensure_future(reconciler.reconcile(Trigger.START))
+        device_first = asyncio.ensure_future(monitor.check())
+        first = asyncio.gather(cdi_first, device_first)
+        # The lists that first list sends, serialized once the passes are done: by then the
+        # plugin is serving, usually waiting for the kubelet to answer Register.
+        devices = device_list(hv, settings.device_count)
+        first.add_done_callback(lambda _: devices.serialize())
 
         async def gate() -> HealthState:
             # CDI: the inotify-vouched read. The device: a check that began after this Allocate.
@@ -108,10 +124,11 @@ async def serve(settings: Settings, launch: Launch | None = None) -> None:
 
         lifecycle = PluginLifecycle(
             settings.plugin_dir, SOCKET, RESOURCE,
-            lambda: HypervisorPlugin(hv, settings.device_count, tracker, gate,
+            lambda: HypervisorPlugin(hv, settings.device_count, tracker, gate, first=first,
                                      cdi_annotations=settings.cdi_annotations, metrics=metrics),
             register_timeout=settings.register_timeout, dir_setting=PLUGIN_DIR_FLAG, metrics=metrics)
-        return Started(lifecycle, {"cdi": reconciler.run(), "device-health": monitor.run(),
+        return Started(lifecycle, {"cdi": after(cdi_first, reconciler.run),
+                                   "device-health": after(device_first, monitor.run),
                                    "plugin": lifecycle.run()})
 
     await Daemon(DaemonSpec(

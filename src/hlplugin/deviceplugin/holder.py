@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import errno
 import os
-import secrets
 import socket
 import stat
 import struct
@@ -135,7 +134,7 @@ def find_holder(path: Path) -> Holder | None:
 def private_path(path: Path) -> Path:
     """A fresh name beside ``path`` for a server to bind before publish(); never longer than
     ``path``, so it fits wherever a unix socket at ``path`` fits."""
-    return path.with_name("." + secrets.token_hex(len(path.name))[:max(len(path.name) - 1, 1)])
+    return path.with_name("." + os.urandom(len(path.name)).hex()[:max(len(path.name) - 1, 1)])
 
 
 def publish(bound: Path, path: Path) -> None:

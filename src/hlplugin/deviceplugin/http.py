@@ -23,13 +23,18 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import h11
 from prometheus_client.registry import CollectorRegistry
 
-from hlplugin.deviceplugin import lazyprom
+from hlplugin.deviceplugin import lazymodule, lazyprom
 from hlplugin.deviceplugin.scrape import Pacer
+
+if TYPE_CHECKING:
+    import h11
+else:  # parses the first request: not loaded before the daemon registers
+    h11 = lazymodule.load("h11")
 
 log = logging.getLogger(__name__)
 
@@ -321,8 +326,13 @@ class HttpServer:
         """One socket on the first address ``host`` resolves to; ``::`` is dual-stack (IPv4 too)
         where the kernel allows it, as asyncio's own binding would make it IPv6-only."""
         host, port = address
-        infos = await asyncio.get_running_loop().getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        try:  # an IP address (the defaults are) needs no lookup: no thread to start for it
+            # (as bytes: a str host is IDNA-encoded first, which loads that codec)
+            infos = socket.getaddrinfo(host.encode(), port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE | socket.AI_NUMERICHOST)
+        except socket.gaierror:  # a name: looked up off the loop
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, _, _, _, sockaddr = infos[0]
         dual = family == socket.AF_INET6 and sockaddr[0] == "::" and socket.has_dualstack_ipv6()
         sock = socket.create_server(sockaddr, family=family, backlog=self.limits.listen_queue,

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 
 # The submodules, not the package: its exposition code waits for the first scrape (lazyprom).
 from prometheus_client.metrics import Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
-from prometheus_client.registry import CollectorRegistry
+from prometheus_client.registry import Collector, CollectorRegistry
 
 # Process-wide switch in prometheus_client, read at every collection.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -40,7 +40,7 @@ class DevicePluginMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
+        r.register(PythonInfo())
         # Not pre-created: 0 means "failing", so each daemon sets the conditions it has (all of
         # them start as "not checked yet", see daemon.track_health_metrics).
         self.health_condition = Gauge(
@@ -77,6 +77,24 @@ class DevicePluginMetrics:
             self.registrations: REGISTRATION_RESULTS,
             self.reregistrations: REREGISTRATION_REASONS,
         })
+
+
+class PythonInfo(Collector):
+    """prometheus_client's PlatformCollector (``python_info``), made at the first collection: the
+    platform module it reads takes milliseconds to import, and only a scrape needs it."""
+
+    def __init__(self) -> None:
+        self._metrics: list[Metric] | None = None
+
+    def describe(self) -> list[Metric]:  # its name, for the registry's duplicate check
+        return [GaugeMetricFamily("python_info", "Python platform information")]
+
+    def collect(self) -> list[Metric]:
+        if self._metrics is None:
+            from prometheus_client.platform_collector import PlatformCollector
+
+            self._metrics = list(PlatformCollector(registry=None).collect())
+        return self._metrics
 
 
 def precreate(families: Mapping[Counter | Histogram, tuple[str, ...]]) -> None:

@@ -15,8 +15,6 @@ import errno
 import itertools
 import logging
 import os
-import platform
-import secrets
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -87,7 +85,7 @@ def _load_renameat2() -> _Renameat2 | None:
                          ctypes.c_uint)
         func.restype = ctypes.c_int
         return cast(_Renameat2, func)
-    number = _SYS_RENAMEAT2.get(platform.machine())
+    number = _SYS_RENAMEAT2.get(os.uname().machine)
     syscall = getattr(libc, "syscall", None)
     if number is None or syscall is None:
         return None
@@ -152,7 +150,7 @@ class OwnedFile:
         os.makedirs(self.directory, 0o755, exist_ok=True)
         dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            temp = self.temp_prefix + secrets.token_hex(8)
+            temp = self.temp_prefix + os.urandom(8).hex()
             self._write_temp(dir_fd, temp, content)
             try:
                 self._install(dir_fd, temp)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Collection
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 
@@ -42,7 +42,10 @@ class TrackedDevicePlugin(PluginServicer):
     """
 
     def __init__(self, device_ids: Collection[str] | DeviceList, tracker: HealthTracker,
-                 metrics: DevicePluginMetrics | None = None) -> None:
+                 metrics: DevicePluginMetrics | None = None, *,
+                 first: asyncio.Future[Any] | None = None) -> None:
+        """``first``: what the first list waits for, when the plugin serves before its first
+        checks are done (they set the tracker's conditions: the kubelet's first list is true)."""
         # A DeviceList passed in is shared, serialized lists and all (one per process at the
         # ceiling, whatever the number of registrations); IDs alone get one of their own.
         self.devices = device_ids if isinstance(device_ids, DeviceList) else DeviceList(device_ids)
@@ -61,6 +64,7 @@ class TrackedDevicePlugin(PluginServicer):
         self.refusals = repeats.RepeatedLines(log)
         self._wake = asyncio.Event()
         self._follower: asyncio.Task[None] | None = None
+        self._first = first
 
     def close_streams(self) -> None:
         self._closed = True
@@ -95,6 +99,8 @@ class TrackedDevicePlugin(PluginServicer):
                 f"serves at once (the kubelet opens one per registration)")
         self._stream_opened(+1)
         try:
+            if self._first is not None:
+                await asyncio.shield(self._first)
             sent: bool | None = None
             while not self._closed:
                 wake = self._wake  # taken before looking at the state, so no change is missed

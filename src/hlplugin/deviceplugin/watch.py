@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import functools
 import logging
@@ -24,6 +25,12 @@ import inotify_simple
 from hlplugin.deviceplugin.conditions import MIN_PERIOD
 
 log = logging.getLogger(__name__)
+
+# inotify_simple finds libc with ctypes.util.find_library("c"), which runs `ldconfig -p` in a
+# subprocess at the first INotify: milliseconds on the event loop, before a daemon registers.
+# The process has libc loaded already: it gets that one (as ownedfile's renameat2 does).
+if getattr(inotify_simple, "_libc", False) is None:
+    inotify_simple._libc = ctypes.CDLL(None, use_errno=True)
 
 # Entries created, removed, renamed or re-permissioned. Enough for sockets and device nodes, and
 # it leaves out open/close/write, which every user of a device node causes.
