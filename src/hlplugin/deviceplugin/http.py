@@ -8,7 +8,8 @@ probe out), the request head (8 KiB), the body (4 KiB, discarded) and the whole 
 parser) parses, asyncio's transports do the I/O, and a request is answered only once it has
 arrived whole, so one cut off by EOF is never served. One request per connection.
 
-Answers come from state, never from I/O: /healthz from what the daemon's self-check last found,
+Answers come from state, never from I/O: /healthz from what the daemon's self-check last found (a
+request may start the next check, not wait for it: daemon.SelfCheck),
 /readyz from the health conditions, /metrics from the registry, at a pace (see scrape.py).
 """
 
