@@ -90,10 +90,12 @@ async def test_a_restarted_kubelet_or_a_deleted_socket_gets_a_fresh_server_regis
                 socket.unlink()  # a kubelet that restarted unseen, or an operator's rm
             await kubelet.wait_for(lambda c=calls: kubelet.register_calls > c  # type: ignore[misc]
                                    and kubelet.allocatable(RESOURCE) == 4)
-            await kubelet.wait_for(lambda: plugin.open_streams == 1 and plugin.registered)
+            # The kubelet sees the Register before the plugin has its answer: wait for ours.
+            await kubelet.wait_for(lambda r=round_: plugin.open_streams == 1  # type: ignore[misc]
+                                   and sample(metrics, "example_registrations_total",
+                                              result="success") == r + 1)
+            assert plugin.registered
             assert os.stat(socket).st_ctime_ns != served  # a fresh server's socket
-            assert sample(metrics, "example_registrations_total",
-                          result="success") == round_ + 1
         await kubelet.admit(RESOURCE)
         assert sample(metrics, "example_registrations_total", result="failure") == 0
 
@@ -285,7 +287,8 @@ async def test_registration_failure_names_its_cause_and_counts_every_attempt(
                 if cause != "refused":  # a refusal is checked: the rest is for the others
                     async with emulator(plugin_dir) as kubelet:
                         await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
-                        assert readiness()["registered"] == (True, "")
+                        # The kubelet lists before the plugin has Register's answer: wait for it.
+                        await wait_until(lambda: readiness()["registered"] == (True, ""))
                         assert plugin.problem == ""
         finally:
             if broken is not None:
