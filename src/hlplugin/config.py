@@ -50,16 +50,7 @@ def _ascii_int(text: str) -> int:
 
 
 def _int_range(low: int, high: int, why: str = "") -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = _ascii_int(text)
-        except ValueError:
-            value = -1
-        if not low <= value <= high:
-            raise ValueError(f"must be a whole number from {low} to {high}{why}, got {text[:40]!r}")
-        return value
-
-    return parse
+    return durations.within(_ascii_int, low, high, f"a whole number from {low} to {high}{why}")
 
 
 _device_count = _int_range(1, MAX_DEVICE_COUNT,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import TypeVar
 
 PATTERN = r"^[0-9]+(\.[0-9]+)?(ms|s|m|h)?$"
 _DURATION = re.compile(r"([0-9]{1,20}(?:\.[0-9]{1,20})?)(ms|s|m|h)?", re.ASCII)
 _SECONDS_PER = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+N = TypeVar("N", int, float)
 SYNTAX = "a number of seconds or a number with ms, s, m or h (500ms, 10s, 1m)"
 
 
@@ -32,17 +34,22 @@ def show(seconds: float) -> str:
     return f"{seconds * 1000:g}ms"
 
 
-def seconds_range(low: float, high: float) -> Callable[[str], float]:
-    """A parser of durations within [low, high] seconds (both inclusive)."""
+def within(parse: Callable[[str], N], low: N, high: N, what: str) -> Callable[[str], N]:
+    """``parse`` bounded to [low, high] (both inclusive): a value it refuses or one out of range
+    is a ValueError saying it ``must be <what>`` and quoting a bounded prefix of the text."""
 
-    def parse(text: str) -> float:
+    def bounded(text: str) -> N:
         try:
-            value = parse_seconds(text)
+            value: N | None = parse(text)
         except ValueError:
-            value = -1.0
-        if not low <= value <= high:
-            raise ValueError(f"must be a duration from {show(low)} to {show(high)} ({SYNTAX}), "
-                             f"got {text[:40]!r}")
+            value = None
+        if value is None or not low <= value <= high:
+            raise ValueError(f"must be {what}, got {text[:40]!r}")
         return value
 
-    return parse
+    return bounded
+
+
+def seconds_range(low: float, high: float) -> Callable[[str], float]:
+    """A parser of durations within [low, high] seconds (both inclusive)."""
+    return within(parse_seconds, low, high, f"a duration from {show(low)} to {show(high)} ({SYNTAX})")

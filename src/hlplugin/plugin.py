@@ -83,12 +83,6 @@ class HypervisorPlugin(TrackedDevicePlugin):
         return response
 
 
-async def after(first: asyncio.Future[Any], run: Callable[[], Awaitable[None]]) -> None:
-    """``run()`` once ``first`` is done: a producer's loop that goes on from its first pass."""
-    await asyncio.shield(first)
-    await run()
-
-
 async def serve(settings: Settings, launch: Launch | None = None) -> None:
     """The main daemon: CDI reconciler, device monitor and the hyperlight.dev/hypervisor plugin."""
     # Every Allocate waits for a device check in a helper thread, which takes the GIL back after
@@ -108,7 +102,7 @@ async def serve(settings: Settings, launch: Launch | None = None) -> None:
             guest_check=settings.guest_check, metrics=metrics)
         # The first pass of each: independent, in helper threads of their own, at once, while
         # the plugin starts serving and registers; its first list waits for both, so the
-        # kubelet's first list is true. Each run() loop goes on from its own first pass.
+        # kubelet's first list is true.
         cdi_first = asyncio.ensure_future(reconciler.reconcile(Trigger.START))
         device_first = asyncio.ensure_future(monitor.check())
         first = asyncio.gather(cdi_first, device_first)
@@ -127,8 +121,8 @@ async def serve(settings: Settings, launch: Launch | None = None) -> None:
             lambda: HypervisorPlugin(hv, settings.device_count, tracker, gate, first=first,
                                      cdi_annotations=settings.cdi_annotations, metrics=metrics),
             register_timeout=settings.register_timeout, dir_setting=PLUGIN_DIR_FLAG, metrics=metrics)
-        return Started(lifecycle, {"cdi": after(cdi_first, reconciler.run),
-                                   "device-health": after(device_first, monitor.run),
+        # Each run() goes on from its first pass (Producer.run waits for the one in flight).
+        return Started(lifecycle, {"cdi": reconciler.run(), "device-health": monitor.run(),
                                    "plugin": lifecycle.run()})
 
     await Daemon(DaemonSpec(

@@ -113,11 +113,15 @@ class Producer:
         return ok
 
     async def run(self) -> None:
-        """Pass now (unless one already ran), then on every trigger, until cancelled."""
+        """Pass now (unless one already ran, or runs: then from its result), then on every
+        trigger, until cancelled."""
         async with self.wakeup.running():
             backoff = FIRST_BACKOFF
             pulse = self.wakeup.pulse()
-            ok = self.ok if self.completed_at is not None else await self.check(Trigger.START)
+            if (first := self.in_flight) is not None:  # e.g. a start's first pass, begun early
+                ok = await asyncio.shield(first)
+            else:
+                ok = self.ok if self.completed_at is not None else await self.check(Trigger.START)
             while True:
                 if ok or self.max_backoff is None:  # on the interval's ticks (until_tick)
                     now = asyncio.get_running_loop().time()
