@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -26,7 +27,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from hlplugin.cdi_spec import SPEC_FILE, TEMP_PREFIX
-from hlplugin.deviceplugin.conditions import HealthTracker
+from hlplugin.deviceplugin.health.conditions import HealthTracker
 from hlplugin.metrics import Metrics
 from hlplugin.tools.drive import (  # noqa: F401  (the harness is the tests' one entry: re-exported)
     IS_ROOT,
@@ -295,3 +296,10 @@ with grpc.insecure_channel("unix://" + sys.argv[1]) as channel:
     for response in stream:
         print(response.devices[0].health, flush=True)
 """
+
+
+def split_settings(kind: Any, kwargs: dict[str, Any], **fixed: Any) -> tuple[Any, dict[str, Any]]:
+    """``kind`` built from the keywords that are its fields (and ``fixed``); the rest returned."""
+    names = {f.name for f in dataclasses.fields(kind)}
+    ours = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+    return kind(**fixed, **ours), kwargs

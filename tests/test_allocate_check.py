@@ -20,20 +20,22 @@ from harness import GUARD, HAVE_KVM, IS_ROOT, mknod_char, wait_until
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-from hlplugin.deviceplugin.conditions import HealthTracker
-from hlplugin.deviceplugin.lifecycle import new_server
+from hlplugin.deviceplugin.health.conditions import HealthTracker
+from hlplugin.deviceplugin.kubelet.lifecycle import new_server
 from hlplugin.health import DeviceMonitor
 from hlplugin.metrics import Metrics
-from hlplugin.plugin import HypervisorPlugin
+from hlplugin.plugin import HypervisorPlugin, slots
 from hlplugin.probe import ProbeError
+from hlplugin.settings import HealthSettings
 
 NOT_KVM = ProbeError("KVM_GET_API_VERSION on /dev/kvm failed: [Errno 25]", step="KVM_GET_API_VERSION",
                      reason="api_version")
 
 
 def monitor(**probes: object) -> DeviceMonitor:
-    return DeviceMonitor(HealthTracker(("device", "host_identity")), "kvm", Path("/nonexistent-dev"),
-                         None, metrics=Metrics(), **probes)  # type: ignore[arg-type]
+    return DeviceMonitor(HealthTracker(("device", "host_identity")), "kvm",
+                         HealthSettings(dev_dir=Path("/nonexistent-dev"), host_dev_dir=None),
+                         metrics=Metrics(), **probes)  # type: ignore[arg-type]
 
 
 async def test_each_allocate_is_answered_by_a_check_that_began_after_it_and_callers_share_it() -> None:
@@ -124,9 +126,9 @@ async def child(root: Path) -> dict[str, list[object]]:
     dev, host = root / "dev", root / "host-dev"
     node = bytes(dev / "kvm")
     tracker = HealthTracker(("device", "host_identity"))
-    mon = DeviceMonitor(tracker, "kvm", dev, host, interval=1.0, budget=GUARD)
+    mon = DeviceMonitor(tracker, "kvm", HealthSettings(dev, host, interval=1.0, probe_timeout=GUARD))
     await mon.check()
-    plugin = HypervisorPlugin("kvm", 4, tracker, mon.for_allocate)
+    plugin = HypervisorPlugin("kvm", slots("kvm", 4), tracker, mon.for_allocate)
     server = new_server(plugin)
     server.add_insecure_port(f"unix://{root / 'p.sock'}")
     await server.start()

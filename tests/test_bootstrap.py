@@ -27,8 +27,8 @@ from hlplugin import hvnode
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.bootstrap import DeviceAccessPlugin, node_watch
-from hlplugin.deviceplugin.conditions import HealthTracker
-from hlplugin.deviceplugin.lifecycle import new_server
+from hlplugin.deviceplugin.health.conditions import HealthTracker
+from hlplugin.deviceplugin.kubelet.lifecycle import new_server
 from hlplugin.tools.emulator import AdmissionError
 
 ACCESS = "hyperlight.dev/device-access"

@@ -18,11 +18,11 @@ import pytest
 from fusefs import HangingFs
 from harness import Node, needs_kvm, needs_root, on_kubelet
 
-from hlplugin.config import Settings
 from hlplugin.names import DEVICE_ACCESS_RESOURCE
+from hlplugin.settings import HealthSettings
 from hlplugin.tools.emulator import AdmissionError
 
-BUDGET = Settings().probe_timeout  # the node check's budget (the bootstrap takes no flag for it)
+BUDGET = HealthSettings.probe_timeout  # the node check's budget (the bootstrap takes no flag for it)
 PROMPT = BUDGET + 2.0  # a guard: a refusal that waited for the storage would never come
 
 

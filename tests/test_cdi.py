@@ -27,13 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import needs_root, running, sh, spec_is_exact, temp_files, wait_until
+from harness import needs_root, running, sh, spec_is_exact, split_settings, temp_files, wait_until
 
 import hlplugin.cdi
 from hlplugin.cdi import CdiReconciler
 from hlplugin.cdi_spec import SPEC_FILE, TEMP_PREFIX, check_file, desired_spec, render_spec
-from hlplugin.deviceplugin.conditions import MIN_PERIOD, Condition, HealthTracker
+from hlplugin.deviceplugin.health.conditions import MIN_PERIOD, Condition, HealthTracker
 from hlplugin.metrics import Metrics
+from hlplugin.settings import CdiSettings
 
 SCHEMA_DIR = Path(__file__).parent / "data" / "cdi-schema"
 DESIRED = render_spec("kvm", 65534, 65534)
@@ -47,7 +48,8 @@ class Reconciler:
     def __init__(self, cdi_dir: Path, **kwargs: Any) -> None:
         self.tracker = HealthTracker(required=("cdi",))
         self.metrics = Metrics()
-        self.rec = CdiReconciler(cdi_dir, DESIRED, tracker=self.tracker, metrics=self.metrics, **kwargs)
+        settings, rest = split_settings(CdiSettings, kwargs, dir=cdi_dir)
+        self.rec = CdiReconciler(settings, DESIRED, tracker=self.tracker, metrics=self.metrics, **rest)
         self.path = cdi_dir / SPEC_FILE
 
     def repairs(self, cause: str) -> float:

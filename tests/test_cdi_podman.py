@@ -24,6 +24,7 @@ import pytest
 
 from hlplugin.cdi import CdiReconciler
 from hlplugin.cdi_spec import check_file, qualified_name, render_spec
+from hlplugin.settings import CdiSettings
 
 KVM = Path("/dev/kvm")
 MOUNTPOINT = Path("/var/run/cdi")
@@ -102,13 +103,13 @@ def test_the_cdi_device_lets_workloads_create_a_vm_as_its_spec_says(tmp_path: Pa
     rootfs.chmod(0o755)  # the container's "/", walked by a non-root user
     spec_dir, owner_only_dir = tmp_path / "cdi", tmp_path / "cdi-0600"
     desired = render_spec("kvm", UID, GID)
-    assert asyncio.run(CdiReconciler(spec_dir, desired).reconcile("start")).ok
+    assert asyncio.run(CdiReconciler(CdiSettings(spec_dir), desired).reconcile("start")).ok
     assert check_file(spec_dir / "hyperlight.json", desired) == (True, "")
     # Our spec but for the node's mode, 0600: what containerd 2.x gives when none is stated.
     spec = json.loads(desired)
     spec["devices"][0]["containerEdits"]["deviceNodes"][0]["fileMode"] = 0o600
     owner_only = (json.dumps(spec, indent=2) + "\n").encode()
-    assert asyncio.run(CdiReconciler(owner_only_dir, owner_only).reconcile("start")).ok
+    assert asyncio.run(CdiReconciler(CdiSettings(owner_only_dir), owner_only).reconcile("start")).ok
     host = node_of(os.stat(KVM))  # (mode, uid, gid, rdev)
     device = ("--device", qualified_name("kvm"))
     env = {"HYPERLIGHT_HYPERVISOR": "kvm", "HYPERLIGHT_DEVICE_PATH": "/dev/kvm"}

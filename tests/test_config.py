@@ -48,10 +48,20 @@ def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
     root.setLevel(level)
 
 
-def resolve(argv: list[str], env: dict[str, str]) -> tuple[config.Settings, list[str]]:
+class Flat:
+    """Settings read by option name (``cdi_interval`` is ``settings.cdi.interval``)."""
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+
+    def __getattr__(self, name: str) -> Any:
+        return config.value_at(self.settings, config.OPTIONS[name].path)
+
+
+def resolve(argv: list[str], env: dict[str, str]) -> tuple[Flat, list[str]]:
     resolution = config.resolve_sources(build_parser().parse_args(["serve", *argv]), config.SERVE_OPTIONS,
                                         "serve", env)
-    return resolution.settings, resolution.warnings
+    return Flat(resolution.settings), resolution.warnings
 
 
 MAX = config.MAX_DEVICE_COUNT
@@ -131,20 +141,20 @@ def test_valid_values_are_taken(argv: list[str], env: dict[str, str], want: dict
 def test_device_list_at_the_ceiling_fits_the_kubelet_message_limit_twice_over() -> None:
     """The longest list the ceiling allows (mshv names, all Unhealthy) as the plugin builds it."""
     from hlplugin.api import deviceplugin_pb2 as pb
-    from hlplugin.deviceplugin.conditions import HealthTracker
-    from hlplugin.plugin import HypervisorPlugin
+    from hlplugin.deviceplugin.health.conditions import HealthTracker
+    from hlplugin.plugin import HypervisorPlugin, slots
 
     async def gate() -> Any:
         raise AssertionError("not called")
 
-    plugin = HypervisorPlugin("mshv", config.MAX_DEVICE_COUNT, HealthTracker(required=()), gate)
+    plugin = HypervisorPlugin("mshv", slots("mshv", config.MAX_DEVICE_COUNT), HealthTracker(()), gate)
     message = pb.ListAndWatchResponse.FromString(plugin.devices.wire(False))
     assert len(message.devices) == config.MAX_DEVICE_COUNT
     assert {d.health for d in message.devices} == {"Unhealthy"}
     assert message.ByteSize() * 2 <= KUBELET_MAX_MESSAGE
     # ... while twice the ceiling's worth is more than half way to it: the ceiling is not arbitrary.
-    bigger = HypervisorPlugin("mshv", 4 * config.MAX_DEVICE_COUNT, HealthTracker(required=()), gate)
-    assert len(bigger.devices.wire(False)) > KUBELET_MAX_MESSAGE
+    bigger = slots("mshv", 4 * config.MAX_DEVICE_COUNT)
+    assert len(bigger.wire(False)) > KUBELET_MAX_MESSAGE
 
 
 def test_provenance_of_every_setting() -> None:
@@ -158,8 +168,9 @@ def test_provenance_of_every_setting() -> None:
         "http_address": "default", "log_format": "default", "log_level": "environment",
         "register_timeout": "default",  # invalid in the environment: the default runs
     }
-    assert resolution.settings.log_level == "debug" and resolution.settings.hypervisor == "kvm"
-    assert resolution.settings.http_address == ("0.0.0.0", 8081)
+    settings = resolution.settings
+    assert settings.logging.level == "debug" and settings.health.hypervisor == "kvm"
+    assert settings.http.address == ("0.0.0.0", 8081)
     assert len(resolution.warnings) == 1
     assert resolution.describe() == (
         "from flags: hypervisor=kvm; from the environment: log_level=debug; defaults: "
@@ -298,7 +309,7 @@ def test_the_longest_path_the_kernel_takes_is_taken_and_shown_bounded(tmp_path: 
     argv = [flag for name in PATHS for flag in (config.OPTIONS[name].flag, LONGEST_PATH)]
     resolution = config.resolve_sources(build_parser().parse_args(["serve", *argv]),
                                         config.SERVE_OPTIONS, "serve", {})
-    assert all(getattr(resolution.settings, name) == Path(LONGEST_PATH) for name in PATHS)
+    assert all(getattr(Flat(resolution.settings), name) == Path(LONGEST_PATH) for name in PATHS)
     line = resolution.describe()
     assert line.count("... (4095 bytes)") == 4
     bounded(line, 2000)
@@ -343,7 +354,7 @@ def test_the_upstream_host_device_dir_is_an_alias_and_ours_wins_saying_so(
     parser = build_parser()
     for command, names in (("serve", config.SERVE_OPTIONS), ("doctor", config.DOCTOR_OPTIONS)):
         resolution = config.resolve_sources(parser.parse_args([command, *argv]), names, command, env)
-        assert resolution.settings.host_dev_dir == want
+        assert resolution.settings.health.host_dev_dir == want
         shown = [w for w in resolution.warnings if "upstream" in w]
         if warned:
             assert len(shown) == 1 and warned in shown[0], shown

@@ -7,9 +7,9 @@ import pytest
 from harness import healthy_tracker
 
 from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.deviceplugin.conditions import HealthState
-from hlplugin.deviceplugin.devicelist import CHUNK, DeviceList, NumberedIds
-from hlplugin.plugin import HypervisorPlugin
+from hlplugin.deviceplugin.health.conditions import HealthState
+from hlplugin.deviceplugin.kubelet.devicelist import CHUNK, DeviceList, NumberedIds
+from hlplugin.plugin import HypervisorPlugin, slots
 
 
 def test_numbered_ids_hold_exactly_the_spellings_they_list() -> None:
@@ -43,11 +43,12 @@ def test_a_list_serialized_later_is_serialized_once() -> None:
 
 
 def test_every_registration_shares_one_device_list() -> None:
-    """The lifecycle builds a servicer per registration: the lists are built once, not each time."""
+    """The lifecycle builds a servicer per registration: serve() hands each the one list it made,
+    which every servicer sends as it is (the lists are built once, not each time)."""
     async def gate() -> HealthState:
         raise AssertionError("not called")
 
-    first, again = (HypervisorPlugin("kvm", 3000, healthy_tracker(), gate) for _ in range(2))
-    assert first.devices is again.devices
-    assert HypervisorPlugin("kvm", 5, healthy_tracker(), gate).devices is not first.devices
+    devices = slots("kvm", 3000)
+    first, again = (HypervisorPlugin("kvm", devices, healthy_tracker(), gate) for _ in range(2))
+    assert first.devices is devices and again.devices is devices
     assert "kvm-2999" in again.device_ids and "kvm-3000" not in again.device_ids

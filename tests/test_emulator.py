@@ -16,7 +16,7 @@ from harness import emulator, short_dir, wait_until
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-from hlplugin.deviceplugin.kubeletsock import listens, socket_identity
+from hlplugin.deviceplugin.kubelet.kubeletsock import listens, socket_identity
 from hlplugin.tools.emulator import CHECKPOINT, AdmissionError, Pod
 
 ACCESS = "hyperlight.dev/device-access"

@@ -17,7 +17,7 @@ import pytest
 from h2flood import flood
 from harness import Node, needs_kvm, on_kubelet, proc_status
 
-from hlplugin.deviceplugin.grpcserver import MAX_CONNECTIONS
+from hlplugin.deviceplugin.kubelet.grpcserver import MAX_CONNECTIONS
 from hlplugin.tools.emulator import AdmissionError, KubeletEmulator
 
 pytestmark = [needs_kvm, pytest.mark.slow]

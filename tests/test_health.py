@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import GUARD, Gate, mknod_char, needs_kvm, needs_root, wait_until
+from harness import GUARD, Gate, mknod_char, needs_kvm, needs_root, split_settings, wait_until
 
-from hlplugin.deviceplugin.conditions import MIN_PERIOD, HealthState, HealthTracker
+from hlplugin.deviceplugin.health.conditions import MIN_PERIOD, HealthState, HealthTracker
 from hlplugin.health import DeviceMonitor
 from hlplugin.metrics import Metrics
 from hlplugin.probe import ProbeError
+from hlplugin.settings import HealthSettings
 
 KVM = Path("/dev/kvm")
 REQUIRED = ("device", "host_identity")
@@ -56,7 +57,10 @@ def monitor(dev: Path = Path("/nonexistent-dev"), host: Path | None = Path("/non
     probe only with a host dev dir; ``identity_probe=None`` is the real check)."""
     kwargs.setdefault("device_probe", lambda: None)
     kwargs.setdefault("identity_probe", (lambda: None) if host else None)
-    return DeviceMonitor(HealthTracker(REQUIRED), "kvm", dev, host, metrics=Metrics(), **kwargs)
+    if "budget" in kwargs:
+        kwargs["probe_timeout"] = kwargs.pop("budget")
+    settings, rest = split_settings(HealthSettings, kwargs, dev_dir=dev, host_dev_dir=host)
+    return DeviceMonitor(HealthTracker(REQUIRED), "kvm", settings, metrics=Metrics(), **rest)
 
 
 @pytest.mark.parametrize("host_dev_dir", [Path("/nonexistent-host"), None])

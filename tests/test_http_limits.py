@@ -22,7 +22,7 @@ from harness import Daemon, Node, wait_until
 from prometheus_client import CollectorRegistry
 
 from hlplugin import config
-from hlplugin.deviceplugin.http import HttpServer, Limits, connection_cap
+from hlplugin.deviceplugin.process.http import HttpServer, Limits, connection_cap
 from hlplugin.tools.process import free_port
 
 HAVE_IPV6 = socket.has_ipv6

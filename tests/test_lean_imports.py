@@ -93,14 +93,14 @@ def test_serving_http_on_an_ip_address_loads_no_idna_codec() -> None:
     """The bind's address lookup takes the (numeric) host as bytes: a str would be IDNA-encoded,
     which loads that codec and its tables."""
     modules = loaded_after(
-        "import asyncio\nfrom hlplugin.deviceplugin.http import HttpServer\n"
+        "import asyncio\nfrom hlplugin.deviceplugin.process.http import HttpServer\n"
         "from prometheus_client.registry import CollectorRegistry\n"
         "async def serve():\n"
         "    http = HttpServer(dict, lambda: (True, ''), CollectorRegistry())\n"
         "    await http.start(('127.0.0.1', 0))\n"
         "    await http.stop()\n"
         "asyncio.run(serve())")
-    assert "hlplugin.deviceplugin.http" in modules and "encodings.idna" not in modules
+    assert "hlplugin.deviceplugin.process.http" in modules and "encodings.idna" not in modules
 
 
 def test_the_first_inotify_watch_runs_no_ldconfig() -> None:
@@ -115,7 +115,7 @@ class Spy(subprocess.Popen):
         spawned.append(args)
         super().__init__(args, *rest, **options)
 subprocess.Popen = Spy
-import hlplugin.deviceplugin.watch, inotify_simple
+import hlplugin.deviceplugin.health.watch, inotify_simple
 with tempfile.TemporaryDirectory() as directory, inotify_simple.INotify() as inotify:
     inotify.add_watch(directory, inotify_simple.flags.CREATE)
     open(directory + "/new", "w").close()

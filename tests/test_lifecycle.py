@@ -19,11 +19,12 @@ import pytest
 from harness import emulator, healthy_tracker, running, short_dir, wait_until
 
 from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.deviceplugin.conditions import HealthTracker
-from hlplugin.deviceplugin.daemon import plugin_readiness
-from hlplugin.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.health.conditions import HealthTracker
+from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics as Metrics
-from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.process.daemon import plugin_readiness
+from hlplugin.deviceplugin.settings import KubeletSettings
 from hlplugin.tools.emulator import KubeletEmulator
 
 RESOURCE = "example.com/slot"
@@ -51,8 +52,8 @@ class Slots(TrackedDevicePlugin):
 async def lifecycle(plugin_dir: Path, resource: str = RESOURCE, metrics: Metrics | None = None,
                     **options: float) -> AsyncIterator[PluginLifecycle]:
     tracker = healthy_tracker()
-    plugin = PluginLifecycle(plugin_dir, SOCKET, resource, lambda: Slots(tracker, metrics),
-                             metrics=metrics, **options)
+    plugin = PluginLifecycle(KubeletSettings(plugin_dir, **options), SOCKET, resource,
+                             lambda: Slots(tracker, metrics), metrics=metrics)
     async with running(plugin):
         yield plugin
 
@@ -107,7 +108,7 @@ async def test_a_real_kubelet_restart_counts_no_failure_and_logs_no_warning(
         caplog: pytest.LogCaptureFixture) -> None:
     """Down longer than the stream grace: the lifecycle waits for the new kubelet.sock instead of
     dialling the dead one (which failed, counted and warned, 5-6 times on a real kubelet)."""
-    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.lifecycle"):
+    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.kubelet.lifecycle"):
         plugin_dir = short_dir()
         metrics = Metrics(PREFIX)
         async with (emulator(plugin_dir) as kubelet,
@@ -171,7 +172,7 @@ async def test_a_kubelet_down_past_the_wait_counts_and_warns_once(
         caplog: pytest.LogCaptureFixture) -> None:
     """No new kubelet.sock within ``kubelet_wait`` of the stream's end: from then on the attempts
     count as failures (the dead socket is unreachable), warned once, as any lasting failure."""
-    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.lifecycle"):
+    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.kubelet.lifecycle"):
         plugin_dir = short_dir()
         metrics = Metrics(PREFIX)
         loop = asyncio.get_running_loop()
@@ -201,7 +202,7 @@ async def test_a_kubelet_down_past_the_wait_counts_and_warns_once(
 
 async def test_stream_ended_by_the_kubelet_registers_anew_after_the_grace(
         caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="hlplugin.deviceplugin.lifecycle"):
+    with caplog.at_level(logging.INFO, logger="hlplugin.deviceplugin.kubelet.lifecycle"):
         plugin_dir = short_dir()
         metrics = Metrics(PREFIX)
         async with (emulator(plugin_dir) as kubelet,
@@ -250,7 +251,7 @@ async def test_a_stream_that_reopens_within_the_grace_changes_nothing() -> None:
 @pytest.mark.parametrize("cause", ["missing dir", "no kubelet.sock", "refused", "hangs", "resets"])
 async def test_registration_failure_names_its_cause_and_counts_every_attempt(
         cause: str, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.lifecycle"):
+    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.kubelet.lifecycle"):
         base = short_dir()
         plugin_dir = base / "device-plugins" if cause == "missing dir" else base
         resource = "example.kubernetes.io/hypervisor" if cause == "refused" else RESOURCE

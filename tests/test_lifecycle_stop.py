@@ -13,9 +13,10 @@ from pathlib import Path
 
 from harness import GUARD, Daemon, wait_until
 
-from hlplugin.deviceplugin.conditions import HealthTracker
-from hlplugin.deviceplugin.lifecycle import PluginLifecycle
-from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.health.conditions import HealthTracker
+from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.settings import KubeletSettings
 
 
 def test_cancelled_again_while_stopping_still_stops_the_server_and_removes_its_socket() -> None:
@@ -25,7 +26,7 @@ def test_cancelled_again_while_stopping_still_stops_the_server_and_removes_its_s
 
     async def scenario(plugin_dir: Path, turns: int | None) -> None:
         tracker = HealthTracker(required=("device",))
-        lifecycle = PluginLifecycle(plugin_dir, "p.sock", "example.com/thing",
+        lifecycle = PluginLifecycle(KubeletSettings(plugin_dir), "p.sock", "example.com/thing",
                                     lambda: TrackedDevicePlugin(["a"], tracker))
         task = asyncio.create_task(lifecycle.run())
         socket = plugin_dir / "p.sock"

@@ -19,13 +19,18 @@ from harness import STALLING_CLIENT, healthy_tracker, wait_until
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.bootstrap import DeviceAccessPlugin
-from hlplugin.config import Settings
-from hlplugin.detect import wait_for_hypervisor
-from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.lifecycle import new_server
-from hlplugin.deviceplugin.servicer import MAX_CONTAINERS, MAX_ID_BYTES, MAX_STREAMS, TrackedDevicePlugin
+from hlplugin.detect import detect_hypervisor, wait_for_hypervisor
+from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.kubelet.lifecycle import new_server
+from hlplugin.deviceplugin.kubelet.servicer import (
+    MAX_CONTAINERS,
+    MAX_ID_BYTES,
+    MAX_STREAMS,
+    TrackedDevicePlugin,
+)
 from hlplugin.metrics import Metrics
-from hlplugin.plugin import HypervisorPlugin
+from hlplugin.plugin import HypervisorPlugin, slots
+from hlplugin.settings import HealthSettings
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -52,7 +57,7 @@ def make_plugin(tracker: HealthTracker, count: int = 4, hypervisor: str = "kvm")
     async def gate() -> HealthState:
         return tracker.state
 
-    return HypervisorPlugin(hypervisor, count, tracker, gate, metrics=Metrics())
+    return HypervisorPlugin(hypervisor, slots(hypervisor, count), tracker, gate, metrics=Metrics())
 
 
 def allocate_request(*containers: list[str]) -> pb.AllocateRequest:
@@ -81,7 +86,7 @@ async def test_the_first_list_waits_for_the_first_checks_with_the_stream_counted
     async def gate() -> HealthState:
         return tracker.state
 
-    plugin = HypervisorPlugin("kvm", 2, tracker, gate, metrics=Metrics(), first=first)
+    plugin = HypervisorPlugin("kvm", slots("kvm", 2), tracker, gate, metrics=Metrics(), first=first)
     async with served(plugin) as (stub, _):
         stream = stub.ListAndWatch(pb.Empty())
         reading = asyncio.create_task(stream.read())
@@ -146,12 +151,12 @@ async def test_options_streams_and_the_allocate_gate_follow_every_transition() -
 
 
 def test_auto_prefers_mshv_over_kvm(tmp_path: Path) -> None:
-    assert Settings(dev_dir=tmp_path).detect_hypervisor() is None
+    assert detect_hypervisor(HealthSettings(dev_dir=tmp_path)) is None
     (tmp_path / "kvm").touch()
-    assert Settings(dev_dir=tmp_path).detect_hypervisor() == "kvm"
+    assert detect_hypervisor(HealthSettings(dev_dir=tmp_path)) == "kvm"
     (tmp_path / "mshv").touch()
-    assert Settings(dev_dir=tmp_path).detect_hypervisor() == "mshv"
-    assert Settings(dev_dir=tmp_path, hypervisor="kvm").detect_hypervisor() == "kvm"
+    assert detect_hypervisor(HealthSettings(dev_dir=tmp_path)) == "mshv"
+    assert detect_hypervisor(HealthSettings(dev_dir=tmp_path, hypervisor="kvm")) == "kvm"
 
 
 async def test_auto_never_follows_a_symlink_at_either_name_and_says_so(
@@ -160,8 +165,8 @@ async def test_auto_never_follows_a_symlink_at_either_name_and_says_so(
     whatever it points at, and the wait's warning names it."""
     (tmp_path / "mshv").symlink_to("/dev/null")
     (tmp_path / "kvm").symlink_to("/dev/null")
-    settings = Settings(dev_dir=tmp_path)
-    assert settings.detect_hypervisor() is None
+    settings = HealthSettings(dev_dir=tmp_path)
+    assert detect_hypervisor(settings) is None
     with caplog.at_level(logging.WARNING, logger="hlplugin.health"):
         waiting = asyncio.create_task(wait_for_hypervisor(settings))
         await wait_until(lambda: "waiting for one" in caplog.text)
@@ -175,7 +180,7 @@ async def test_auto_never_follows_a_symlink_at_either_name_and_says_so(
 
 async def test_cancelled_streams_leave_no_task_and_streams_past_the_bound_are_refused(
         caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.servicer"):
+    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.kubelet.servicer"):
         plugin = make_plugin(healthy_tracker())
         async with served(plugin) as (stub, _):
             # Streams the kubelet cancels: each used to leave a pending wait on the tracker until
@@ -311,7 +316,7 @@ async def test_allocate_at_and_past_each_bound(
         caplog: pytest.LogCaptureFixture) -> None:
     served_plugin = PLUGINS[plugin](tmp_path)
     request = request_for(served_plugin)
-    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.servicer"):
+    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.kubelet.servicer"):
         async with served(served_plugin) as (stub, _):
             if code is None:
                 ok = await stub.Allocate(request, timeout=10)
@@ -334,7 +339,7 @@ async def test_refusals_repeated_in_a_loop_are_logged_once_and_counted_every_tim
     tracker = healthy_tracker()
     tracker.set_condition("device", False, "open on /dev/kvm failed")
     plugin = make_plugin(tracker)
-    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.servicer"):
+    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.kubelet.servicer"):
         async with served(plugin) as (stub, _):
             for _ in range(40):
                 await refused_with(stub, allocate_request(["kvm-0"]), grpc.StatusCode.FAILED_PRECONDITION)

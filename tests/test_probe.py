@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from harness import GUARD, Gate, mknod_char, needs_kvm, needs_root, wait_until
 
-from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
+from hlplugin.deviceplugin.health.bounded import BoundedRunner, CheckFailed
 from hlplugin.probe import (
     ProbeError,
     check_host_identity,

@@ -15,14 +15,16 @@ from harness import wait_until
 
 from hlplugin.cdi import CdiReconciler
 from hlplugin.cdi_spec import SPEC_FILE, render_spec
-from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
-from hlplugin.deviceplugin.conditions import HealthTracker
-from hlplugin.deviceplugin.daemon import Daemon, DaemonSpec, Started
-from hlplugin.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.health.bounded import BoundedRunner, CheckFailed
+from hlplugin.deviceplugin.health.conditions import HealthTracker
+from hlplugin.deviceplugin.health.producer import Producer, Trigger
+from hlplugin.deviceplugin.health.watch import supervise
+from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
-from hlplugin.deviceplugin.producer import Producer, Trigger
-from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
-from hlplugin.deviceplugin.watch import supervise
+from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Started
+from hlplugin.deviceplugin.settings import HttpSettings, KubeletSettings
+from hlplugin.settings import CdiSettings
 
 
 async def test_a_dead_child_is_logged_once_and_restarted(caplog: pytest.LogCaptureFixture) -> None:
@@ -37,7 +39,7 @@ async def test_a_dead_child_is_logged_once_and_restarted(caplog: pytest.LogCaptu
         settled.set()
         await asyncio.Event().wait()
 
-    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.watch"):
+    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.health.watch"):
         task = asyncio.create_task(supervise("watching /x", watcher, restart_after=0.01))
         await settled.wait()
         task.cancel()
@@ -113,7 +115,7 @@ async def test_run_goes_on_from_a_pass_that_already_ran() -> None:
 async def test_a_failing_root_task_is_one_log_line_and_exit_1(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     tracker = HealthTracker()
-    lifecycle = PluginLifecycle(tmp_path, "x.sock", "example.com/x",
+    lifecycle = PluginLifecycle(KubeletSettings(tmp_path), "x.sock", "example.com/x",
                                 lambda: TrackedDevicePlugin(["x-0"], tracker))
 
     async def broken() -> None:
@@ -129,8 +131,8 @@ async def test_a_failing_root_task_is_one_log_line_and_exit_1(
     async def setup(_: None) -> Started:
         return Started(lifecycle, {"patient": patient(), "broken": broken()})
 
-    spec = DaemonSpec("example daemon", ("127.0.0.1", 0), tracker, DevicePluginMetrics("example"),
-                      nothing, setup)
+    spec = DaemonSpec("example daemon", HttpSettings(("127.0.0.1", 0)), tracker,
+                      DevicePluginMetrics("example"), nothing, setup)
     with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exited:
         await Daemon(spec).run()
     assert exited.value.code == 1
@@ -145,7 +147,7 @@ async def test_root_tasks_failing_together_are_one_log_line_each(
     """Two root tasks that fail in the same loop iteration (neither awaits, so the group cannot
     cancel the second first): each gets its line, in the order the tasks were started."""
     tracker = HealthTracker()
-    lifecycle = PluginLifecycle(tmp_path, "x.sock", "example.com/x",
+    lifecycle = PluginLifecycle(KubeletSettings(tmp_path), "x.sock", "example.com/x",
                                 lambda: TrackedDevicePlugin(["x-0"], tracker))
 
     async def broken(what: str) -> None:
@@ -157,8 +159,8 @@ async def test_root_tasks_failing_together_are_one_log_line_each(
     async def setup(_: None) -> Started:
         return Started(lifecycle, {"first": broken("one"), "second": broken("two")})
 
-    spec = DaemonSpec("example daemon", ("127.0.0.1", 0), tracker, DevicePluginMetrics("example"),
-                      nothing, setup)
+    spec = DaemonSpec("example daemon", HttpSettings(("127.0.0.1", 0)), tracker,
+                      DevicePluginMetrics("example"), nothing, setup)
     with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exited:
         await Daemon(spec).run()
     assert exited.value.code == 1
@@ -188,7 +190,7 @@ async def test_cdi_ensure_skips_the_read_only_while_inotify_saw_nothing(tmp_path
     change the kernel queued but the loop has not read yet still makes it read (and repair)."""
     desired = render_spec("kvm", 65534, 65534)
     tracker = HealthTracker(required=("cdi",))
-    rec = CdiReconciler(tmp_path, desired, tracker=tracker, interval=3600)
+    rec = CdiReconciler(CdiSettings(tmp_path, interval=3600), desired, tracker=tracker)
     path = tmp_path / SPEC_FILE
     assert (await rec.reconcile("start")).ok
     running = asyncio.create_task(rec.run())
@@ -259,7 +261,7 @@ async def test_ensure_never_answers_with_a_success_that_began_before_it_was_aske
 
 def test_triggers_and_repair_causes_read_as_their_plain_words() -> None:
     """The enums keep label values and log text exactly the words they replaced."""
-    from hlplugin.deviceplugin.producer import Trigger
+    from hlplugin.deviceplugin.health.producer import Trigger
     from hlplugin.metrics import CDI_REFUSAL_REASONS, CDI_REPAIR_CAUSES, RepairCause
 
     assert [f"{t}" for t in Trigger] == ["start", "watch", "periodic", "retry", "ensure",

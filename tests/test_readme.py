@@ -43,9 +43,9 @@ def render_options_table() -> str:
     for name, option in config.OPTIONS.items():
         default = (f"`{durations.show(option.default)}`" if option.metavar == config.DURATION
                    else _shown(option.default))
-        for command, overrides in config.DEFAULT_OVERRIDES.items():
-            if name in overrides:
-                default += f" ({command}: {_shown(overrides[name])})"
+        for command in ("bootstrap",):
+            if name in config.BOOTSTRAP_OPTIONS and option.default_for(command) != option.default:
+                default += f" ({command}: {_shown(option.default_for(command))})"
         users = ", ".join(command for command, names in _USERS if name in names)
         flag = f"`{option.flag}`" if option.is_switch else f"`{option.flag} {option.metavar}`"
         env = f"`{option.env}`" if option.env else ""

@@ -1,4 +1,4 @@
-"""Repeated log lines aggregated (deviceplugin.repeats): the aggregator with an injected clock, and
+"""Repeated log lines aggregated (deviceplugin.health.repeats): the aggregator with an injected clock, and
 the floods it exists for, a CDI spec overwritten rapidly and a flapping condition, with the
 metrics still counting every event."""
 
@@ -15,10 +15,11 @@ from harness import wait_until
 
 from hlplugin.cdi import CdiReconciler
 from hlplugin.cdi_spec import SPEC_FILE, render_spec
-from hlplugin.deviceplugin.conditions import HealthTracker
-from hlplugin.deviceplugin.daemon import track_health_metrics
-from hlplugin.deviceplugin.repeats import RepeatedLines
+from hlplugin.deviceplugin.health.conditions import HealthTracker
+from hlplugin.deviceplugin.health.repeats import RepeatedLines
+from hlplugin.deviceplugin.process.daemon import track_health_metrics
 from hlplugin.metrics import Metrics
+from hlplugin.settings import CdiSettings
 
 INTERVAL = 60.0
 
@@ -120,13 +121,13 @@ def test_a_flapping_condition_logs_a_bounded_number_of_lines_and_every_transitio
     tracker = HealthTracker(required=("host_identity",), clock=clock)
     metrics = Metrics()
     track_health_metrics(tracker, metrics)
-    with caplog.at_level(logging.INFO, logger="hlplugin.deviceplugin.conditions"):
+    with caplog.at_level(logging.INFO, logger="hlplugin.deviceplugin.health.conditions"):
         for n in range(1000):
             clock.now = 1000 + n / 10
             tracker.set_condition("host_identity", n % 2 == 1, "host device node is 1:3, not 10:232")
         clock.now += INTERVAL
         tracker.lines.flush()
-    lines = [r for r in caplog.records if r.name == "hlplugin.deviceplugin.conditions"]
+    lines = [r for r in caplog.records if r.name == "hlplugin.deviceplugin.health.conditions"]
     # Per state: the first, one a minute (100 s: one), the rest at the end.
     assert len(lines) == 6, [r.getMessage() for r in lines]
     assert events(lines, "is unhealthy") == events(lines, "is healthy") == 500
@@ -150,7 +151,7 @@ async def test_a_spec_overwritten_rapidly_is_repaired_every_time_and_logged_boun
     cdi_dir.mkdir()
     metrics = Metrics()
     desired = render_spec("kvm", 65534, 65534)
-    rec = CdiReconciler(cdi_dir, desired, metrics=metrics, interval=3600, log_interval=0.5)
+    rec = CdiReconciler(CdiSettings(cdi_dir, interval=3600), desired, metrics=metrics, log_interval=0.5)
 
     def repairs() -> float:
         return metrics.registry.get_sample_value("hyperlight_cdi_repairs_total",

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from harness import wait_until
 from prometheus_client import CollectorRegistry
 
-from hlplugin.deviceplugin.http import HttpServer, Limits
+from hlplugin.deviceplugin.process.http import HttpServer, Limits
 
 
 @asynccontextmanager

@@ -19,11 +19,12 @@ from harness import wait_until
 from prometheus_client import CollectorRegistry
 
 from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.deviceplugin.conditions import HealthTracker
-from hlplugin.deviceplugin.daemon import SelfCheck
-from hlplugin.deviceplugin.http import HttpServer
-from hlplugin.deviceplugin.lifecycle import PluginLifecycle
-from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.health.conditions import HealthTracker
+from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.process.daemon import SelfCheck
+from hlplugin.deviceplugin.process.http import HttpServer
+from hlplugin.deviceplugin.settings import KubeletSettings
 
 
 class Counted(TrackedDevicePlugin):
@@ -68,7 +69,7 @@ class Probed:
 @contextlib.asynccontextmanager
 async def probed(tmp_path: Path) -> AsyncIterator[Probed]:
     plugin = Counted()
-    lifecycle = PluginLifecycle(tmp_path, "x.sock", "example.com/x", lambda: plugin)
+    lifecycle = PluginLifecycle(KubeletSettings(tmp_path), "x.sock", "example.com/x", lambda: plugin)
     serving = asyncio.create_task(lifecycle.run())
     now = [1000.0]
     check = SelfCheck(lambda: lifecycle, fresh_for=4.0, timeout=0.5, clock=lambda: now[0])

@@ -16,7 +16,8 @@ from hlplugin import cli, config, names
 from hlplugin.bootstrap import SOCKET as ACCESS_SOCKET
 from hlplugin.bootstrap import DeviceAccessPlugin
 from hlplugin.deviceplugin import files
-from hlplugin.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.settings import KubeletSettings
 
 ACCESS = "hyperlight.dev/device-access"
 
@@ -37,7 +38,7 @@ async def test_longest_accepted_plugin_dir_binds_and_registers() -> None:
     assert config.socket_path_problem(plugin_dir) == ""
 
     tracker = healthy_tracker()
-    plugin = PluginLifecycle(plugin_dir, ACCESS_SOCKET, ACCESS,
+    plugin = PluginLifecycle(KubeletSettings(plugin_dir), ACCESS_SOCKET, ACCESS,
                              lambda: DeviceAccessPlugin(
                                  "kvm", tracker, functools.partial(asyncio.sleep, 0, True)))
     async with emulator(plugin_dir) as kubelet:

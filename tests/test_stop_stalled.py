@@ -27,10 +27,11 @@ from harness import (
     on_kubelet,
 )
 
-from hlplugin.deviceplugin.conditions import HealthState
-from hlplugin.deviceplugin.lifecycle import PluginLifecycle
-from hlplugin.deviceplugin.servicer import MAX_STREAMS
-from hlplugin.plugin import HypervisorPlugin
+from hlplugin.deviceplugin.health.conditions import HealthState
+from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.servicer import MAX_STREAMS
+from hlplugin.deviceplugin.settings import KubeletSettings
+from hlplugin.plugin import HypervisorPlugin, slots
 
 RESOURCE = "hyperlight.dev/hypervisor"
 SLOTS = 2000  # the default: ~40 KB a list, so a stopped reader's window fills in two lists
@@ -96,8 +97,8 @@ async def test_a_kubelet_restart_registers_anew_while_stopped_readers_hold_the_o
     async def gate() -> HealthState:
         return tracker.state
 
-    lifecycle = PluginLifecycle(plugin_dir, "hyperlight.sock", RESOURCE,
-                                lambda: HypervisorPlugin("kvm", SLOTS, tracker, gate))
+    lifecycle = PluginLifecycle(KubeletSettings(plugin_dir), "hyperlight.sock", RESOURCE,
+                                lambda: HypervisorPlugin("kvm", slots("kvm", SLOTS), tracker, gate))
     readers: list[asyncio.subprocess.Process] = []
     async with emulator(plugin_dir) as kubelet:
         task = asyncio.create_task(lifecycle.run())

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from harness import wait_until
 
-from hlplugin.deviceplugin.watch import FILE_EVENTS, DirWatcher
+from hlplugin.deviceplugin.health.watch import FILE_EVENTS, DirWatcher
 
 GUARD = 10.0  # seconds; a guard, reached only when a test is broken
 
@@ -104,7 +104,7 @@ async def test_a_missing_or_replaced_directory_is_watched_again(tmp_path: Path,
 _CHILD = r"""
 import asyncio, json, logging, sys
 from pathlib import Path
-from hlplugin.deviceplugin.watch import DirWatcher
+from hlplugin.deviceplugin.health.watch import DirWatcher
 
 limit, watched = sys.argv[1], Path(sys.argv[2])
 with open(f"/proc/sys/user/max_inotify_{limit}", "w") as sysctl:

@@ -1,6 +1,6 @@
 """hlplugin: a Kubernetes device plugin that hands Hyperlight workloads a proven-usable hypervisor."""
 
-from hlplugin.deviceplugin import lazyprom
+from hlplugin.deviceplugin.process import lazyprom
 
 __version__ = "0.1.0"
 

@@ -15,21 +15,21 @@ import grpc
 
 from hlplugin import hvnode
 from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.config import Settings, show
 from hlplugin.detect import wait_for_hypervisor
-from hlplugin.deviceplugin.bounded import CheckFailed
-from hlplugin.deviceplugin.conditions import HealthTracker
-from hlplugin.deviceplugin.daemon import Daemon, DaemonSpec, Launch, Started
-from hlplugin.deviceplugin.interfaces import Context
-from hlplugin.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.health.bounded import CheckFailed
+from hlplugin.deviceplugin.health.conditions import HealthTracker
+from hlplugin.deviceplugin.health.producer import Producer, Trigger
+from hlplugin.deviceplugin.health.watch import DirWatcher
+from hlplugin.deviceplugin.kubelet.interfaces import Context
+from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
-from hlplugin.deviceplugin.producer import Producer, Trigger
-from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
-from hlplugin.deviceplugin.watch import DirWatcher
+from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Launch, Started
 from hlplugin.metrics import HyperlightMetrics
 from hlplugin.names import DEVICE_ACCESS_RESOURCE as RESOURCE
 from hlplugin.names import DEVICE_ACCESS_SOCKET as SOCKET
 from hlplugin.names import PLUGIN_DIR_FLAG
+from hlplugin.settings import BootstrapSettings, show
 
 
 class DeviceAccessPlugin(TrackedDevicePlugin):
@@ -80,26 +80,26 @@ def node_watch(tracker: HealthTracker, node: Path, recheck: float = 10.0,
     return producer
 
 
-async def bootstrap(settings: Settings, launch: Launch | None = None, *,
+async def bootstrap(settings: BootstrapSettings, launch: Launch | None = None, *,
                     sys_dir: Path = hvnode.SYS_DIR) -> None:
     metrics = HyperlightMetrics()  # no CDI or probe families: the bootstrap has neither
     tracker = HealthTracker(required=("device",))
 
     async def setup(hv: str) -> Started:
-        watch = node_watch(tracker, settings.dev_dir / hv, budget=settings.probe_timeout,
-                           sys_dir=sys_dir)
+        watch = node_watch(tracker, settings.health.dev_dir / hv,
+                           budget=settings.health.probe_timeout, sys_dir=sys_dir)
         await watch.check(Trigger.START)  # before registering; run() goes on from here
         lifecycle = PluginLifecycle(
-            settings.plugin_dir, SOCKET, RESOURCE,
+            settings.kubelet, SOCKET, RESOURCE,
             lambda: DeviceAccessPlugin(hv, tracker, functools.partial(watch.ensure, 0.0, Trigger.ALLOCATE),
                                        metrics),
-            register_timeout=settings.register_timeout, dir_setting=PLUGIN_DIR_FLAG, metrics=metrics)
+            dir_setting=PLUGIN_DIR_FLAG, metrics=metrics)
         return Started(lifecycle, {"device-health": watch.run(),
                                    "plugin": lifecycle.run()})
 
     # What auto looks for and where, as the main daemon says it.
     await Daemon(DaemonSpec(
-        "hlplugin bootstrap", settings.http_address, tracker, metrics,
-        functools.partial(wait_for_hypervisor, settings), setup,
-        pending={"hypervisor": f"no mshv or kvm device under {show(settings.dev_dir)}"},
+        "hlplugin bootstrap", settings.http, tracker, metrics,
+        functools.partial(wait_for_hypervisor, settings.health), setup,
+        pending={"hypervisor": f"no mshv or kvm device under {show(settings.health.dev_dir)}"},
         launch=launch or Launch())).run()

@@ -18,29 +18,24 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from hlplugin.cdi_spec import MAX_READ, MODE, SPEC_FILE, well_formed
-from hlplugin.deviceplugin import repeats
-from hlplugin.deviceplugin.bounded import CheckFailed
-from hlplugin.deviceplugin.conditions import Condition, HealthTracker
+from hlplugin.deviceplugin.health import repeats
+from hlplugin.deviceplugin.health.bounded import CheckFailed
+from hlplugin.deviceplugin.health.conditions import Condition, HealthTracker
+from hlplugin.deviceplugin.health.producer import Producer, Trigger
+from hlplugin.deviceplugin.health.watch import FILE_EVENTS, DirWatcher
 from hlplugin.deviceplugin.ownedfile import NotRegular, OwnedFile
-from hlplugin.deviceplugin.producer import Producer, Trigger
-from hlplugin.deviceplugin.watch import FILE_EVENTS, DirWatcher
 from hlplugin.dirs import not_a_directory
 from hlplugin.metrics import Metrics, Refusal, RepairCause
+from hlplugin.settings import CdiSettings
 
 log = logging.getLogger(__name__)
 
 CONDITION = "cdi"
-# How long one pass (read, compare, write, two fsyncs) may take before the condition fails.
-DEFAULT_BUDGET = 5.0
+DEFAULT_BUDGET = CdiSettings.budget  # the default of CdiSettings.budget, for the tests' guards
 # How long the pass's helper thread waits for the next read: one per Allocate needs no new thread.
 _LINGER = 1.0
-# How long a right read is trusted while the directory's inotify watch is live and saw nothing:
-# local changes always wake the watch; this bounds what it cannot see (a mount over the
-# directory, a change made on another host of a network file system).
-_TRUST_QUIET = 1.0
 
 
 @dataclass(frozen=True)
@@ -57,18 +52,18 @@ class CdiReconciler:
 
     def __init__(
         self,
-        cdi_dir: Path,
+        settings: CdiSettings,
         desired: bytes,
         *,
         tracker: HealthTracker | None = None,
         metrics: Metrics | None = None,
-        interval: float = 10.0,
         max_backoff: float = 10.0,
-        budget: float = DEFAULT_BUDGET,
         clock: Callable[[], float] = time.monotonic,
         log_interval: float = repeats.INTERVAL,
     ) -> None:
-        self.cdi_dir = cdi_dir
+        self.cdi_dir = cdi_dir = settings.dir
+        interval, budget = settings.interval, settings.budget
+        self._trust_quiet = settings.trust_quiet
         self.lines = repeats.RepeatedLines(log, log_interval, clock=clock)
         self.file = OwnedFile(cdi_dir, SPEC_FILE, MODE)
         self.path = self.file.path
@@ -96,7 +91,7 @@ class CdiReconciler:
         Each round judges the first state that holds; after three rounds a pass decides:
 
             vouched  right, and a right read began after we arrived, or less than
-                     _TRUST_QUIET before with the watch quiet since     -> answer ok
+                     trust_quiet before with the watch quiet since     -> answer ok
             stuck    a helper hangs in storage, condition failing      -> answer it at once
             passing  a pass is in flight: share it; it failed          -> answer it
                                                     it succeeded       -> next round
@@ -142,7 +137,7 @@ class CdiReconciler:
         verified = self._verified
         return verified is not None and (
             verified[0] >= arrived
-            or (now - verified[0] < _TRUST_QUIET
+            or (now - verified[0] < self._trust_quiet
                 and self.producer.wakeup.quiet_since(verified[1])))
 
     async def reconcile(self, trigger: Trigger) -> Condition:

@@ -6,28 +6,76 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import importlib
 import logging
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 from hlplugin import __version__, config, logs
 from hlplugin.deviceplugin import files
+from hlplugin.deviceplugin.process.signals import StopSignals
 from hlplugin.deviceplugin.quoting import clip, quote
-from hlplugin.deviceplugin.signals import StopSignals
 from hlplugin.dirs import not_a_directory
 from hlplugin.names import NO_HYPERVISOR_HINT
+from hlplugin.settings import ServeSettings
 
 log = logging.getLogger("hlplugin")
 
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its help, the options it takes, and what runs it. A daemon's ``run`` names
+    the module and coroutine function that serve it (imported after the start-up policy, since
+    they import gRPC); another's is a function of the parsed arguments and settings."""
+
+    help: str
+    options: tuple[str, ...]
+    run: Callable[[argparse.Namespace, Any], int] | None = None
+    daemon: tuple[str, str] | None = None
+
+
+def _cdi_command(args: argparse.Namespace, settings: ServeSettings) -> int:
+    return _cdi(settings, args.check)
+
+
+def _doctor_command(args: argparse.Namespace, settings: ServeSettings) -> int:
+    from hlplugin.tools.doctor import doctor
+
+    return doctor(settings, as_json=args.json, device_only=args.device_only)
+
+
+def _demo_command(args: argparse.Namespace, settings: ServeSettings) -> int:
+    if args.resource and args.allocate is None:
+        args.subparser.error(f"unrecognized arguments: {args.resource}")
+    if args.allocate is not None:
+        from hlplugin.tools.demo_hold import allocate
+
+        return allocate(args.allocate, args.resource)
+    if args.hold:
+        if args.keep:
+            args.subparser.error("argument --hold: not allowed with --keep (it removes everything)")
+        from hlplugin.tools.demo_hold import hold
+
+        return hold()
+    from hlplugin.tools.demo import demo
+
+    return demo(keep=args.keep)
+
+
 _COMMANDS = {
-    "serve": ("run the main device plugin (hyperlight.dev/hypervisor)", config.SERVE_OPTIONS),
-    "bootstrap": ("run the bootstrap plugin (hyperlight.dev/device-access)",
-                  config.BOOTSTRAP_OPTIONS),
-    "cdi": ("print the CDI spec the daemon keeps, or --check a file against it", config.CDI_OPTIONS),
-    "doctor": ("check whether this node could serve Hyperlight workloads", config.DOCTOR_OPTIONS),
-    "demo": ("run both daemons against a built-in kubelet emulator in a temporary node root", ()),
+    "serve": Command("run the main device plugin (hyperlight.dev/hypervisor)", config.SERVE_OPTIONS,
+                     daemon=("hlplugin.plugin", "serve")),
+    "bootstrap": Command("run the bootstrap plugin (hyperlight.dev/device-access)",
+                         config.BOOTSTRAP_OPTIONS, daemon=("hlplugin.bootstrap", "bootstrap")),
+    "cdi": Command("print the CDI spec the daemon keeps, or --check a file against it",
+                   config.CDI_OPTIONS, _cdi_command),
+    "doctor": Command("check whether this node could serve Hyperlight workloads",
+                      config.DOCTOR_OPTIONS, _doctor_command),
+    "demo": Command("run both daemons against a built-in kubelet emulator in a temporary node root",
+                    (), _demo_command),
 }
 
 # What `serve` does to the machine it runs on, said in its --help and in the README.
@@ -71,7 +119,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                     "environment twin; a flag wins over its twin.")
     parser.add_argument("--version", action="version", version=f"hlplugin {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (help_text, options) in _COMMANDS.items():
+    for name, command in _COMMANDS.items():
+        help_text, options = command.help, command.options
         durations = name != "cdi" and any(config.OPTIONS[o].metavar == config.DURATION
                                           for o in options)
         description = {"serve": f"{help_text}. {SERVE_EFFECTS}",
@@ -125,72 +174,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse reports these with the top level's usage; the command's is the help
         getattr(args, "subparser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
-    options = _COMMANDS[args.command][1]
-    resolution = config.resolve_sources(args, options, args.command)
-    settings = resolution.settings
-    daemon = args.command in ("serve", "bootstrap")
-    if daemon:
-        problem = config.socket_path_problem(settings.plugin_dir)
-        if problem:
-            args.subparser.error(f"argument --plugin-dir (or HYPERLIGHT_PLUGIN_DIR): {problem}")
-    if args.command == "serve":
-        problem = not_a_directory(settings.cdi_dir)
-        if problem:
-            args.subparser.error(f"argument --cdi-dir (or HYPERLIGHT_CDI_DIR): {problem}")
-    logs.configure(settings.log_format, settings.log_level)
-    if daemon:
-        # Before gRPC is imported: its C core prints to fd 2 from its own threads (errors only,
-        # unless GRPC_VERBOSITY says otherwise).
-        logs.capture_stderr()
-        # Each setting once: in the text line, grouped by source; in JSON, as fields.
-        if settings.log_format == "json":
-            log.info("hlplugin %s %s starting", args.command, __version__,
-                     extra={"version": __version__,
-                            "settings": {n: config.show(getattr(settings, n)) for n in options},
-                            "sources": resolution.sources})
-        else:
-            log.info("hlplugin %s %s starting; %s", args.command, __version__,
-                     resolution.describe())
+    command = _COMMANDS[args.command]
+    resolution = config.resolve_sources(args, command.options, args.command)
+    for problem in _unusable_dirs(args.command, resolution.settings):
+        args.subparser.error(problem)
+    if command.daemon is not None:
+        return _start_daemon(args.command, command, resolution)
+    logs.configure(resolution.settings.logging.format, resolution.settings.logging.level)
     config.log_warnings(resolution.warnings)
-    if daemon:
-        _limit_malloc_arenas()
-        # From here until the process exits a stop signal never kills it (deviceplugin/signals.py).
-        signals = StopSignals().install()
-        from hlplugin.deviceplugin.daemon import Launch  # imports gRPC: after capture_stderr
-
-        launch = Launch(resolution.ignored, signals)
-    if args.command == "serve":
-        from hlplugin.plugin import serve
-
-        _imports_done()
-        return _run(serve(settings, launch), signals)
-    if args.command == "bootstrap":
-        from hlplugin.bootstrap import bootstrap
-
-        _imports_done()
-        return _run(bootstrap(settings, launch), signals)
     _imports_done()
-    if args.command == "cdi":
-        return _cdi(settings, args.check)
-    if args.command == "doctor":
-        from hlplugin.tools.doctor import doctor
+    assert command.run is not None
+    return command.run(args, resolution.settings)
 
-        return doctor(settings, as_json=args.json, device_only=args.device_only)
-    if args.resource and args.allocate is None:
-        args.subparser.error(f"unrecognized arguments: {args.resource}")
-    if args.allocate is not None:
-        from hlplugin.tools.demo_hold import allocate
 
-        return allocate(args.allocate, args.resource)
-    if args.hold:
-        if args.keep:
-            args.subparser.error("argument --hold: not allowed with --keep (it removes everything)")
-        from hlplugin.tools.demo_hold import hold
+def _unusable_dirs(command: str, settings: Any) -> list[str]:
+    """What would make a daemon's directories unusable, as usage errors naming the flag."""
+    problems = []
+    if command in ("serve", "bootstrap"):
+        problem = config.socket_path_problem(settings.kubelet.plugin_dir)
+        if problem:
+            problems.append(f"argument --plugin-dir (or HYPERLIGHT_PLUGIN_DIR): {problem}")
+    if command == "serve":
+        problem = not_a_directory(settings.cdi.dir)
+        if problem:
+            problems.append(f"argument --cdi-dir (or HYPERLIGHT_CDI_DIR): {problem}")
+    return problems
 
-        return hold()
-    from hlplugin.tools.demo import demo
 
-    return demo(keep=args.keep)
+def _start_daemon(name: str, command: Command, resolution: config.Resolution) -> int:
+    """The start-up policy of both daemons, in its order: logging, then stderr captured before
+    gRPC is imported (its C core prints to fd 2 from its own threads), the one start line, the
+    warnings, malloc arenas, stop signals, and only then the daemon's own imports."""
+    settings = resolution.settings
+    logs.configure(settings.logging.format, settings.logging.level)
+    logs.capture_stderr()
+    # Each setting once: in the text line, grouped by source; in JSON, as fields.
+    if settings.logging.format == "json":
+        log.info("hlplugin %s %s starting", name, __version__,
+                 extra={"version": __version__,
+                        "settings": config.shown_settings(settings, command.options),
+                        "sources": resolution.sources})
+    else:
+        log.info("hlplugin %s %s starting; %s", name, __version__, resolution.describe())
+    config.log_warnings(resolution.warnings)
+    _limit_malloc_arenas()
+    # From here until the process exits a stop signal never kills it (deviceplugin/process/signals.py).
+    signals = StopSignals().install()
+    from hlplugin.deviceplugin.process.daemon import Launch  # imports gRPC: after capture_stderr
+
+    assert command.daemon is not None
+    module, function = command.daemon
+    run = getattr(importlib.import_module(module), function)
+    _imports_done()
+    return _run(run(settings, Launch(resolution.ignored, signals)), signals)
 
 
 def _imports_done() -> None:
@@ -212,16 +248,17 @@ def _run(coroutine: Coroutine[Any, Any, None], signals: StopSignals) -> int:
     return 0
 
 
-def _cdi(settings: config.Settings, check: Path | None) -> int:
+def _cdi(settings: ServeSettings, check: Path | None) -> int:
     from hlplugin import cdi_spec  # the bootstrap has no CDI: not loaded by its start
+    from hlplugin.detect import detect_hypervisor
 
-    hypervisor = settings.detect_hypervisor()
+    hypervisor = detect_hypervisor(settings.health)
     if hypervisor is None:
         print(f"hlplugin cdi: no mshv or kvm device under "
-              f"{quote(str(settings.dev_dir), files.PATH_CHARS)}; pass --hypervisor "
+              f"{quote(str(settings.health.dev_dir), files.PATH_CHARS)}; pass --hypervisor "
               f"(and {NO_HYPERVISOR_HINT})", file=sys.stderr)
         return 1
-    desired = cdi_spec.render_spec(hypervisor, settings.device_uid, settings.device_gid)
+    desired = cdi_spec.render_spec(hypervisor, settings.cdi.device_uid, settings.cdi.device_gid)
     if check is None:
         sys.stdout.buffer.write(desired)
         return 0

@@ -1,8 +1,10 @@
-"""Typed settings for every subcommand, from flags and their environment twins.
+"""The command line's half of the settings: flags and their environment twins, parsed into the
+frozen groups of hlplugin.settings (the only parser there is).
 
-Each option is declared once, in OPTIONS. A flag wins over its twin. An invalid flag exits 2
-naming the flag (argparse); an invalid environment value is warned about and replaced by the
-default, the upstream contract.
+Each option is declared once, in OPTIONS, naming the settings field it sets (its default, and
+for numbers its range, come from hlplugin.settings). A flag wins over its twin. An invalid flag
+exits 2 naming the flag (argparse); an invalid environment value is warned about and replaced by
+the default, the upstream contract.
 """
 
 from __future__ import annotations
@@ -13,30 +15,29 @@ import logging
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hlplugin import aliases, durations, hvnode
+from hlplugin import aliases, durations
 from hlplugin.deviceplugin import files
-from hlplugin.deviceplugin.quoting import clip, quote
+from hlplugin.deviceplugin.quoting import quote
 from hlplugin.names import LONGEST_SOCKET
+from hlplugin.settings import (
+    HYPERVISORS,
+    INTERVAL_RANGE,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    MAX_DEVICE_COUNT,
+    TIMEOUT_RANGE,
+    UINT32_MAX,
+    BootstrapSettings,
+    DaemonSettings,
+    ServeSettings,
+    show,
+)
 
-UINT32_MAX = 4_294_967_295
-HYPERVISORS = ("kvm", "mshv")
-
-
-# The kubelet refuses a gRPC message over 4 MiB, so a device list larger than that makes its
-# ListAndWatch fail and the node's capacity silently drop to 0. 50,000 IDs ("mshv-49999", all
-# "Unhealthy", the longest form) serialize to 1.24 MB: 3.4x under the limit. The daemon's peak RSS
-# at that count is in docs/security.md (it, not the message, is what a larger count would cost).
-MAX_DEVICE_COUNT = 50_000
-
-# Durations: a tiny interval makes a periodic check a busy loop (a device check runs a VM, about
-# 1.3 ms: at 1 s that is 0.1 % of a core); a timeout under 0.1 s fails checks on a loaded
-# node; an interval over an hour, or a timeout over a minute, no longer bounds anything useful.
-INTERVAL_RANGE = (1.0, 3600.0)
-TIMEOUT_RANGE = (0.1, 60.0)
+__all__ = ["HYPERVISORS", "INTERVAL_RANGE", "MAX_DEVICE_COUNT", "TIMEOUT_RANGE", "UINT32_MAX", "show"]
 
 # ASCII only: int() also takes Arabic-Indic and full-width digits, and "1_000".
 _DIGITS = re.compile(r"[0-9]{1,20}")
@@ -133,47 +134,26 @@ def _bool(text: str) -> bool:
     raise ValueError(f"must be true or false, got {quote(text)}")
 
 
-_LOG_LEVELS = ("debug", "info", "warning", "error")
 _UNSET: Any = object()
 
-
-@dataclass(frozen=True)
-class Settings:
-    """Everything a daemon needs; subcommands ignore what they do not use."""
-
-    plugin_dir: Path = Path("/var/lib/kubelet/device-plugins")
-    cdi_dir: Path = Path("/var/run/cdi")
-    dev_dir: Path = Path("/dev")
-    host_dev_dir: Path | None = Path("/host-dev")
-    hypervisor: str = "auto"
-    device_count: int = 2000
-    device_uid: int = 65534
-    device_gid: int = 65534
-    http_address: tuple[str, int] = ("0.0.0.0", 8080)
-    log_format: str = "text"
-    log_level: str = "info"
-    cdi_annotations: bool = False
-    cdi_interval: float = 10.0
-    health_interval: float = 10.0
-    probe_timeout: float = 2.0
-    guest_check: bool = True
-    register_timeout: float = 5.0
-
-    def detect_hypervisor(self) -> str | None:
-        """The configured hypervisor, or for ``auto`` the present node (mshv over kvm, as upstream;
-        by lstat, so a symlink at either name does not count)."""
-        if self.hypervisor != "auto":
-            return self.hypervisor
-        return hvnode.detect(self.dev_dir)
+# Which settings each command builds: `cdi` and `doctor` read the main daemon's.
+SETTINGS_OF: dict[str, type[DaemonSettings]] = {
+    "serve": ServeSettings, "bootstrap": BootstrapSettings, "cdi": ServeSettings,
+    "doctor": ServeSettings, "demo": ServeSettings}
 
 
-# Every option's default is its Settings field's: declared once, there.
-_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Settings)}
+def value_at(settings: Any, path: tuple[str, ...]) -> Any:
+    for name in path:
+        settings = getattr(settings, name)
+    return settings
 
 
 @dataclass(frozen=True)
 class Option:
-    dest: str
+    """One flag and its twin, setting the field at ``at`` (dotted: group.field) of a command's
+    settings; its name (``dest``) is the flag's, as argparse spells it."""
+
+    at: str
     flag: str
     env: str | None
     parse: Callable[[str], Any]
@@ -182,45 +162,57 @@ class Option:
     is_switch: bool = False
 
     @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        return tuple(self.at.split("."))
+
+    def default_for(self, command: str = "serve") -> Any:
+        """The field's default in that command's settings (the bootstrap's port is its own)."""
+        return value_at(SETTINGS_OF[command](), self.path)
+
+    @property
     def default(self) -> Any:
-        return _DEFAULTS[self.dest]
+        return self.default_for("serve")
 
 
 OPTIONS: dict[str, Option] = {o.dest: o for o in (
-    Option("plugin_dir", "--plugin-dir", "HYPERLIGHT_PLUGIN_DIR", _path,
+    Option("kubelet.plugin_dir", "--plugin-dir", "HYPERLIGHT_PLUGIN_DIR", _path,
            "kubelet device-plugin directory", "DIR"),
-    Option("cdi_dir", "--cdi-dir", "HYPERLIGHT_CDI_DIR", _path,
+    Option("cdi.dir", "--cdi-dir", "HYPERLIGHT_CDI_DIR", _path,
            "directory of the CDI spec hyperlight.json", "DIR"),
-    Option("dev_dir", "--dev-dir", "HYPERLIGHT_DEV_DIR", _path,
+    Option("health.dev_dir", "--dev-dir", "HYPERLIGHT_DEV_DIR", _path,
            "where the hypervisor device node is seen and probed", "DIR"),
-    Option("host_dev_dir", "--host-dev-dir", "HYPERLIGHT_HOST_DEV_DIR", _optional_path,
+    Option("health.host_dev_dir", "--host-dev-dir", "HYPERLIGHT_HOST_DEV_DIR", _optional_path,
            "host /dev view for the device identity check; empty turns it off", "DIR"),
-    Option("hypervisor", "--hypervisor", "HYPERLIGHT_HYPERVISOR", _choice("auto", *HYPERVISORS),
-           "auto prefers mshv over kvm", "auto|kvm|mshv"),
+    Option("health.hypervisor", "--hypervisor", "HYPERLIGHT_HYPERVISOR",
+           _choice("auto", *HYPERVISORS), "auto prefers mshv over kvm", "auto|kvm|mshv"),
     Option("device_count", "--device-count", "DEVICE_COUNT", _device_count,
            f"number of shareable slots advertised, 1-{MAX_DEVICE_COUNT}", "N"),
-    Option("device_uid", "--device-uid", "DEVICE_UID", _uint32,
+    Option("cdi.device_uid", "--device-uid", "DEVICE_UID", _uint32,
            "owner of the device node inside workload containers", "N"),
-    Option("device_gid", "--device-gid", "DEVICE_GID", _uint32,
+    Option("cdi.device_gid", "--device-gid", "DEVICE_GID", _uint32,
            "group of the device node inside workload containers", "N"),
-    Option("http_address", "--http-address", "HYPERLIGHT_HTTP_ADDRESS", _address,
+    Option("http.address", "--http-address", "HYPERLIGHT_HTTP_ADDRESS", _address,
            "address of /healthz, /readyz and /metrics", "HOST:PORT"),
-    Option("log_format", "--log-format", "HYPERLIGHT_LOG_FORMAT", _choice("text", "json"),
+    Option("logging.format", "--log-format", "HYPERLIGHT_LOG_FORMAT", _choice(*LOG_FORMATS),
            "log line format", "text|json"),
-    Option("log_level", "--log-level", "HYPERLIGHT_LOG_LEVEL", _choice(*_LOG_LEVELS),
+    Option("logging.level", "--log-level", "HYPERLIGHT_LOG_LEVEL", _choice(*LOG_LEVELS),
            "minimum level logged", "LEVEL"),
-    Option("cdi_annotations", "--cdi-annotations", "HYPERLIGHT_CDI_ANNOTATIONS", _bool,
+    Option("cdi.annotations", "--cdi-annotations", "HYPERLIGHT_CDI_ANNOTATIONS", _bool,
            "also name the CDI device in Allocate annotations (kubelets older than 1.29)",
            is_switch=True),
-    Option("cdi_interval", "--cdi-interval", "HYPERLIGHT_CDI_INTERVAL", _interval,
+    Option("cdi.interval", "--cdi-interval", "HYPERLIGHT_CDI_INTERVAL", _interval,
            f"time between periodic CDI spec checks, {_INTERVALS}", DURATION),
-    Option("health_interval", "--health-interval", "HYPERLIGHT_HEALTH_INTERVAL", _interval,
+    Option("health.interval", "--health-interval", "HYPERLIGHT_HEALTH_INTERVAL", _interval,
            f"time between periodic device checks, {_INTERVALS}", DURATION),
-    Option("probe_timeout", "--probe-timeout", "HYPERLIGHT_PROBE_TIMEOUT", _timeout,
+    Option("health.probe_timeout", "--probe-timeout", "HYPERLIGHT_PROBE_TIMEOUT", _timeout,
            f"budget of one device check, {_TIMEOUTS}", DURATION),
-    Option("guest_check", "--guest-check", "HYPERLIGHT_GUEST_CHECK", _bool,
+    Option("health.guest_check", "--guest-check", "HYPERLIGHT_GUEST_CHECK", _bool,
            "run a tiny guest on KVM as part of each device check", "true|false"),
-    Option("register_timeout", "--register-timeout", "HYPERLIGHT_REGISTER_TIMEOUT", _timeout,
+    Option("kubelet.register_timeout", "--register-timeout", "HYPERLIGHT_REGISTER_TIMEOUT", _timeout,
            f"bound of one Register call to the kubelet, {_TIMEOUTS}", DURATION),
 )}
 
@@ -235,9 +227,6 @@ BOOTSTRAP_OPTIONS = ("plugin_dir", "dev_dir", "hypervisor", "http_address", "log
 CDI_OPTIONS = SERVE_OPTIONS
 DOCTOR_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor", "device_uid",
                   "device_gid", "probe_timeout", "log_format", "log_level")
-
-# Per-subcommand defaults that differ from the table.
-DEFAULT_OVERRIDES: dict[str, dict[str, Any]] = {"bootstrap": {"http_address": ("0.0.0.0", 8081)}}
 
 
 def socket_path_problem(plugin_dir: Path) -> str:
@@ -259,7 +248,7 @@ def _flag_type(option: Option) -> Callable[[str], Any]:
 def add_options(parser: argparse.ArgumentParser, names: Sequence[str], command: str) -> None:
     for name in names:
         option = OPTIONS[name]
-        default = DEFAULT_OVERRIDES.get(command, {}).get(name, option.default)
+        default = option.default_for(command)
         shown = default
         if isinstance(default, tuple):
             shown = f"{default[0]}:{default[1]}"
@@ -285,7 +274,7 @@ class Resolution:
     DEFAULT; an invalid environment value counts as DEFAULT, since the default is what runs);
     ``ignored`` names the settings whose environment value was invalid (the daemons export them)."""
 
-    settings: Settings
+    settings: Any  # the command's (SETTINGS_OF)
     warnings: list[str]
     sources: dict[str, str]
     ignored: tuple[str, ...] = ()
@@ -297,20 +286,10 @@ class Resolution:
                               (DEFAULT, "defaults")):
             names = [name for name, came in self.sources.items() if came == source]
             if names:
-                shown = ", ".join(f"{name}={show(getattr(self.settings, name))}" for name in names)
+                shown = ", ".join(f"{name}={show(value_at(self.settings, OPTIONS[name].path))}"
+                                  for name in names)
                 groups.append(f"{title}: {shown}")
         return "; ".join(groups) or "no settings"
-
-
-def show(value: Any) -> str:
-    """A setting as an operator would type it (a path cut after files.PATH_CHARS characters)."""
-    if isinstance(value, tuple):
-        return f"{value[0]}:{value[1]}"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if value is None:
-        return "(empty)"
-    return clip(str(value), files.PATH_CHARS)
 
 
 def resolve_sources(
@@ -327,7 +306,7 @@ def resolve_sources(
     ignored: list[str] = []
     for name in names:
         option = OPTIONS[name]
-        default = DEFAULT_OVERRIDES.get(command, {}).get(name, option.default)
+        default = option.default_for(command)
         value = getattr(args, name, _UNSET)
         source = FLAG
         variable = None if value is not _UNSET else aliases.variable(
@@ -345,10 +324,29 @@ def resolve_sources(
             value, source = default, DEFAULT
         values[name] = value
         sources[name] = source
-    settings = Settings(**values)
-    if "host_dev_dir" in names and settings.host_dev_dir is None:
+    settings = build(SETTINGS_OF[command], {OPTIONS[n].path: v for n, v in values.items()})
+    if "host_dev_dir" in names and values["host_dev_dir"] is None:
         warnings.append("host device identity check is off (--host-dev-dir is empty)")
     return Resolution(settings, warnings, sources, tuple(ignored))
+
+
+def build(kind: type[DaemonSettings], values: Mapping[tuple[str, ...], Any]) -> Any:
+    """``kind``'s defaults with ``values`` set, each at its path (a group's fields, or a top one)."""
+    settings: Any = kind()
+    changes: dict[str, Any] = {}
+    for path, value in values.items():
+        if len(path) == 1:
+            changes[path[0]] = value
+        else:
+            group = changes.get(path[0], getattr(settings, path[0]))
+            assert is_dataclass(group) and not isinstance(group, type)
+            changes[path[0]] = replace(group, **{path[1]: value})
+    return replace(settings, **changes)
+
+
+def shown_settings(settings: Any, names: Sequence[str]) -> dict[str, str]:
+    """Each option's effective value as an operator would type it, for the JSON start-up line."""
+    return {name: show(value_at(settings, OPTIONS[name].path)) for name in names}
 
 
 def log_warnings(warnings: Sequence[str]) -> None:

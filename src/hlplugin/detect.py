@@ -7,16 +7,24 @@ import contextlib
 import logging
 
 from hlplugin import hvnode
-from hlplugin.config import HYPERVISORS, Settings, show
-from hlplugin.deviceplugin.watch import DirWatcher
+from hlplugin.deviceplugin.health.watch import DirWatcher
 from hlplugin.names import NO_HYPERVISOR_HINT
+from hlplugin.settings import HYPERVISORS, HealthSettings, show
 
 log = logging.getLogger(__name__)
 
 
-async def wait_for_hypervisor(settings: Settings) -> str:
+def detect_hypervisor(settings: HealthSettings) -> str | None:
+    """The configured hypervisor, or for ``auto`` the present node (mshv over kvm, as upstream;
+    by lstat, so a symlink at either name does not count)."""
+    if settings.hypervisor != "auto":
+        return settings.hypervisor
+    return hvnode.detect(settings.dev_dir)
+
+
+async def wait_for_hypervisor(settings: HealthSettings) -> str:
     """``auto`` with no device yet: stay up (not ready) until /dev/mshv or /dev/kvm appears."""
-    found = settings.detect_hypervisor()
+    found = detect_hypervisor(settings)
     if found is not None:
         return found
     skipped = "".join(f"; {why}" for why in hvnode.skipped(settings.dev_dir))
@@ -26,7 +34,7 @@ async def wait_for_hypervisor(settings: Settings) -> str:
     # collector finalizes the generator (by then its inotify fd number may belong to another).
     async with contextlib.aclosing(DirWatcher(settings.dev_dir, HYPERVISORS).changes()) as changes:
         async for _ in changes:
-            found = settings.detect_hypervisor()
+            found = detect_hypervisor(settings)
             if found is not None:
                 log.info("hypervisor device %s appeared", settings.dev_dir / found)
                 return found

@@ -8,14 +8,14 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from hlplugin.deviceplugin.bounded import CheckFailed
-from hlplugin.deviceplugin.conditions import Condition, HealthState, HealthTracker
-from hlplugin.deviceplugin.producer import Producer, Trigger
-from hlplugin.deviceplugin.watch import DirWatcher
+from hlplugin.deviceplugin.health.bounded import CheckFailed
+from hlplugin.deviceplugin.health.conditions import Condition, HealthState, HealthTracker
+from hlplugin.deviceplugin.health.producer import Producer, Trigger
+from hlplugin.deviceplugin.health.watch import DirWatcher
 from hlplugin.probe import check_host_identity, close_deferred, probe_device
+from hlplugin.settings import HealthSettings
 
 if TYPE_CHECKING:
     from hlplugin.metrics import Metrics
@@ -41,12 +41,8 @@ class DeviceMonitor:
         self,
         tracker: HealthTracker,
         hypervisor: str,
-        dev_dir: Path,
-        host_dev_dir: Path | None,
+        settings: HealthSettings,
         *,
-        interval: float = 10.0,
-        budget: float = 2.0,
-        guest_check: bool = True,
         metrics: Metrics | None = None,
         device_probe: Callable[[], None] | None = None,
         identity_probe: Callable[[], None] | None = None,
@@ -56,6 +52,7 @@ class DeviceMonitor:
         self.tracker = tracker
         self.hypervisor = hypervisor
         self.metrics = metrics
+        dev_dir, host_dev_dir, guest_check = settings.dev_dir, settings.host_dev_dir, settings.guest_check
         self._device_probe = device_probe or functools.partial(
             probe_device, hypervisor, dev_dir, guest_check)
         # Allocate's own check: the upstream one (no guest run), injectable like the others.
@@ -71,7 +68,8 @@ class DeviceMonitor:
             watch.append(DirWatcher(host_dev_dir, {hypervisor}))
         # A helper thread lingers between checks, so one check per Allocate starts no thread.
         self.producer = Producer(f"probe-{hypervisor}", self._pass, watch=watch,
-                                 interval=interval, budget=budget, linger=1.0, clock=clock)
+                                 interval=settings.interval, budget=settings.probe_timeout,
+                                 linger=1.0, clock=clock)
         self.runner = self.producer.runner
         self.runner.after = close_deferred  # the Allocate check's VM closes after its answer
         self._allocate_checks = SharedCheck(self._allocate_pass)

@@ -17,20 +17,20 @@ import grpc
 
 from hlplugin import cdi, cdi_spec
 from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.config import Settings, show
 from hlplugin.detect import wait_for_hypervisor
-from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.daemon import Daemon, DaemonSpec, Launch, Started
-from hlplugin.deviceplugin.devicelist import DeviceList, NumberedIds
-from hlplugin.deviceplugin.interfaces import Context
-from hlplugin.deviceplugin.lifecycle import PluginLifecycle
-from hlplugin.deviceplugin.producer import Trigger
-from hlplugin.deviceplugin.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.health.producer import Trigger
+from hlplugin.deviceplugin.kubelet.devicelist import DeviceList, NumberedIds
+from hlplugin.deviceplugin.kubelet.interfaces import Context
+from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Launch, Started
 from hlplugin.health import DeviceMonitor
 from hlplugin.metrics import Metrics
 from hlplugin.names import HYPERVISOR_RESOURCE as RESOURCE
 from hlplugin.names import HYPERVISOR_SOCKET as SOCKET
 from hlplugin.names import PLUGIN_DIR_FLAG
+from hlplugin.settings import ServeSettings, show
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,10 @@ Gate = Callable[[], Awaitable[HealthState]]
 SWITCH_INTERVAL = 0.0005  # seconds (CPython's default: 0.005); see serve()
 
 
-@functools.lru_cache(maxsize=2)
-def device_list(hypervisor: str, count: int) -> DeviceList:
-    """``<hv>-0`` .. ``<hv>-<count-1>``, serialized once per process (at the first list, or as
-    serve() says): every registration's servicer sends the same bytes (50,000 devices are
-    1.2 MiB on the wire, 8 MiB as objects)."""
+def slots(hypervisor: str, count: int) -> DeviceList:
+    """``<hv>-0`` .. ``<hv>-<count-1>``, serialized at the first list or when serve() says. serve()
+    makes one per process and hands it to every registration's servicer, so all send the same
+    bytes (50,000 devices are 1.2 MiB on the wire, 8 MiB as objects)."""
     return DeviceList(NumberedIds(hypervisor, count), serialized=False)
 
 
@@ -54,10 +53,10 @@ def annotation_key(device_id: str) -> str:
 class HypervisorPlugin(TrackedDevicePlugin):
     """hyperlight.dev/hypervisor: N shareable slots, each a CDI reference to the one device."""
 
-    def __init__(self, hypervisor: str, count: int, tracker: HealthTracker, gate: Gate, *,
+    def __init__(self, hypervisor: str, devices: DeviceList, tracker: HealthTracker, gate: Gate, *,
                  cdi_annotations: bool = False, metrics: Metrics | None = None,
                  first: asyncio.Future[Any] | None = None) -> None:
-        super().__init__(device_list(hypervisor, count), tracker, metrics, first=first)
+        super().__init__(devices, tracker, metrics, first=first)
         self.hypervisor = hypervisor
         self._gate = gate
         self._cdi_name = cdi_spec.qualified_name(hypervisor)
@@ -83,7 +82,7 @@ class HypervisorPlugin(TrackedDevicePlugin):
         return response
 
 
-async def serve(settings: Settings, launch: Launch | None = None) -> None:
+async def serve(settings: ServeSettings, launch: Launch | None = None) -> None:
     """The main daemon: CDI reconciler, device monitor and the hyperlight.dev/hypervisor plugin."""
     # Every Allocate waits for a device check in a helper thread, which takes the GIL back after
     # each of its syscalls; while the event loop is busy (concurrent Allocates), each of those
@@ -93,13 +92,11 @@ async def serve(settings: Settings, launch: Launch | None = None) -> None:
     tracker = HealthTracker(required=("cdi", "device", "host_identity"))
 
     async def setup(hv: str) -> Started:
+        cdi_settings = settings.cdi
         reconciler = cdi.CdiReconciler(
-            settings.cdi_dir, cdi_spec.render_spec(hv, settings.device_uid, settings.device_gid),
-            tracker=tracker, metrics=metrics, interval=settings.cdi_interval)
-        monitor = DeviceMonitor(
-            tracker, hv, settings.dev_dir, settings.host_dev_dir,
-            interval=settings.health_interval, budget=settings.probe_timeout,
-            guest_check=settings.guest_check, metrics=metrics)
+            cdi_settings, cdi_spec.render_spec(hv, cdi_settings.device_uid, cdi_settings.device_gid),
+            tracker=tracker, metrics=metrics)
+        monitor = DeviceMonitor(tracker, hv, settings.health, metrics=metrics)
         # The first pass of each: independent, in helper threads of their own, at once, while
         # the plugin starts serving and registers; its first list waits for both, so the
         # kubelet's first list is true.
@@ -108,7 +105,7 @@ async def serve(settings: Settings, launch: Launch | None = None) -> None:
         first = asyncio.gather(cdi_first, device_first)
         # The lists that first list sends, serialized once the passes are done: by then the
         # plugin is serving, usually waiting for the kubelet to answer Register.
-        devices = device_list(hv, settings.device_count)
+        devices = slots(hv, settings.device_count)
         first.add_done_callback(lambda _: devices.serialize())
 
         async def gate() -> HealthState:
@@ -117,16 +114,16 @@ async def serve(settings: Settings, launch: Launch | None = None) -> None:
             return await monitor.for_allocate()
 
         lifecycle = PluginLifecycle(
-            settings.plugin_dir, SOCKET, RESOURCE,
-            lambda: HypervisorPlugin(hv, settings.device_count, tracker, gate, first=first,
-                                     cdi_annotations=settings.cdi_annotations, metrics=metrics),
-            register_timeout=settings.register_timeout, dir_setting=PLUGIN_DIR_FLAG, metrics=metrics)
+            settings.kubelet, SOCKET, RESOURCE,
+            lambda: HypervisorPlugin(hv, devices, tracker, gate, first=first,
+                                     cdi_annotations=cdi_settings.annotations, metrics=metrics),
+            dir_setting=PLUGIN_DIR_FLAG, metrics=metrics)
         # Each run() goes on from its first pass (Producer.run waits for the one in flight).
         return Started(lifecycle, {"cdi": reconciler.run(), "device-health": monitor.run(),
                                    "plugin": lifecycle.run()})
 
     await Daemon(DaemonSpec(
-        "hlplugin serve", settings.http_address, tracker, metrics,
-        functools.partial(wait_for_hypervisor, settings), setup,
-        pending={"hypervisor": f"no mshv or kvm device under {show(settings.dev_dir)}"},
+        "hlplugin serve", settings.http, tracker, metrics,
+        functools.partial(wait_for_hypervisor, settings.health), setup,
+        pending={"hypervisor": f"no mshv or kvm device under {show(settings.health.dev_dir)}"},
         launch=launch or Launch())).run()

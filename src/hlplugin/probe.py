@@ -1,4 +1,4 @@
-"""Proof that a hypervisor device is usable (the bounded way to ask for it is deviceplugin.bounded).
+"""Proof that a hypervisor device is usable (the bounded way to ask for it is deviceplugin.health.bounded).
 
 Standard library only (with the generic package's standard-library helpers, bounded and files):
 the same checks run inside a workload container to check what it was given.
@@ -24,8 +24,8 @@ import threading
 from contextlib import ExitStack, suppress
 from pathlib import Path
 
-from hlplugin.deviceplugin.bounded import CheckFailed
 from hlplugin.deviceplugin.files import char_device, kind_of
+from hlplugin.deviceplugin.health.bounded import CheckFailed
 
 # Short, bounded failure reasons (metric labels): never paths, errnos or free text.
 REASONS = ("open", "api_version", "create_vm", "guest", "not_char_device", "identity_missing",

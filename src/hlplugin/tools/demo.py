@@ -25,11 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from hlplugin import cdi_spec, config, probe
-from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
-from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET
+from hlplugin import cdi_spec, hvnode, probe
+from hlplugin.deviceplugin.health.bounded import BoundedRunner, CheckFailed
+from hlplugin.deviceplugin.kubelet.lifecycle import KUBELET_SOCKET
 from hlplugin.names import DEVICE_ACCESS_RESOURCE as ACCESS_RESOURCE
 from hlplugin.names import HYPERVISOR_RESOURCE, NO_HYPERVISOR_HINT
+from hlplugin.settings import CdiSettings
 from hlplugin.tools.demo_steps import (
     DemoDaemon,
     DemoError,
@@ -65,7 +66,7 @@ class Demo(Narration):
     async def run(self) -> int:
         began = time.monotonic()
         root = make_root()
-        found = config.Settings(dev_dir=self.dev_dir).detect_hypervisor()
+        found = hvnode.detect(self.dev_dir)
         self.say("hlplugin demo: both daemons against a built-in kubelet emulator")
         self.why("intro")
         kept = ("kept, with the daemons' logs in " + str(root / LOG_DIR) if self.keep
@@ -149,8 +150,7 @@ class Demo(Narration):
 
         self.step("resolve the CDI device and open it as a workload would")
         self.why("use")
-        desired = cdi_spec.render_spec(hypervisor, config.OPTIONS["device_uid"].default,
-                                  config.OPTIONS["device_gid"].default)
+        desired = cdi_spec.render_spec(hypervisor, CdiSettings.device_uid, CdiSettings.device_gid)
         if qualified is None:
             self.item("skipped: no allocation, so no workload would start here")
         else:

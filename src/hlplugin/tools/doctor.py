@@ -1,7 +1,7 @@
 """`hlplugin doctor`: one-shot diagnosis of this node as the daemons would see it.
 
-It reuses the daemons' own checks (hlplugin.probe, hlplugin.cdi_spec, Settings.detect_hypervisor,
-the lifecycle's plugin-dir and kubelet.sock checks in deviceplugin.kubeletsock), so
+It reuses the daemons' own checks (hlplugin.probe, hlplugin.cdi_spec, detect.detect_hypervisor,
+the lifecycle's plugin-dir and kubelet.sock checks in deviceplugin.kubelet.kubeletsock), so
 a verdict here means what the daemons would conclude, not what a separate tool guesses. Every
 device step runs in a BoundedRunner: a hung ioctl costs a "timed out" row, never a hung doctor.
 Nothing is changed: the CDI spec is only read, and the writability test writes a temp file of the
@@ -30,12 +30,18 @@ from pathlib import Path
 from typing import Any
 
 from hlplugin import cdi_spec, probe
-from hlplugin.config import Settings
-from hlplugin.deviceplugin.bounded import BoundedRunner, CheckFailed
+from hlplugin.detect import detect_hypervisor
 from hlplugin.deviceplugin.files import char_device
-from hlplugin.deviceplugin.kubeletsock import connect_error, dir_problem, kubelet_problem, socket_identity
-from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET
+from hlplugin.deviceplugin.health.bounded import BoundedRunner, CheckFailed
+from hlplugin.deviceplugin.kubelet.kubeletsock import (
+    connect_error,
+    dir_problem,
+    kubelet_problem,
+    socket_identity,
+)
+from hlplugin.deviceplugin.kubelet.lifecycle import KUBELET_SOCKET
 from hlplugin.names import NO_HYPERVISOR_HINT, PLUGIN_DIR_FLAG
+from hlplugin.settings import HealthSettings, ServeSettings
 from hlplugin.tools.cdi_resolve import resolves_to
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
@@ -89,7 +95,7 @@ class Report:
                 "hypervisor": self.hypervisor, "checks": [asdict(c) for c in self.checks]}
 
 
-def doctor(settings: Settings, *, as_json: bool = False, device_only: bool = False) -> int:
+def doctor(settings: ServeSettings, *, as_json: bool = False, device_only: bool = False) -> int:
     """Print the report (a table, or JSON); 0 when the node could serve workloads (with
     ``device_only``: when the hypervisor and the CDI device work), else 1."""
     report = asyncio.run(diagnose(settings, device_only=device_only))
@@ -110,23 +116,23 @@ def render(report: Report) -> str:
     return "\n".join(lines)
 
 
-def host_view(settings: Settings) -> tuple[Path | None, str]:
+def host_view(settings: ServeSettings) -> tuple[Path | None, str]:
     """The host /dev view, and why when it is not the setting's: outside the pod, no /host-dev."""
-    host = settings.host_dev_dir
-    if host == Settings.host_dev_dir and host is not None and not host.exists():
-        return settings.dev_dir, (f"{host} does not exist, so this is not the daemon's pod: "
-                                  f"{settings.dev_dir} is the host's view")
+    host = settings.health.host_dev_dir
+    if host == HealthSettings.host_dev_dir and host is not None and not host.exists():
+        return settings.health.dev_dir, (f"{host} does not exist, so this is not the daemon's pod: "
+                                  f"{settings.health.dev_dir} is the host's view")
     return host, ""
 
 
-async def diagnose(settings: Settings, *, device_only: bool = False) -> Report:
+async def diagnose(settings: ServeSettings, *, device_only: bool = False) -> Report:
     checks: list[Check] = []
 
     async def step(name: str, fn: Callable[[], str]) -> Check:
         """Run ``fn`` bounded; its return value is the detail of an ok row. A runner per step: a
         helper stuck in the kernel fails its own row, not the unrelated ones after it."""
         started = time.monotonic()
-        runner = BoundedRunner(settings.probe_timeout, name=f"hlplugin-doctor-{name}")
+        runner = BoundedRunner(settings.health.probe_timeout, name=f"hlplugin-doctor-{name}")
         try:
             detail = await runner.run(fn)
             check = Check(name, OK, detail)
@@ -143,13 +149,15 @@ async def diagnose(settings: Settings, *, device_only: bool = False) -> Report:
     def skip(name: str, why: str) -> None:
         checks.append(Check(name, SKIP, why))
 
-    hypervisor = settings.detect_hypervisor()
+    hypervisor = detect_hypervisor(settings.health)
     if hypervisor is None:
-        checks.append(Check("hypervisor", FAIL, f"no mshv or kvm device under {settings.dev_dir} "
-                            f"(pass --dev-dir, or --hypervisor to name one); {NO_HYPERVISOR_HINT}"))
+        checks.append(Check("hypervisor", FAIL, f"no mshv or kvm device under "
+                            f"{settings.health.dev_dir} (pass --dev-dir, or --hypervisor to name "
+                            f"one); {NO_HYPERVISOR_HINT}"))
     else:
-        how = "configured" if settings.hypervisor != "auto" else "detected"
-        checks.append(Check("hypervisor", OK, f"{hypervisor} ({how}, {settings.dev_dir / hypervisor})"))
+        how = "configured" if settings.health.hypervisor != "auto" else "detected"
+        found = settings.health.dev_dir / hypervisor
+        checks.append(Check("hypervisor", OK, f"{hypervisor} ({how}, {found})"))
 
     device_names = (["KVM API version", "VM creation", "guest run"] if hypervisor != "mshv"
                     else ["open read/write"])
@@ -158,7 +166,7 @@ async def diagnose(settings: Settings, *, device_only: bool = False) -> Report:
         for name in device_names:
             skip(name, "no hypervisor")
     else:
-        path = settings.dev_dir / hypervisor
+        path = settings.health.dev_dir / hypervisor
         node = await step("device node", lambda: _describe_node(path))
         if node.status != OK:
             for name in device_names:
@@ -183,23 +191,23 @@ async def diagnose(settings: Settings, *, device_only: bool = False) -> Report:
         skip("host identity", "no hypervisor")
     else:
         hv, host = hypervisor, host_dev_dir
-        check = await step("host identity", lambda: _identity(settings.dev_dir / hv, host / hv))
+        check = await step("host identity", lambda: _identity(settings.health.dev_dir / hv, host / hv))
         if chosen:
             check.detail = f"{check.detail} ({chosen})"
 
-    await step("CDI dir", lambda: _cdi_dir_writable(settings.cdi_dir))
+    await step("CDI dir", lambda: _cdi_dir_writable(settings.cdi.dir))
     if hypervisor is None:
         skip("CDI spec", "no hypervisor")
     else:
-        desired = cdi_spec.render_spec(hypervisor, settings.device_uid, settings.device_gid)
-        await step("CDI spec", lambda: _cdi_spec(settings.cdi_dir / cdi_spec.SPEC_FILE, desired))
-    plugin_dir = await step("plugin dir", lambda: _plugin_dir(settings.plugin_dir))
+        desired = cdi_spec.render_spec(hypervisor, settings.cdi.device_uid, settings.cdi.device_gid)
+        await step("CDI spec", lambda: _cdi_spec(settings.cdi.dir / cdi_spec.SPEC_FILE, desired))
+    plugin_dir = await step("plugin dir", lambda: _plugin_dir(settings.kubelet.plugin_dir))
     not_a_node = ""
-    if plugin_dir.status == FAIL and not settings.plugin_dir.exists():
-        not_a_node = str(settings.plugin_dir)
+    if plugin_dir.status == FAIL and not settings.kubelet.plugin_dir.exists():
+        not_a_node = str(settings.kubelet.plugin_dir)
         skip("kubelet socket", "not a Kubernetes node (no kubelet device-plugins directory)")
     else:
-        await step("kubelet socket", lambda: _kubelet(settings.plugin_dir / KUBELET_SOCKET))
+        await step("kubelet socket", lambda: _kubelet(settings.kubelet.plugin_dir / KUBELET_SOCKET))
     return Report(checks, hypervisor, not_a_node=not_a_node)
 
 
@@ -304,10 +312,10 @@ def _cdi_dir_writable(directory: Path) -> str:
     return f"{directory} is writable (wrote, synced and removed a 4 KiB temp file, {temp.name})"
 
 
-def _cdi_device(settings: Settings, hypervisor: str) -> str:
-    spec = cdi_spec.render_spec(hypervisor, settings.device_uid, settings.device_gid)
+def _cdi_device(settings: ServeSettings, hypervisor: str) -> str:
+    spec = cdi_spec.render_spec(hypervisor, settings.cdi.device_uid, settings.cdi.device_gid)
     try:
-        return resolves_to(spec, cdi_spec.qualified_name(hypervisor), settings.dev_dir)
+        return resolves_to(spec, cdi_spec.qualified_name(hypervisor), settings.health.dev_dir)
     except ValueError as exc:
         raise _Verdict(FAIL, str(exc)) from None
 

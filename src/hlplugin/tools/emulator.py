@@ -39,9 +39,9 @@ import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-from hlplugin.deviceplugin.interfaces import Context
-from hlplugin.deviceplugin.lifecycle import KUBELET_SOCKET
-from hlplugin.deviceplugin.watch import wait_event
+from hlplugin.deviceplugin.health.watch import wait_event
+from hlplugin.deviceplugin.kubelet.interfaces import Context
+from hlplugin.deviceplugin.kubelet.lifecycle import KUBELET_SOCKET
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,12 @@ import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.http import HttpServer, format_address
-from hlplugin.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
-from hlplugin.deviceplugin.signals import StopSignals
+from hlplugin.deviceplugin.process.http import HttpServer, format_address
+from hlplugin.deviceplugin.process.signals import StopSignals
+from hlplugin.deviceplugin.settings import HttpSettings
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class DaemonSpec(Generic[T]):
     """
 
     name: str
-    http_address: tuple[str, int]
+    http: HttpSettings
     tracker: HealthTracker
     metrics: DevicePluginMetrics
     wait: Callable[[], Awaitable[T]]
@@ -283,15 +284,16 @@ class Daemon(Generic[T]):
         # kube-state-metrics, and cannot disagree with the probe.
         spec.metrics.ready.set_function(
             lambda: float(all(ok for ok, _ in self.readiness().values())))
-        checker = SelfCheck(self.lifecycle)
+        checker = SelfCheck(self.lifecycle, spec.http.self_check_fresh_for,
+                            spec.http.self_check_timeout)
         http = HttpServer(self.readiness, checker.liveness, spec.metrics.registry,
                           details={"ignored_settings": sorted(spec.launch.ignored_settings)})
         try:
             try:
-                await http.start(spec.http_address)
+                await http.start(spec.http.address)
             except OSError as exc:  # in use, not an address of ours, unresolvable: the operator's
                 log.error("%s: cannot serve HTTP on %s: %s", spec.name,
-                          format_address(spec.http_address), _os_reason(exc))
+                          format_address(spec.http.address), _os_reason(exc))
                 raise SystemExit(1) from None
             found = await spec.wait()
             self._waiting = False

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from hlplugin.deviceplugin.devicelist import add_servicer
+from hlplugin.deviceplugin.kubelet.devicelist import add_servicer
 
 if TYPE_CHECKING:
-    from hlplugin.deviceplugin.interfaces import PluginServicer
+    from hlplugin.deviceplugin.kubelet.interfaces import PluginServicer
 
 log = logging.getLogger(__name__)
 

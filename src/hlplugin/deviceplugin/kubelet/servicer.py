@@ -14,10 +14,10 @@ from typing import Any, NoReturn
 import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.deviceplugin import repeats
-from hlplugin.deviceplugin.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.devicelist import HEALTHY, UNHEALTHY, DeviceList
-from hlplugin.deviceplugin.interfaces import Context, PluginServicer
+from hlplugin.deviceplugin.health import repeats
+from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.kubelet.devicelist import HEALTHY, UNHEALTHY, DeviceList
+from hlplugin.deviceplugin.kubelet.interfaces import Context, PluginServicer
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.quoting import quote
 

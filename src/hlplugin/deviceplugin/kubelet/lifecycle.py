@@ -16,7 +16,7 @@ the kubelet's rules (see docs/kubelet.md):
   replaces it: from the stream's end we wait for that new socket (up to ``kubelet_wait`` s,
   uncounted) rather than dial the dead one; only a kubelet.sock that still listens after the grace
   means the kubelet stayed up.
-- One instance per socket (see holder.py): a socket another live process answers on is never
+- One instance per socket (see endpoint.py): a socket another live process answers on is never
   taken (the kubelet keeps the latest registration, so the two would take turns for ever); we
   wait NotReady naming it, and take over as soon as it goes away. A stale file is taken at once.
 """
@@ -24,32 +24,29 @@ the kubelet's rules (see docs/kubelet.md):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-from hlplugin.deviceplugin.conditions import until_tick
-from hlplugin.deviceplugin.grpcserver import new_server, stop_server
-from hlplugin.deviceplugin.grpcserver import to_completion as _to_completion
-from hlplugin.deviceplugin.holder import Held, Holder, private_path, publish, wait_until_free
-from hlplugin.deviceplugin.interfaces import PluginServicer, ServicerFactory
-from hlplugin.deviceplugin.kubeletsock import (
+from hlplugin.deviceplugin.health.conditions import until_tick
+from hlplugin.deviceplugin.health.watch import DirWatcher, Wakeup
+from hlplugin.deviceplugin.kubelet.endpoint import Endpoint, Held, Holder, wait_until_free
+from hlplugin.deviceplugin.kubelet.grpcserver import new_server, stop_server
+from hlplugin.deviceplugin.kubelet.interfaces import PluginServicer, ServicerFactory
+from hlplugin.deviceplugin.kubelet.kubeletsock import (
     DIR_SETTING,
     Identity,
     dir_problem,
     kubelet_problem,
     listens,
 )
-from hlplugin.deviceplugin.kubeletsock import socket_identity as _socket_identity
+from hlplugin.deviceplugin.kubelet.kubeletsock import socket_identity as _socket_identity
+from hlplugin.deviceplugin.kubelet.registration import RegistrationFailed, explain, register_with
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
-from hlplugin.deviceplugin.registration import RegistrationFailed, explain, register_with
-from hlplugin.deviceplugin.watch import DirWatcher, Wakeup
+from hlplugin.deviceplugin.settings import KubeletSettings
 
 log = logging.getLogger(__name__)
 
@@ -60,40 +57,36 @@ KUBELET_SOCKET = "kubelet.sock"
 class _Instance:
     server: grpc.aio.Server
     servicer: PluginServicer
-    identity: Identity | None
+    endpoint: Endpoint
+    live: bool = False  # serving at its endpoint, and not stopping
 
 
 class PluginLifecycle:
     def __init__(
         self,
-        plugin_dir: Path,
+        settings: KubeletSettings,
         socket_name: str,
         resource_name: str,
         make_servicer: ServicerFactory,
         *,
-        register_timeout: float = 5.0,
-        min_backoff: float = 0.1,
-        max_backoff: float = 5.0,
-        recheck_interval: float = 1.0,
-        live_recheck_interval: float = 10.0,
-        stream_grace: float = 3.0,
-        kubelet_wait: float = 30.0,
         metrics: DevicePluginMetrics | None = None,
         dir_setting: str = DIR_SETTING,
     ) -> None:
-        """``dir_setting``: how the operator names ``plugin_dir`` (a flag), for the hints."""
+        """``dir_setting``: how the operator names ``settings.plugin_dir`` (a flag), for the hints."""
+        plugin_dir = settings.plugin_dir
+        self.settings = settings
         self.plugin_dir = plugin_dir
         self.socket_path = plugin_dir / socket_name
         self.kubelet_path = plugin_dir / KUBELET_SOCKET
         self.resource_name = resource_name
         self._make_servicer = make_servicer
-        self._register_timeout = register_timeout
-        self._min_backoff = min_backoff
-        self._max_backoff = max_backoff
-        self._recheck = recheck_interval
-        self._live_recheck = max(live_recheck_interval, recheck_interval)
-        self._stream_grace = stream_grace
-        self._kubelet_wait = kubelet_wait
+        self._register_timeout = settings.register_timeout
+        self._min_backoff = settings.min_backoff
+        self._max_backoff = settings.max_backoff
+        self._recheck = recheck_interval = settings.recheck_interval
+        self._live_recheck = max(settings.live_recheck_interval, recheck_interval)
+        self._stream_grace = settings.stream_grace
+        self._kubelet_wait = settings.kubelet_wait
         self._metrics = metrics
         self._dir_setting = dir_setting
         self._wakeup = Wakeup(DirWatcher(plugin_dir, {socket_name, KUBELET_SOCKET},
@@ -153,7 +146,7 @@ class PluginLifecycle:
 
     async def alive(self, timeout: float = 1.0) -> bool:
         """Liveness: the current server instance answers a call over its own socket."""
-        if self._instance is None or self._instance.identity is None:
+        if self._instance is None or not self._instance.live:
             return True  # between instances: nothing to ask, and the event loop answered us
         async with grpc.aio.insecure_channel(f"unix://{self.socket_path}") as channel:
             try:
@@ -161,7 +154,7 @@ class PluginLifecycle:
                     pb.Empty(), timeout=timeout)
             except grpc.aio.AioRpcError:
                 # Our socket may have just been replaced; only a server that exists must answer.
-                return self._instance is None or not self._socket_is_ours(self._instance)
+                return self._instance is None or not self._instance.endpoint.ours()
         return True
 
     # -- steps ---------------------------------------------------------------------------------
@@ -170,49 +163,33 @@ class PluginLifecycle:
         problem = self._dir_problem()
         if problem:
             raise RuntimeError(problem)  # before gRPC tries, and logs its own line every retry
-        self._remove_stale_socket()
+        endpoint = Endpoint(self.socket_path)
+        endpoint.remove_stale()
         servicer = self._make_servicer()
         servicer.on_streams_changed = self._wakeup.fire
-        server = new_server(servicer)
-        bound = private_path(self.socket_path)  # see holder.py: never gRPC's address to remove
-        try:
-            server.add_insecure_port(f"unix://{bound}")
-        except BaseException:
-            await _to_completion(server.stop(None))  # never leave a server to the GC
-            raise
-        # start() binds the socket in a task of gRPC's own that a cancellation does not stop, so
-        # it runs to completion; then, cancelled or not, we know the socket and may remove it.
-        failure: BaseException | None = None
-        try:
-            await _to_completion(server.start())
-            publish(bound, self.socket_path)
-        except BaseException as exc:
-            failure = exc
-        instance = _Instance(server, servicer,
-                             None if failure else _socket_identity(self.socket_path))
+        instance = _Instance(new_server(servicer), servicer, endpoint)
         self._instance = instance
-        if failure is not None:
-            await self._stop(instance)
-            raise failure
+        try:
+            await endpoint.bind(instance.server)
+        except BaseException:
+            await self._stop(instance)  # never leave a server to the GC
+            raise
+        instance.live = True
         log.debug("serving %s on %s", self.resource_name, self.socket_path)
         return instance
 
     async def _stop(self, instance: _Instance) -> None:
-        if instance.identity is None and self._instance is not instance:
+        if not instance.live and self._instance is not instance:
             return  # already stopped
         self.registered = False
-        ours, identity = self._socket_is_ours(instance), instance.identity
         # From here the instance counts as gone, so liveness does not ask a server that is
         # stopping on purpose.
-        instance.identity = None
+        instance.live = False
         instance.servicer.close_streams()
         try:
             await stop_server(instance.server)  # within its deadline, whatever a client holds
         finally:
-            # Unless another instance has taken the path over meanwhile.
-            if ours and _socket_identity(self.socket_path) == identity:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.socket_path)
+            instance.endpoint.remove()  # unless another instance has taken the path over
             if self._instance is instance:
                 self._instance = None
 
@@ -240,7 +217,7 @@ class PluginLifecycle:
         wait: float | None = self._recheck
         backoff = self._min_backoff
         while True:
-            if not self._socket_is_ours(instance):
+            if not instance.endpoint.ours():
                 return "lost"
             kubelet = _socket_identity(self.kubelet_path)
             quiet = self._quiet_until - asyncio.get_running_loop().time()
@@ -263,7 +240,7 @@ class PluginLifecycle:
         try:
             while not register.done():
                 pulse = self._wakeup.pulse()
-                if not self._socket_is_ours(instance) or _socket_identity(self.kubelet_path) != kubelet:
+                if not instance.endpoint.ours() or _socket_identity(self.kubelet_path) != kubelet:
                     log.info("socket changed while registering; starting a fresh server")
                     return "lost"
                 waiter = asyncio.create_task(self._wait(pulse))
@@ -300,7 +277,7 @@ class PluginLifecycle:
         streamed = False
         while True:
             pulse = self._wakeup.pulse()
-            if not self._socket_is_ours(instance):
+            if not instance.endpoint.ours():
                 return "lost"
             if _socket_identity(self.kubelet_path) != self._kubelet_identity:
                 return "lost"
@@ -344,17 +321,6 @@ class PluginLifecycle:
             await self._wait(pulse, remaining)
 
     # -- helpers -------------------------------------------------------------------------------
-
-    def _socket_is_ours(self, instance: _Instance) -> bool:
-        return instance.identity is not None and _socket_identity(self.socket_path) == instance.identity
-
-    def _remove_stale_socket(self) -> None:
-        """A socket left at our name by a previous run is ours to remove; anything else is not."""
-        if _socket_identity(self.socket_path) is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.socket_path)
-        elif os.path.lexists(self.socket_path):
-            raise RuntimeError(f"{self.socket_path} exists and is not a socket; refusing to replace it")
 
     async def _wait(self, pulse: asyncio.Event, limit: float | None = None) -> None:
         """Wait for a plugin-dir event, or at most the recheck interval: cheap stats then cover

@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 
 from prometheus_client.registry import CollectorRegistry
 
-from hlplugin.deviceplugin import lazymodule, lazyprom
-from hlplugin.deviceplugin.scrape import Pacer
+from hlplugin.deviceplugin.process import lazymodule, lazyprom
+from hlplugin.deviceplugin.process.scrape import Pacer
 
 if TYPE_CHECKING:
     import h11

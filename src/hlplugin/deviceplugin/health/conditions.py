@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from hlplugin.deviceplugin import repeats
+from hlplugin.deviceplugin.health import repeats
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
-"""One server per unix socket path: ask who answers there before taking it.
+"""The one owner of a plugin's socket path: bind, publish, hold, remove (and, with the cluster
+issue's hand-over, hand over). Nothing else in the package creates, replaces or unlinks it.
 
-A gRPC server binding a unix socket path removes whatever socket is there first, so two servers
-started on one path would take it from each other in turn, for ever. Asking the path first tells
-the cases apart:
+One server per unix socket path: ask who answers there before taking it. A gRPC server binding a
+unix socket path removes whatever socket is there first, so two servers started on one path would
+take it from each other in turn, for ever. Asking the path first tells the cases apart:
 
 - nothing there, or a socket file that nobody answers on (its server died, e.g. SIGKILLed:
   connect() is refused): free, to be taken at once;
@@ -18,7 +19,8 @@ A server must not bind the path itself, though: gRPC removes whatever socket is 
 when it stops, so a server stopping after another took the path over would remove the other's
 socket. It binds a private name beside it (private_path) and then publish() links that into place,
 atomically and never over a live holder's socket, so gRPC's clean-up only ever removes the private
-name. Standard library only.
+name. ``Endpoint`` remembers which socket it published (its identity), so it removes the path only
+while the socket there is still that one.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import grpc
+
+from hlplugin.deviceplugin.kubelet.grpcserver import to_completion
+from hlplugin.deviceplugin.kubelet.kubeletsock import Identity, socket_identity
 
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _FREE = (errno.ECONNREFUSED, errno.ENOENT)  # a stale socket file; the path removed meanwhile
@@ -187,3 +194,43 @@ async def wait_until_free(path: Path, changed: Callable[[], Awaitable[None]],
                 await holder.wait_gone(change)
         finally:
             change.cancel()
+
+
+class Endpoint:
+    """Our socket at ``path``, from bind() to remove(): ``identity`` is the socket we published
+    there (None before, and once removed), so "still ours" is a stat, never a guess."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.identity: Identity | None = None
+
+    def ours(self) -> bool:
+        """The socket at the path is the one we published (not replaced, not removed)."""
+        return self.identity is not None and socket_identity(self.path) == self.identity
+
+    def remove_stale(self) -> None:
+        """A socket left at our name by a previous run is ours to remove; anything else is not."""
+        if socket_identity(self.path) is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        elif os.path.lexists(self.path):
+            raise RuntimeError(f"{self.path} exists and is not a socket; refusing to replace it")
+
+    async def bind(self, server: grpc.aio.Server) -> None:
+        """Start ``server`` on a private name and publish it at the path. Raises Held when a live
+        instance published first, OSError when the path cannot be taken: the caller then stops
+        the server (gRPC removes the private name), and nothing of ours is at the path."""
+        bound = private_path(self.path)  # never gRPC's address to remove: see above
+        server.add_insecure_port(f"unix://{bound}")
+        # start() binds the socket in a task of gRPC's own that a cancellation does not stop, so
+        # it runs to completion; then, cancelled or not, we know the socket and may remove it.
+        await to_completion(server.start())
+        publish(bound, self.path)
+        self.identity = socket_identity(self.path)
+
+    def remove(self) -> None:
+        """Unlink the path if the socket there is still the one we published, then forget it."""
+        identity, self.identity = self.identity, None
+        if identity is not None and socket_identity(self.path) == identity:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)

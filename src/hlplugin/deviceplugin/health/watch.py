@@ -22,7 +22,7 @@ from typing import NoReturn
 
 import inotify_simple
 
-from hlplugin.deviceplugin.conditions import MIN_PERIOD
+from hlplugin.deviceplugin.health.conditions import MIN_PERIOD
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from enum import StrEnum
 
-from hlplugin.deviceplugin.bounded import BoundedRunner
-from hlplugin.deviceplugin.conditions import MIN_PERIOD, until_tick
-from hlplugin.deviceplugin.watch import DirWatcher, Wakeup
+from hlplugin.deviceplugin.health.bounded import BoundedRunner
+from hlplugin.deviceplugin.health.conditions import MIN_PERIOD, until_tick
+from hlplugin.deviceplugin.health.watch import DirWatcher, Wakeup
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,120 @@
+"""What each daemon runs with: plain frozen data, grouped by concern, at the bottom of the import
+graph. Every default and every bound is written here once; the command line (hlplugin.config)
+derives its flags, environment twins and ranges from these, and the chart's values and schema
+are checked against them (tests/test_chart.py).
+
+No parsing and no detection here (``auto`` is resolved by hlplugin.detect); standard library and
+the generic package's own settings only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hlplugin.deviceplugin import files
+from hlplugin.deviceplugin.quoting import clip
+from hlplugin.deviceplugin.settings import HttpSettings, KubeletSettings
+
+UINT32_MAX = 4_294_967_295
+HYPERVISORS = ("kvm", "mshv")
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+# The kubelet refuses a gRPC message over 4 MiB, so a device list larger than that makes its
+# ListAndWatch fail and the node's capacity silently drop to 0. 50,000 IDs ("mshv-49999", all
+# "Unhealthy", the longest form) serialize to 1.24 MB: 3.4x under the limit. The daemon's peak RSS
+# at that count is in docs/security.md (it, not the message, is what a larger count would cost).
+MAX_DEVICE_COUNT = 50_000
+
+# Durations: a tiny interval makes a periodic check a busy loop (a device check runs a VM, about
+# 1.3 ms: at 1 s that is 0.1 % of a core); a timeout under 0.1 s fails checks on a loaded
+# node; an interval over an hour, or a timeout over a minute, no longer bounds anything useful.
+INTERVAL_RANGE = (1.0, 3600.0)
+TIMEOUT_RANGE = (0.1, 60.0)
+
+
+@dataclass(frozen=True)
+class CdiSettings:
+    """The CDI spec the main daemon keeps (hlplugin.cdi) and what its Allocate names."""
+
+    dir: Path = Path("/var/run/cdi")
+    """Directory of hyperlight.json: where containerd and podman look for specs."""
+    interval: float = 10.0
+    """Time between periodic checks of the spec; inotify covers local changes between them."""
+    annotations: bool = False
+    """Also name the CDI device in Allocate annotations, for kubelets older than 1.29."""
+    device_uid: int = 65534
+    """Owner of the device node inside workload containers (nobody: any UID may use it)."""
+    device_gid: int = 65534
+    """Group of the device node inside workload containers."""
+    budget: float = 5.0
+    """How long one pass (read, compare, write, two fsyncs) may take before condition cdi fails:
+    storage that stops answering."""
+    trust_quiet: float = 1.0
+    """How long a right read answers Allocates while the directory's inotify watch is live and
+    saw nothing: local changes always wake the watch; this bounds what it cannot see (a mount
+    over the directory, a change on another host of a network file system)."""
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    """Where the hypervisor is and how it is proved usable (hlplugin.health, bootstrap.node_watch)."""
+
+    dev_dir: Path = Path("/dev")
+    """Where the hypervisor's device node is seen and probed."""
+    host_dev_dir: Path | None = Path("/host-dev")
+    """The host's /dev, for the device identity check (None: the check is off)."""
+    hypervisor: str = "auto"
+    """kvm, mshv, or auto (mshv over kvm, as upstream; by lstat, so a symlink does not count)."""
+    interval: float = 10.0
+    """Time between periodic device checks."""
+    probe_timeout: float = 2.0
+    """Budget of one device check: a hung kernel fails the check instead of hanging the daemon."""
+    guest_check: bool = True
+    """Run a tiny guest on KVM in each periodic device check, not only an empty VM."""
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    format: str = "text"
+    """text, or json (one object a line, for log pipelines)."""
+    level: str = "info"
+    """The least level logged."""
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """`hlplugin serve`, the main daemon (also what `hlplugin cdi` and `doctor` read)."""
+
+    kubelet: KubeletSettings = field(default_factory=KubeletSettings)
+    cdi: CdiSettings = field(default_factory=CdiSettings)
+    health: HealthSettings = field(default_factory=HealthSettings)
+    http: HttpSettings = field(default_factory=HttpSettings)
+    logging: LogSettings = field(default_factory=LogSettings)
+    device_count: int = 2000
+    """Shareable slots of the one device advertised: how many containers may hold it at once."""
+
+
+@dataclass(frozen=True)
+class BootstrapSettings:
+    """`hlplugin bootstrap`: one device-access slot, beside the main daemon on its own port."""
+
+    kubelet: KubeletSettings = field(default_factory=KubeletSettings)
+    health: HealthSettings = field(default_factory=HealthSettings)
+    http: HttpSettings = field(default_factory=lambda: HttpSettings(address=("0.0.0.0", 8081)))
+    logging: LogSettings = field(default_factory=LogSettings)
+
+
+DaemonSettings = ServeSettings | BootstrapSettings
+
+
+def show(value: object) -> str:
+    """A setting as an operator would type it (a path cut after files.PATH_CHARS characters)."""
+    if isinstance(value, tuple):
+        return f"{value[0]}:{value[1]}"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "(empty)"
+    return clip(str(value), files.PATH_CHARS)
