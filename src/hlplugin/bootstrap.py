@@ -28,7 +28,7 @@ from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Launch, Sta
 from hlplugin.metrics import HyperlightMetrics
 from hlplugin.names import DEVICE_ACCESS_RESOURCE as RESOURCE
 from hlplugin.names import DEVICE_ACCESS_SOCKET as SOCKET
-from hlplugin.names import PLUGIN_DIR_FLAG
+from hlplugin.names import PLUGIN_DIR_FLAG, ConditionName
 from hlplugin.settings import BootstrapSettings, show
 
 
@@ -59,6 +59,9 @@ class DeviceAccessPlugin(TrackedDevicePlugin):
         return response
 
 
+NODE_WATCH_CONDITIONS = (ConditionName.DEVICE,)  # what node_watch keeps
+
+
 def node_watch(tracker: HealthTracker, node: Path, recheck: float = 10.0,
                budget: float = 2.0, sys_dir: Path = hvnode.SYS_DIR) -> Producer:
     """Keeps condition "device" equal to "the node is the hypervisor's": a character device (no
@@ -72,7 +75,7 @@ def node_watch(tracker: HealthTracker, node: Path, recheck: float = 10.0,
             problem = await producer.runner.run(problem_of)
         except CheckFailed as exc:
             problem = f"{node}: {exc}"
-        tracker.set_condition("device", not problem, problem)
+        tracker.set_condition(ConditionName.DEVICE, not problem, problem)
         return not problem
 
     producer = Producer(f"node-{node.name}", check, watch=[DirWatcher(node.parent, {node.name})],
@@ -83,7 +86,7 @@ def node_watch(tracker: HealthTracker, node: Path, recheck: float = 10.0,
 async def bootstrap(settings: BootstrapSettings, launch: Launch | None = None, *,
                     sys_dir: Path = hvnode.SYS_DIR) -> None:
     metrics = HyperlightMetrics()  # no CDI or probe families: the bootstrap has neither
-    tracker = HealthTracker(required=("device",))
+    tracker = HealthTracker(required=NODE_WATCH_CONDITIONS)
 
     async def setup(hv: str) -> Started:
         watch = node_watch(tracker, settings.health.dev_dir / hv,

@@ -28,11 +28,12 @@ from hlplugin.deviceplugin.health.watch import FILE_EVENTS, DirWatcher
 from hlplugin.deviceplugin.ownedfile import NotRegular, OwnedFile
 from hlplugin.dirs import not_a_directory
 from hlplugin.metrics import Metrics, Refusal, RepairCause
+from hlplugin.names import ConditionName
 from hlplugin.settings import CdiSettings
 
 log = logging.getLogger(__name__)
 
-CONDITION = "cdi"
+CONDITION = ConditionName.CDI
 DEFAULT_BUDGET = CdiSettings.budget  # the default of CdiSettings.budget, for the tests' guards
 # How long the pass's helper thread waits for the next read: one per Allocate needs no new thread.
 _LINGER = 1.0
@@ -49,6 +50,8 @@ class _Outcome:
 
 class CdiReconciler:
     """Keeps ``<cdi_dir>/hyperlight.json`` equal to ``desired``; reports condition ``cdi``."""
+
+    CONDITIONS = (CONDITION,)
 
     def __init__(
         self,

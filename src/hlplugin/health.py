@@ -14,6 +14,7 @@ from hlplugin.deviceplugin.health.bounded import CheckFailed
 from hlplugin.deviceplugin.health.conditions import Condition, HealthState, HealthTracker
 from hlplugin.deviceplugin.health.producer import Producer, Trigger
 from hlplugin.deviceplugin.health.watch import DirWatcher
+from hlplugin.names import ConditionName
 from hlplugin.probe import check_host_identity, close_deferred, probe_device
 from hlplugin.settings import HealthSettings
 
@@ -21,9 +22,9 @@ if TYPE_CHECKING:
     from hlplugin.metrics import Metrics
 
 log = logging.getLogger(__name__)
-_DEVICE = "device"
+_DEVICE = ConditionName.DEVICE
 _IDENTITY_OFF = "the host identity check is off (--host-dev-dir is empty)"
-_IDENTITY = "host_identity"
+_IDENTITY = ConditionName.HOST_IDENTITY
 
 
 class DeviceMonitor:
@@ -36,6 +37,8 @@ class DeviceMonitor:
     their own tasks: a caller that gives up (a cancelled Allocate) neither stops a check nor fails
     the device; the result is recorded either way.
     """
+
+    CONDITIONS = (ConditionName.DEVICE, ConditionName.HOST_IDENTITY)
 
     def __init__(
         self,
@@ -74,8 +77,8 @@ class DeviceMonitor:
         self.runner.after = close_deferred  # the Allocate check's VM closes after its answer
         self._allocate_checks = SharedCheck(self._allocate_pass)
         if metrics is not None:  # looked up once: two observations per Allocate
-            self._durations = {name: metrics.probe_duration.labels(check=name)
-                               for name in (_DEVICE, _IDENTITY)}
+            self._durations: dict[str, Any] = {name: metrics.probe_duration.labels(check=name)
+                                               for name in (_DEVICE, _IDENTITY)}
 
     async def check(self) -> HealthState:
         """Run one full check now and record it; the check survives the caller's cancellation."""

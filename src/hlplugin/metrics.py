@@ -12,10 +12,11 @@ from prometheus_client.registry import CollectorRegistry
 
 from hlplugin import __version__
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics, precreate
+from hlplugin.names import ConditionName
 
 PREFIX = "hyperlight"
 
-PROBE_CHECKS = ("device", "host_identity")
+PROBE_CHECKS = (ConditionName.DEVICE, ConditionName.HOST_IDENTITY)
 
 
 class RepairCause(StrEnum):

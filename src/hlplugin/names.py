@@ -5,6 +5,8 @@ Declared once here; the daemons, the CDI spec's kind, the CLI's path check and t
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 # The main plugin's resource, which is also the CDI kind of the spec it writes.
 HYPERVISOR_RESOURCE = "hyperlight.dev/hypervisor"
 HYPERVISOR_SOCKET = "hyperlight.sock"
@@ -18,5 +20,17 @@ NO_HYPERVISOR_HINT = ("is the kvm module loaded (modprobe kvm_intel or kvm_amd),
 # How operators choose the kubelet's device-plugins directory: the hints in the daemons' messages
 # name it.
 PLUGIN_DIR_FLAG = "--plugin-dir"
+
+
+class ConditionName(StrEnum):
+    """The health conditions the daemons' producers keep (each producer declares its own in
+    CONDITIONS; a daemon's tracker requires exactly its producers'): /readyz keys, the
+    ``condition`` label, and the words of every "condition X is unhealthy" line."""
+
+    CDI = "cdi"
+    DEVICE = "device"
+    HOST_IDENTITY = "host_identity"
+
+
 # The longer socket name: what bounds how long the plugin directory's path may be.
 LONGEST_SOCKET = max(HYPERVISOR_SOCKET, DEVICE_ACCESS_SOCKET, key=len)

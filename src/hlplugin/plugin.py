@@ -89,7 +89,7 @@ async def serve(settings: ServeSettings, launch: Launch | None = None) -> None:
     # would wait out the interpreter's 5 ms switch interval. A shorter one bounds that wait.
     sys.setswitchinterval(SWITCH_INTERVAL)
     metrics = Metrics()
-    tracker = HealthTracker(required=("cdi", "device", "host_identity"))
+    tracker = HealthTracker(required=(*cdi.CdiReconciler.CONDITIONS, *DeviceMonitor.CONDITIONS))
 
     async def setup(hv: str) -> Started:
         cdi_settings = settings.cdi

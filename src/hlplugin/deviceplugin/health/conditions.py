@@ -78,7 +78,9 @@ class HealthTracker:
                  *, log_interval: float = repeats.INTERVAL) -> None:
         self._clock = clock
         self.lines = repeats.RepeatedLines(log, log_interval, clock=clock)
-        initial = {name: Condition(False, "not checked yet") for name in required}
+        # Names kept as plain strings: a daemon's names may be an enum's members, whose repr
+        # would otherwise reach log fields and label values.
+        initial = {str(name): Condition(False, "not checked yet") for name in required}
         self._state = HealthState(MappingProxyType(initial), 0)
         self._changed = asyncio.Event()
         self._listeners: list[Listener] = []
@@ -94,6 +96,7 @@ class HealthTracker:
     def set_condition(self, name: str, ok: bool, reason: str = "", *, off: str = "") -> None:
         """Record a completed check; only a real change bumps the generation and wakes waiters.
         ``off`` says why a condition is switched off: it holds, and its reason says so."""
+        name = str(name)
         if off:
             ok, reason = True, f"off: {off}"
         new = Condition(ok, reason if off else "" if ok else (reason or "unknown failure"))
