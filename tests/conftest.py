@@ -30,7 +30,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     marker = pyfuncitem.get_closest_marker("guard")
     guard = float(marker.args[0]) if marker else ASYNC_GUARD_SECONDS
-    kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    # The arguments the test names (pytest's own default runner passes the same): funcargs also
+    # holds autouse fixtures the test does not take.
+    kwargs = {name: pyfuncitem.funcargs[name] for name in inspect.signature(function).parameters}
 
     async def guarded() -> None:
         async with asyncio.timeout(guard):

@@ -3,9 +3,10 @@ generated device-plugin API and third-party or standard modules."""
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
+
+from support.imports import imported_modules
 
 import hlplugin.deviceplugin
 
@@ -23,20 +24,6 @@ def wing_of(module: str) -> int:
     """-1 for the package root's modules, else the wing's place in WINGS."""
     parts = module.removeprefix("hlplugin.deviceplugin").strip(".").split(".")
     return WINGS.index(parts[0]) if parts[0] in WINGS else -1
-
-
-def imported_modules(path: Path) -> list[str]:
-    names: list[str] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names.extend(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, f"{path}: relative import"
-            module = node.module or ""
-            names.append(module)
-            if module == "hlplugin":  # "from hlplugin import cdi" names the module in the alias
-                names.extend(f"hlplugin.{alias.name}" for alias in node.names)
-    return names
 
 
 def test_generic_package_imports_nothing_hyperlight_specific() -> None:

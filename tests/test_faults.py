@@ -55,6 +55,7 @@ from harness import (
 
 from hlplugin.cdi import DEFAULT_BUDGET
 from hlplugin.cdi_spec import SPEC_FILE, render_spec
+from hlplugin.settings import CdiSettings
 from hlplugin.tools.emulator import AdmissionError, KubeletEmulator
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
@@ -71,9 +72,9 @@ STALE = render_spec("kvm", 1000, 1000)  # well-formed, another uid/gid
 MALFORMED = b'{"cdiVersion": "0.3.0", "kind": "hyperlight.dev/hyperv'
 SIBLING = b'{"cdiVersion": "0.5.0", "kind": "vendor.example/gpu", "devices": []}\n'
 REASON = harness.REFUSAL
-# What `hlplugin cdi` prints: the exact content every repair must produce.
-DESIRED = subprocess.run([sys.executable, "-m", "hlplugin", "cdi", "--hypervisor", "kvm"],
-                         capture_output=True, check=True, timeout=60).stdout
+# The exact content every repair must produce: what `hlplugin cdi --hypervisor kvm` prints (its
+# output is tested in tests/test_config.py), rendered in process, not by a command run at import.
+DESIRED = render_spec("kvm", CdiSettings.device_uid, CdiSettings.device_gid)
 STALE_IN_PLACE = DESIRED.replace(b"65534", b"65533", 1)  # same length: no new block
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_deviceplugin_generic import imported_modules
+from support.imports import imported_modules
 
 import hlplugin
 

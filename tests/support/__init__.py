@@ -1,0 +1,1 @@
+"""What the tests share (harnesses, checks, fixtures' machinery): no test module imports another."""
