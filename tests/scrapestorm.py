@@ -13,6 +13,8 @@ import signal
 import sys
 import time
 
+from support.waits import quiet
+
 
 async def storm(port: int, clients: int, seconds: float, path: str = "/metrics") -> dict[int, int]:
     statuses: collections.Counter[int] = collections.Counter()
@@ -37,7 +39,7 @@ async def storm(port: int, clients: int, seconds: float, path: str = "/metrics")
                 statuses[int(answer.split(b" ", 2)[1]) if answer else 0] += 1
             except (OSError, ValueError, IndexError):
                 statuses[0] += 1
-                await asyncio.sleep(0.01)
+                await quiet(0.01, "a refused connection's retry pace")
 
     tasks = [asyncio.create_task(client()) for _ in range(clients)]
     with contextlib.suppress(TimeoutError):

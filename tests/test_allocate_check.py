@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from harness import GUARD, HAVE_KVM, IS_ROOT, mknod_char, wait_until
+from support.waits import quiet
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
@@ -55,7 +56,7 @@ async def test_each_allocate_is_answered_by_a_check_that_began_after_it_and_call
     first = asyncio.create_task(mon.for_allocate())
     await wait_until(started.is_set)
     later = [asyncio.create_task(mon.for_allocate()) for _ in range(10)]
-    await asyncio.sleep(0.05)  # a bounded watch: they are waiting, none has its answer yet
+    await quiet(0.05, "a bounded watch: they are waiting, none has its answer yet")
     assert not any(t.done() for t in later)
     later[0].cancel()
     release.set()

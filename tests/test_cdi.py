@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 from harness import needs_root, running, sh, spec_is_exact, split_settings, temp_files, wait_until
+from support.waits import loop_turn, quiet, quiet_blocking
 
 import hlplugin.cdi
 from hlplugin.cdi import CdiReconciler
@@ -283,14 +284,14 @@ async def test_a_change_made_while_a_shared_pass_or_read_ran_is_never_answered_a
     calls = rig.rec.producer.runner.calls
     first = asyncio.create_task(rig.rec.reconcile("watch") if shared == "pass" else rig.rec.ensure())
     # One loop step at a time, so the read's completion is not yet seen when it has started.
-    while rig.rec.producer.runner.calls == calls:  # noqa: ASYNC110
-        await asyncio.sleep(0)
+    while rig.rec.producer.runner.calls == calls:
+        await loop_turn()
     # Hold the loop (deliberately blocking) until the helper finished its read: the result is
     # then in, but the loop has not seen it, so the change below races it and comes first.
     deadline = time.monotonic() + 10
     while rig.rec.producer.runner.busy:
         assert time.monotonic() < deadline, "the read never finished"
-        time.sleep(0.001)  # noqa: ASYNC251 (blocking, on purpose)
+        quiet_blocking(0.001, "a busy wait's step: the runner's helper is blocking on purpose")
     temp = cdi_dir / "tamper"
     temp.write_bytes(STALE)
     os.replace(temp, rig.path)  # atomically, as a tamperer or a stale writer would
@@ -689,7 +690,7 @@ async def test_run_removes_crash_leftovers_repairs_promptly_and_touches_nothing_
         timings["chmod"] = await wait_until(lambda: spec_is_exact(rig.path, DESIRED))
         # A bounded watch, 50 ms: the inotify events of our own repairs arrive within a
         # millisecond or two, and a repair they caused would show in the counts below.
-        await asyncio.sleep(0.05)
+        await quiet(0.05, "a bounded watch for a repair our own repairs' events would cause")
     assert_desired(rig.path)
     assert rig.repairs("missing") == 2 and rig.repairs("metadata") == 1
     assert rig.repairs("stale") + rig.repairs("malformed") == 300 + 5

@@ -52,6 +52,7 @@ from harness import (
     wait_metric,
     wait_until,
 )
+from support.waits import quiet, quiet_blocking
 
 from hlplugin.cdi import DEFAULT_BUDGET
 from hlplugin.cdi_spec import SPEC_FILE, render_spec
@@ -147,7 +148,7 @@ while not os.path.exists(stop):
             f.write(contents["stale"])
         os.rename(temp, path)
         n += 1
-        time.sleep(pause)
+        time.sleep(pause)  # the writer's pace: a process of the world
         continue
     for _ in range(1 if pause else 500):
         try:
@@ -160,7 +161,7 @@ while not os.path.exists(stop):
             key = "error " + (exc.strerror or str(exc))
         counts[key] = counts.get(key, 0) + 1
         if pause:
-            time.sleep(pause)
+            time.sleep(pause)  # the reader's pace: a process of the world
 print(json.dumps({"counts": counts, "odd": odd, "tampered": n}))
 """
 
@@ -360,7 +361,7 @@ async def test_fault_withdraws_every_slot_keeps_liveness_and_recovers_without_re
             # retries 0.1 s after a failure, doubling (0.1, 0.3, 0.7 s ...), so 0.5 s begun after
             # the failure was seen spans at least two. (The other CDI rows' obstruction or storage
             # left alone while retried: test_cdi's hostile-path test, in process.)
-            await asyncio.sleep(fault.watch)
+            await quiet(fault.watch, "the retries the failure's backoff makes meanwhile")
             assert fault.still(r), f"{fault.name}: changed while failing"
             began = time.monotonic()
             fault.undo(r)
@@ -469,7 +470,7 @@ async def test_atomic_replacement_during_allocation(tmp_path: Path) -> None:
                 assert response.container_responses[0].cdi_devices[0].name == CDI_NAME
                 # Repaired before the answer: the runtime will read the exact spec.
                 assert r.spec.read_bytes() == DESIRED
-                await asyncio.sleep(0.005)  # pacing: the readers get the CPU in between
+                await quiet(0.005, "pacing: the readers get the CPU in between")
         counts = result["counts"]
         reads = sum(counts.values())
         assert set(counts) <= {"desired", "stale", "malformed"}, result
@@ -632,7 +633,7 @@ async def test_sigkill_in_the_middle_of_repairs_leaves_no_temp_file_nor_torn_spe
             for _ in range(12):
                 # Killed while busy: after it has repaired the tamperer's writes a few times.
                 await wait_metric(r.proc, lambda s: sum(repairs(s).values()) >= 4, GUARD)
-                await asyncio.sleep(random.uniform(0, 0.02))  # a random point in a repair
+                await quiet(random.uniform(0, 0.02), "a random point in a repair")
                 await r.proc.signal(signal.SIGKILL)
                 kills += 1
                 leftovers += len(temp_files(r.node.cdi_dir))
@@ -683,12 +684,12 @@ async def test_inotify_flood_costs_nothing_wrong(tmp_path: Path) -> None:
         while not job.done():
             await r.kubelet.allocate(RESOURCE, [["kvm-1"]])
             allocations += 1
-            await asyncio.sleep(0.01)  # pacing: an Allocate every 10 ms during the flood
+            await quiet(0.01, "pacing: an Allocate every 10 ms during the flood")
         events = await job
         # A bounded watch for a late reaction to the flood's tail: every event was queued
         # before the flood returned, and the daemon reacts to an event within a few ms (a
         # repair takes 1-6 ms in the CDI rows), so 0.5 s is a hundred times that.
-        await asyncio.sleep(0.5)
+        await quiet(0.5, "a bounded watch for a late reaction to the flood's tail")
         used = harness.cpu_seconds(r.proc.pid) - cpu
         assert events >= 10_000
         assert r.kubelet.register_calls == calls and r.kubelet.registered(RESOURCE)
@@ -714,11 +715,11 @@ def flapping(path: Path, hold: tuple[float, float]) -> Iterator[dict[bool, list[
     def flap() -> None:  # the sleeps hold each state a random time: the world, not a wait
         cleared = time.monotonic()
         while not stop.is_set():
-            time.sleep(random.uniform(*hold))
+            quiet_blocking(random.uniform(*hold), "each health state held a random time: the world")
             windows[True].append((cleared, time.monotonic()))
             obstruct(path, os.mkdir)
             placed = time.monotonic()
-            time.sleep(random.uniform(*hold))
+            quiet_blocking(random.uniform(*hold), "each health state held a random time: the world")
             windows[False].append((placed, time.monotonic()))
             os.rmdir(path)
             cleared = time.monotonic()

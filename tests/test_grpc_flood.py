@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from h2flood import flood
 from harness import Node, needs_kvm, on_kubelet, proc_status
+from support.waits import quiet
 
 from hlplugin.deviceplugin.kubelet.grpcserver import MAX_CONNECTIONS
 from hlplugin.tools.emulator import AdmissionError, KubeletEmulator
@@ -69,7 +70,7 @@ async def test_a_rapid_reset_flood_grows_memory_little_and_fails_no_allocate(
         await kubelet.wait_for(lambda: kubelet.allocatable(resource) > 0, timeout=30)
         allocations = Allocations(kubelet, resource, device)
         try:
-            await asyncio.sleep(1.0)  # the kubelet's calls at full speed are part of "idle"
+            await quiet(1.0, "the kubelet's calls at full speed are part of idle")
             idle = proc_status(proc.pid)["VmHWM"]
             floods = []
             # A few connections, as the CVE's pattern; then more than the server admits at once.

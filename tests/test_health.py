@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from harness import GUARD, Gate, mknod_char, needs_kvm, needs_root, split_settings, wait_until
+from support.waits import loop_turn, quiet
 
 from hlplugin.deviceplugin.health.conditions import MIN_PERIOD, HealthState, HealthTracker
 from hlplugin.health import DeviceMonitor
@@ -112,7 +113,7 @@ async def test_failing_probes_set_their_reasons_and_metrics_and_every_change_wak
 
     woken = asyncio.create_task(mon.tracker.wait_for_change(mon.tracker.state.generation))
     await mon.check()  # no transition: no wake-up
-    await asyncio.sleep(0.05)  # a bounded watch: a wake-up would be one loop turn away
+    await quiet(0.05, "a bounded watch: a wake-up would be one loop turn away")
     assert not woken.done()
     woken.cancel()
 
@@ -151,14 +152,14 @@ async def test_cancelled_callers_and_stuck_probes_fail_nothing_and_poison_nothin
     await wait_until(gate.started.is_set)
     joiner = asyncio.create_task(ensure_fresh(mon))  # shares it
     patient = asyncio.create_task(ensure_fresh(mon))  # shares it, and waits it out
-    await asyncio.sleep(0)  # one loop turn: both new callers reach their await on the shared check
+    await loop_turn()  # one loop turn: both new callers reach their await on the shared check
     for caller in (first, joiner):
         caller.cancel()
         with pytest.raises(asyncio.CancelledError):
             await caller
     # A bounded watch, 50 ms: a report caused by the cancellations would be made on the loop
     # while they unwind (already done above), so the next turns are where it would show.
-    await asyncio.sleep(0.05)
+    await quiet(0.05, "a bounded watch for a report the cancellations would cause")
     # Cancelling callers reported nothing: the device is not checked yet, not unhealthy.
     assert mon.tracker.state.conditions["device"].reason == "not checked yet"
     assert mon.tracker.state.generation == 0

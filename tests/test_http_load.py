@@ -25,6 +25,7 @@ import pytest
 import yaml
 from harness import Daemon, Node, needs_kvm, wait_until
 from prometheus_client.parser import text_string_to_metric_families
+from support.waits import quiet
 
 from hlplugin.tools.emulator import KubeletEmulator
 
@@ -181,7 +182,7 @@ class Watch:
             self.probes.append(("/metrics", code))
             if code == 200:
                 self.device_checks = device_checks(metrics)
-            await asyncio.sleep(0.1)
+            await quiet(0.1, "the prober's pace")
 
     async def _capacity(self) -> None:
         def seen() -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 from harness import emulator, healthy_tracker, running, short_dir, wait_until
+from support.waits import quiet
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.deviceplugin.health.conditions import HealthTracker
@@ -336,7 +337,7 @@ async def test_an_idle_registered_plugin_rechecks_its_sockets_rarely_while_inoti
         plugin._wakeup.wait = observed  # type: ignore[method-assign]
         plugin._wakeup.fire()  # a change: the lifecycle looks, then waits anew
         await wait_until(lambda: bool(limits), what="a wait")
-        await asyncio.sleep(0.5)  # long enough for a few 0.2 s rechecks, were they still made
+        await quiet(0.5, "a bounded watch: a few 0.2 s rechecks, were they still made")
         # One wait, or two when the first began just before a tick: on the 5 s ticks
         # (conditions.until_tick, shared with the daemon's other periodic work).
         assert len(limits) <= 2 and on_tick(5), limits

@@ -8,10 +8,10 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 from pathlib import Path
 
 from harness import GUARD, Daemon, wait_until
+from support.waits import loop_turn, quiet_blocking
 
 from hlplugin.deviceplugin.health.conditions import HealthTracker
 from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
@@ -34,10 +34,10 @@ def test_cancelled_again_while_stopping_still_stops_the_server_and_removes_its_s
             await wait_until(socket.exists)  # serving, waiting for a kubelet that never comes
         else:
             for _ in range(turns):  # somewhere in start-up: creating, binding, starting
-                await asyncio.sleep(0)
+                await loop_turn()
         while not task.done():  # cancel at every turn of the loop, as hard as it gets
             task.cancel()
-            await asyncio.sleep(0)
+            await loop_turn()
         assert task.cancelled()
         assert not socket.exists(), f"the stopped server's socket was left behind ({turns} turns)"
         assert lifecycle.open_streams == 0
@@ -76,7 +76,7 @@ async def test_stop_signals_while_it_stops_never_kill_the_daemon(tmp_path: Path)
                         sent += 1
                         # Not a wait for an event: pacing, so that the daemon gets on with
                         # stopping between signals (a flood would keep every thread in handlers).
-                        time.sleep(0.0001)
+                        quiet_blocking(0.0001, "pacing: the daemon stops between signals")
 
             try:
                 await asyncio.to_thread(flood)  # returns once the process has exited

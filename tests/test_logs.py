@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import logging
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 from harness import Daemon, Node, daemon, needs_root, scrape, value, wait_metric, wait_until
+from support.waits import quiet
 
 from hlplugin import __version__, config, logs
 
@@ -206,7 +206,7 @@ async def test_a_spec_overwritten_100_times_a_second_is_logged_once_and_counted_
             temp = node.cdi_dir / "tamper"
             temp.write_bytes(b"{not json %d" % n)
             os.replace(temp, spec)
-            await asyncio.sleep(0.01)  # paces the flood; the daemon repairs meanwhile
+            await quiet(0.01, "paces the flood; the daemon repairs meanwhile")
         await wait_metric(proc, lambda m: value(
             m, "hyperlight_cdi_repairs_total", cause="malformed") >= 50, timeout=30)
         assert await proc.stop() == 0

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from harness import STALLING_CLIENT, healthy_tracker, wait_until
+from support.waits import quiet
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
@@ -235,7 +236,7 @@ async def test_a_reader_that_stops_reading_gets_the_latest_state_not_a_backlog()
             transitions = 41
             for n in range(transitions):
                 tracker.set_condition("device", n % 2 == 1, "flap")
-                await asyncio.sleep(0.01)  # pacing: each state has a chance to be written
+                await quiet(0.01, "pacing: each state has a chance to be written")
             assert not tracker.state.healthy
             queued = plugin.lists_sent
             assert queued < transitions // 2, f"{queued} lists sent to a reader that stopped"

@@ -9,13 +9,13 @@ import gc
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from harness import GUARD, Gate, mknod_char, needs_kvm, needs_root, wait_until
+from support.waits import loop_turn, quiet, quiet_blocking
 
 from hlplugin.deviceplugin.health.bounded import BoundedRunner, CheckFailed
 from hlplugin.probe import (
@@ -167,7 +167,7 @@ def test_results_errors_and_late_helpers_reach_the_caller_only(
     late.error = ValueError("late")
 
     def fail() -> None:
-        time.sleep(0.05)  # still running when the caller starts waiting
+        quiet_blocking(0.05, "still running when the caller starts waiting")
         raise boom
 
     async def scenario() -> None:
@@ -182,7 +182,7 @@ def test_results_errors_and_late_helpers_reach_the_caller_only(
         await wait_until(lambda r=runner: not r.busy)  # type: ignore[misc]
         # A bounded watch, 50 ms: the helper is done, so a late callback is already queued on
         # this loop; a few turns deliver it.
-        await asyncio.sleep(0.05)
+        await quiet(0.05, "a bounded watch for a late callback on this loop")
         del runner  # the helper's future holds whatever waited on it
         gc.collect()
 
@@ -196,7 +196,7 @@ def test_results_errors_and_late_helpers_reach_the_caller_only(
             asyncio.run(wait_until(lambda: not outliving.busy, GUARD, "the helper finishing"))
             # A bounded watch, 50 ms: the helper is done; any callback it scheduled on the closed
             # loop has failed (and would have logged) by now.
-            time.sleep(0.05)
+            quiet_blocking(0.05, "a bounded watch for a callback on the closed loop")
     finally:
         late.release.set()
     assert not outliving.busy
@@ -223,7 +223,7 @@ async def test_one_helper_at_a_time_stuck_waited_for_or_cancelled(gate: Gate) ->
             count += 1
             running += 1
             peak = max(peak, running)
-        time.sleep(0.01)
+        quiet_blocking(0.01, "each check holds the helper a while: concurrency shows")
         with lock:
             running -= 1
         return 2
@@ -239,7 +239,7 @@ async def test_one_helper_at_a_time_stuck_waited_for_or_cancelled(gate: Gate) ->
 
     # A caller cancelled while it waits for the stuck helper leaves nothing behind.
     waiting = asyncio.create_task(runner.run(other, budget=GUARD))
-    await asyncio.sleep(0)  # one loop turn: it reaches its wait for the stuck helper
+    await loop_turn()  # one loop turn: it reaches its wait for the stuck helper
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting

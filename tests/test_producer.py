@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from harness import wait_until
+from support.waits import loop_turn, quiet
 
 from hlplugin.cdi import CdiReconciler
 from hlplugin.cdi_spec import SPEC_FILE, render_spec
@@ -71,7 +72,7 @@ async def test_a_pass_past_its_budget_fails_without_blocking_the_loop() -> None:
         nonlocal ticks
         while True:
             ticks += 1
-            await asyncio.sleep(0.01)
+            await quiet(0.01, "a ticker's pace: the loop turns meanwhile")
 
     ticking = asyncio.create_task(ticker())
     try:
@@ -119,7 +120,7 @@ async def test_a_failing_root_task_is_one_log_line_and_exit_1(
                                 lambda: TrackedDevicePlugin(["x-0"], tracker))
 
     async def broken() -> None:
-        await asyncio.sleep(0)
+        await loop_turn()
         raise ValueError("the disk is on fire")
 
     async def patient() -> None:
@@ -247,7 +248,7 @@ async def test_ensure_never_answers_with_a_success_that_began_before_it_was_aske
         now[0] += 0.5  # the node changes now, after the periodic pass looked
         fresh = [asyncio.create_task(producer.ensure(0.0, "allocate")) for _ in range(3)]
         recent = asyncio.create_task(producer.ensure(1.0, "allocate"))  # 0.5 s old is fine
-        await asyncio.sleep(0)  # one loop step: all four callers now wait on the periodic pass
+        await loop_turn()  # one loop step: all four callers now wait on the periodic pass
         releases[0].set()
         assert await periodic is first
         assert await recent is first  # it began within max_age: shared, success or not
@@ -295,7 +296,7 @@ async def test_periodic_passes_of_one_period_share_a_wake_up() -> None:
 
     producers: list[Producer] = []
     first = asyncio.create_task(producer("a").run())
-    await asyncio.sleep(0.13)  # out of phase, were passes timed from each one's start
+    await quiet(0.13, "out of phase, were passes timed from each one's start")
     second = asyncio.create_task(producer("b").run())
     try:
         await wait_until(lambda: len(seen["a"]) >= 3 and len(seen["b"]) >= 2, 10, "periodic passes")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from harness import wait_until
+from support.waits import quiet
 
 from hlplugin.cdi import CdiReconciler
 from hlplugin.cdi_spec import SPEC_FILE, render_spec
@@ -171,7 +172,7 @@ async def test_a_spec_overwritten_rapidly_is_repaired_every_time_and_logged_boun
                 temp = cdi_dir / "tamper"
                 temp.write_bytes(b"{not json %d" % n)
                 os.replace(temp, cdi_dir / SPEC_FILE)
-                await asyncio.sleep(0.01)  # paces the flood; the repairs run meanwhile
+                await quiet(0.01, "paces the flood; the repairs run meanwhile")
             flood = loop.time() - began
             await wait_until(lambda: (cdi_dir / SPEC_FILE).read_bytes() == desired, 10,
                              "the last write repaired")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from harness import Daemon, Node, needs_kvm, on_kubelet
+from support.waits import quiet
 
 from hlplugin.tools.emulator import KubeletEmulator
 
@@ -50,7 +51,7 @@ async def probe(proc: Daemon, statuses: list[int]) -> None:
     """/healthz every 0.1 s (the kubelet's probe every 10 s), until cancelled."""
     while True:
         statuses.append((await proc.get("/healthz"))[0])
-        await asyncio.sleep(0.1)
+        await quiet(0.1, "the liveness prober's pace")
 
 
 async def test_a_scrape_storm_leaves_allocate_fast_and_healthz_200(tmp_path: Path) -> None:

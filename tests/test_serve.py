@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -13,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 from harness import Node, daemon, emulator, needs_kvm, needs_root, on_kubelet, scrape, wait_until
+from support.waits import quiet
 
 from hlplugin.tools.emulator import AdmissionError
 
@@ -69,7 +69,7 @@ async def test_registers_allocates_and_re_registers_when_its_socket_goes(tmp_pat
                                    and kubelet.register_calls > c, timeout=10)
             # A bounded watch, 300 ms: an old stream ends when its server stops, well within
             # this on loopback, and its end would unregister the resource at once.
-            await asyncio.sleep(0.3)
+            await quiet(0.3, "a bounded watch: an old stream's end would unregister the resource")
             assert kubelet.registered(RESOURCE)
             assert kubelet.allocatable(RESOURCE) == 10
             await kubelet.admit(RESOURCE)
@@ -140,7 +140,7 @@ async def test_no_hypervisor_at_start_stays_up_unready_then_recovers(tmp_path: P
         assert ready["conditions"]["hypervisor"]["ok"] is False
         # A bounded watch, half a second: registration follows a found hypervisor within
         # milliseconds, so none in this time means none without one.
-        await asyncio.sleep(0.5)
+        await quiet(0.5, "a bounded watch: registration follows a found hypervisor within ms")
         assert kubelet.allocatable(RESOURCE) == 0
         assert (await proc.http("/healthz"))[0] == 200
         os.mknod(dev / "kvm", stat.S_IFCHR | 0o600, os.stat("/dev/kvm").st_rdev)

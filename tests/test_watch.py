@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from harness import wait_until
+from support.waits import quiet
 
 from hlplugin.deviceplugin.health.watch import FILE_EVENTS, DirWatcher
 
@@ -71,7 +72,7 @@ async def test_named_changes_are_reported_and_others_are_not(tmp_path: Path, ino
         (watched / "other.json").unlink()
         # A bounded watch for a report that should not come: every change above was reported
         # within one poll interval (50 ms); four of them is ample.
-        await asyncio.sleep(0.2)
+        await quiet(0.2, "a bounded watch for a report that should not come")
         assert all(b == {"spec.json"} for b in batches), batches
 
 
@@ -124,7 +125,7 @@ async def main():
     async def seen(what):
         async with asyncio.timeout(20):
             while not any("spec.json" in b for b in batches):
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # a poll step while batches arrive (in the child)
         batches.clear()
     try:
         await seen("the first look")
