@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.bootstrap import DeviceAccessPlugin, node_watch
 from hlplugin.deviceplugin.health.conditions import HealthTracker
+from hlplugin.deviceplugin.health.producer import Trigger
 from hlplugin.deviceplugin.kubelet.lifecycle import new_server
 from hlplugin.tools.emulator import AdmissionError
 
@@ -179,7 +181,7 @@ async def test_dev_null_numbers_at_the_device_path_are_never_advertised_or_grant
     watch = node_watch(tracker, node, sys_dir=fake_sys(tmp_path, kvm="10:232"))
     assert not await watch.check("start")
     assert tracker.state.reasons == {"device": f"{node} is device 1:3, not kvm (10:232)"}
-    plugin = DeviceAccessPlugin("kvm", tracker, lambda: watch.ensure(0.0, "allocate"))
+    plugin = DeviceAccessPlugin("kvm", tracker, functools.partial(watch.check, Trigger.ALLOCATE))
     request = pb.AllocateRequest(container_requests=[
         pb.ContainerAllocateRequest(devices_ids=["device-access-kvm"])])
     sock = Path(tempfile.mkdtemp(prefix="hlp-", dir="/tmp")) / "b.sock"

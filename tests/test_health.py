@@ -118,41 +118,13 @@ async def test_failing_probes_set_their_reasons_and_metrics_and_every_change_wak
     woken.cancel()
 
 
-async def ensure_fresh(mon: DeviceMonitor, max_age: float = 1.0) -> HealthState:
-    """Health from a check that began at most ``max_age`` ago (the producer's ensure; the daemon
-    itself asks for_allocate)."""
-    await mon.producer.ensure(max_age)
-    return mon.tracker.state
-
-
-async def test_ensure_fresh_burst_probes_once_and_reprobes_after_max_age() -> None:
-    now = [100.0]
-
-    probe = Gate(released=True)
-    mon = monitor(device_probe=probe, clock=lambda: now[0])
-    states = await asyncio.gather(*(ensure_fresh(mon) for _ in range(50)))
-    assert probe.calls == 1
-    assert all(s.healthy for s in states)
-
-    now[0] += 0.9
-    await asyncio.gather(*(ensure_fresh(mon) for _ in range(10)))
-    assert probe.calls == 1
-
-    now[0] += 0.2  # 1.1 s after the check began
-    await ensure_fresh(mon)
-    assert probe.calls == 2
-    now[0] += 0.001  # a moment later: the check that began before is not fresh enough
-    await ensure_fresh(mon, max_age=0.0)
-    assert probe.calls == 3
-
-
 async def test_cancelled_callers_and_stuck_probes_fail_nothing_and_poison_nothing(gate: Gate) -> None:
     mon = monitor(device_probe=gate, budget=GUARD)
-    first = asyncio.create_task(ensure_fresh(mon))  # starts the check
+    first = asyncio.create_task(mon.for_allocate())  # starts the check
     await wait_until(gate.started.is_set)
-    joiner = asyncio.create_task(ensure_fresh(mon))  # shares it
-    patient = asyncio.create_task(ensure_fresh(mon))  # shares it, and waits it out
-    await loop_turn()  # one loop turn: both new callers reach their await on the shared check
+    joiner = asyncio.create_task(mon.for_allocate())  # arrived after it began: the next one
+    patient = asyncio.create_task(mon.for_allocate())  # the same, and waits it out
+    await loop_turn()  # one loop turn: both new callers reach their await on the next check
     for caller in (first, joiner):
         caller.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -167,7 +139,9 @@ async def test_cancelled_callers_and_stuck_probes_fail_nothing_and_poison_nothin
     state = await wait_state(mon, lambda s: s.healthy)  # the check's own result lands
     assert state.conditions["device"].ok
     assert (await patient).healthy
-    assert gate.calls == 1
+    # The first check's Allocate probe and, since nothing was proven yet, its full probe; then
+    # the next check's Allocate probe for the callers that came while the first ran.
+    assert gate.calls == 3
 
     # Regression 2 of the upstream Go plugin's review: after a caller is cancelled mid-check, the
     # next check is a fresh one.
@@ -184,8 +158,8 @@ async def test_cancelled_callers_and_stuck_probes_fail_nothing_and_poison_nothin
     threading.Timer(0.2, gate.release.set).start()
     state = await mon.check()
     assert state.healthy, state.describe()
-    assert gate.calls == 3  # the next check ran its own probe, not a leftover result
-    assert mon.runner.calls == 3
+    assert gate.calls == 5  # the next check ran its own probe, not a leftover result
+    assert mon.runner.calls == 5
 
     # A stuck probe times out, and while it is stuck no further helper starts.
     mon.runner.budget = 0.2
@@ -196,11 +170,11 @@ async def test_cancelled_callers_and_stuck_probes_fail_nothing_and_poison_nothin
     assert sample(mon, "failures_total", reason="timeout") == 1
     started = mon.runner.threads_started
     for _ in range(3):
-        state = await ensure_fresh(mon, max_age=0.0)
+        state = await mon.for_allocate()
         assert "still stuck" in state.reasons["device"]
         assert mon.runner.threads_started == started  # no helper started next to the stuck one
         assert mon.runner.busy
-    assert gate.calls == 4
+    assert gate.calls == 6
     assert sample(mon, "failures_total", reason="budget") == 3
     gate.release.set()
     mon.runner.budget = GUARD

@@ -80,7 +80,7 @@ async def test_a_pass_past_its_budget_fails_without_blocking_the_loop() -> None:
         assert outcomes == ["check timed out after 0.2s"]
         assert ticks >= 5  # the loop ran other tasks while the pass waited on its helper
         # The stuck helper holds the runner: the next pass fails within its budget, no new thread.
-        assert not await producer.ensure(0.0)
+        assert not await producer.check(Trigger.DEMAND)
         assert "still stuck" in outcomes[-1] and producer.runner.threads_started == 1
     finally:
         release.set()
@@ -218,55 +218,13 @@ async def test_cdi_ensure_skips_the_read_only_while_inotify_saw_nothing(tmp_path
         await asyncio.wait({running})
 
 
-async def test_ensure_never_answers_with_a_success_that_began_before_it_was_asked() -> None:
-    """ensure(max_age) shares a pass in flight only when it began within max_age; a success that
-    began earlier may predate a change (a node removed), so the callers it held share one new
-    pass. A failure stands whenever it began: refusing on it is safe."""
-    now = [100.0]
-    results: list[bool] = []
-    started: list[asyncio.Event] = []
-    releases: list[asyncio.Event] = []
-
-    async def step(trigger: str) -> bool:
-        started.append(asyncio.Event())
-        releases.append(release := asyncio.Event())
-        started[-1].set()
-        await release.wait()
-        return results.pop(0)
-
-    producer = Producer("fresh", step, clock=lambda: now[0])
-
-    async def started_pass(n: int) -> None:
-        await wait_until(lambda: len(started) > n, 5, f"pass {n + 1} to start")
-
-    for first in (True, False):
-        results[:] = [first, False]
-        started.clear()
-        releases.clear()
-        periodic = asyncio.create_task(producer.check("periodic"))
-        await started_pass(0)
-        now[0] += 0.5  # the node changes now, after the periodic pass looked
-        fresh = [asyncio.create_task(producer.ensure(0.0, "allocate")) for _ in range(3)]
-        recent = asyncio.create_task(producer.ensure(1.0, "allocate"))  # 0.5 s old is fine
-        await loop_turn()  # one loop step: all four callers now wait on the periodic pass
-        releases[0].set()
-        assert await periodic is first
-        assert await recent is first  # it began within max_age: shared, success or not
-        if first:  # one pass after the old one, for all three callers
-            await started_pass(1)
-            releases[1].set()
-        assert [await f for f in fresh] == [False] * 3  # the new pass's, or the old failure
-        assert len(started) == (2 if first else 1)
-        results.clear()
-
-
 def test_triggers_and_repair_causes_read_as_their_plain_words() -> None:
     """The enums keep label values and log text exactly the words they replaced."""
     from hlplugin.deviceplugin.health.producer import Trigger
     from hlplugin.metrics import CDI_REFUSAL_REASONS, CDI_REPAIR_CAUSES, RepairCause
 
-    assert [f"{t}" for t in Trigger] == ["start", "watch", "periodic", "retry", "ensure",
-                                         "demand", "allocate"]
+    assert [f"{t}" for t in Trigger] == ["start", "watch", "periodic", "retry", "demand",
+                                         "allocate"]
     record = logging.makeLogRecord({"msg": "trigger: %s", "args": (Trigger.WATCH,)})
     assert record.getMessage() == "trigger: watch"  # as the log lines format it
     assert CDI_REPAIR_CAUSES == ("missing", "malformed", "stale", "metadata")

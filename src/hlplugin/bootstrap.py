@@ -8,6 +8,7 @@ permission, no mounts, no environment, no CDI.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.detect import wait_for_hypervisor
 from hlplugin.deviceplugin.health.bounded import CheckFailed
 from hlplugin.deviceplugin.health.conditions import HealthTracker
+from hlplugin.deviceplugin.health.fresh import Fresh
 from hlplugin.deviceplugin.health.producer import Producer, Trigger
 from hlplugin.deviceplugin.health.watch import DirWatcher
 from hlplugin.deviceplugin.kubelet.interfaces import Context
@@ -92,10 +94,13 @@ async def bootstrap(settings: BootstrapSettings, launch: Launch | None = None, *
         watch = node_watch(tracker, settings.health.dev_dir / hv,
                            budget=settings.health.probe_timeout, sys_dir=sys_dir)
         await watch.check(Trigger.START)  # before registering; run() goes on from here
+        # Each Allocate: a node check begun after it arrived, shared by a burst; a failure in
+        # flight answers at once (refusing on it is safe).
+        gate = Fresh(functools.partial(watch.check, Trigger.ALLOCATE), name="node-check",
+                     settles=operator.not_)
         lifecycle = PluginLifecycle(
             settings.kubelet, SOCKET, RESOURCE,
-            lambda: DeviceAccessPlugin(hv, tracker, functools.partial(watch.ensure, 0.0, Trigger.ALLOCATE),
-                                       metrics),
+            lambda: DeviceAccessPlugin(hv, tracker, gate.fresh, metrics),
             dir_setting=PLUGIN_DIR_FLAG, metrics=metrics)
         return Started(lifecycle, {"device-health": watch.run(),
                                    "plugin": lifecycle.run()})

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import functools
 import logging
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +23,7 @@ from hlplugin.cdi_spec import MAX_READ, MODE, SPEC_FILE, well_formed
 from hlplugin.deviceplugin.health import repeats
 from hlplugin.deviceplugin.health.bounded import CheckFailed
 from hlplugin.deviceplugin.health.conditions import Condition, HealthTracker
+from hlplugin.deviceplugin.health.fresh import Fresh
 from hlplugin.deviceplugin.health.producer import Producer, Trigger
 from hlplugin.deviceplugin.health.watch import FILE_EVENTS, DirWatcher
 from hlplugin.deviceplugin.ownedfile import NotRegular, OwnedFile
@@ -79,10 +80,14 @@ class CdiReconciler:
         # Passes run one at a time in the producer's runner (at most one helper thread, even
         # after a caller gave up), bounded by ``budget``: hung storage fails the condition.
         self.producer = Producer(
-            "cdi", self._step, watch=[DirWatcher(cdi_dir, {SPEC_FILE, ""}, events=FILE_EVENTS)],
+            "cdi", self._one_pass, watch=[DirWatcher(cdi_dir, {SPEC_FILE, ""}, events=FILE_EVENTS)],
             interval=interval, max_backoff=max_backoff, budget=budget, linger=_LINGER,
             clock=clock)
-        self._quick: asyncio.Task[bool] | None = None
+        # Concurrent Allocates share one read (the freshness primitive): one that began before
+        # a caller arrived answers it if the watch stayed quiet since; a wrong read or a timeout
+        # in flight answers at once (a pass or a refusal follows, either safe).
+        self._reads = Fresh(self._read, name="cdi-read", settles=operator.not_,
+                            mark=self.producer.wakeup.pulse, vouch=self.producer.wakeup.quiet_since)
         # When the latest read that found the spec right began (a quick read or a pass), and the
         # watch pulse taken just before it.
         self._verified: tuple[float, asyncio.Event] | None = None
@@ -99,10 +104,10 @@ class CdiReconciler:
             passing  a pass is in flight: share it; it failed          -> answer it
                                                     it succeeded       -> next round
             failing  condition failing, no pass in flight              -> run a pass, answer it
-            reading  share the read in flight or start one (concurrent Allocates share it):
-                     right -> next round (vouched, unless it began before we arrived and
-                     a change landed since); wrong -> run a pass, answer it; timed out ->
-                     fail the condition, answer it
+            reading  a read shared through the freshness primitive (health/fresh.py): one
+                     begun after we arrived, or one in flight with the watch quiet since:
+                     right -> next round (vouched); wrong -> run a pass, answer it; timed
+                     out -> fail the condition, answer it
 
         A change made while a shared read or pass ran is never answered with its stale result.
         """
@@ -120,14 +125,8 @@ class CdiReconciler:
                 continue
             if not self.condition.ok:
                 break  # failing
-            quick = self._quick  # reading
-            if quick is None or quick.done():
-                began, pulse = loop.time(), self.producer.wakeup.pulse()
-                quick = self._quick = asyncio.create_task(
-                    self.producer.runner.run(self._is_current), name="cdi-read")
-                quick.add_done_callback(functools.partial(self._read_done, began, pulse))
-            try:
-                if not await asyncio.shield(quick):
+            try:  # reading
+                if not await self._reads.fresh():
                     break
             except CheckFailed as exc:
                 if self.condition.ok:
@@ -148,10 +147,10 @@ class CdiReconciler:
         await self.producer.check(trigger)
         return self.condition
 
-    async def _step(self, trigger: Trigger) -> bool:
+    async def _one_pass(self, trigger: Trigger) -> bool:
         began, pulse = asyncio.get_running_loop().time(), self.producer.wakeup.pulse()
         try:
-            outcome = await self.producer.runner.run(self._pass)
+            outcome = await self.producer.runner.run(self._check_and_repair)
         except CheckFailed as exc:
             outcome = self._timed_out(exc)
         self._publish(outcome, trigger)
@@ -163,9 +162,13 @@ class CdiReconciler:
         return _Outcome(Condition(False, f"cannot check {self.path}: {exc} (its storage does not "
                                          f"answer)"))
 
-    def _read_done(self, began: float, pulse: asyncio.Event, task: asyncio.Task[bool]) -> None:
-        if not task.cancelled() and task.exception() is None and task.result():
+    async def _read(self) -> bool:
+        """One read of the file, bounded: whether it is exactly the spec (then recorded)."""
+        began, pulse = asyncio.get_running_loop().time(), self.producer.wakeup.pulse()
+        right = await self.producer.runner.run(self._is_current)
+        if right:
             self._verify(began, pulse)
+        return right
 
     def _verify(self, began: float, pulse: asyncio.Event) -> None:
         """Record a right read that began at ``began``; a later one is never replaced by an
@@ -196,7 +199,7 @@ class CdiReconciler:
             self.lines.log(new.reason, logging.WARNING, "CDI spec unhealthy: %s", new.reason)
         self.condition = new
 
-    def _pass(self) -> _Outcome:
+    def _check_and_repair(self) -> _Outcome:
         """In the runner's thread (one at a time): inspect, and repair if needed."""
         try:
             cause = self._diagnose()

@@ -3,15 +3,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from hlplugin.deviceplugin.health.bounded import CheckFailed
 from hlplugin.deviceplugin.health.conditions import Condition, HealthState, HealthTracker
+from hlplugin.deviceplugin.health.fresh import Fresh
 from hlplugin.deviceplugin.health.producer import Producer, Trigger
 from hlplugin.deviceplugin.health.watch import DirWatcher
 from hlplugin.names import ConditionName
@@ -75,7 +75,7 @@ class DeviceMonitor:
                                  linger=1.0, clock=clock)
         self.runner = self.producer.runner
         self.runner.after = close_deferred  # the Allocate check's VM closes after its answer
-        self._allocate_checks = SharedCheck(self._allocate_pass)
+        self._allocate_checks = Fresh(self._allocate_check, name="hlplugin-allocate-check")
         if metrics is not None:  # looked up once: two observations per Allocate
             self._durations: dict[str, Any] = {name: metrics.probe_duration.labels(check=name)
                                                for name in (_DEVICE, _IDENTITY)}
@@ -109,7 +109,7 @@ class DeviceMonitor:
         probes.append((_DEVICE, device_probe))
         return probes
 
-    async def _allocate_pass(self) -> HealthState:
+    async def _allocate_check(self) -> HealthState:
         results = await self._run(self._probes(self._allocate_probe))
         conditions = self.tracker.state.conditions
         if all(error is None for _, error in results.values()) and not all(
@@ -171,58 +171,6 @@ def _reason(error: BaseException) -> tuple[str, str]:
         return error.reason, str(error)
     # An injected or unexpected failure: still a failed check, never a crash.
     return "error", f"{type(error).__name__}: {error}"
-
-
-T = TypeVar("T")
-
-
-class SharedCheck(Generic[T]):
-    """Answers each caller from a run of ``check`` that began after the caller arrived; callers
-    share it. A run begins when its task first runs, so every caller that arrived before then
-    (the same loop turn included) shares it; callers that arrive while it runs share the next
-    one, begun as soon as it ends. Each run is its own task: a caller that gives up never stops
-    it. Callers wait on one future per run, not a task each (an Allocate at concurrency 16 paid
-    for three tasks and four asyncio.wait calls here before)."""
-
-    def __init__(self, check: Callable[[], Coroutine[Any, Any, T]]) -> None:
-        self._check = check
-        self._queued: asyncio.Future[T] | None = None  # the callers the next run answers
-        self._running: asyncio.Task[None] | None = None
-
-    async def fresh(self) -> T:
-        queued = self._queued
-        if queued is None:
-            self._queued = queued = asyncio.get_running_loop().create_future()
-            # Read when every caller gave up, so asyncio has nothing to warn about.
-            queued.add_done_callback(_retrieved)
-            if self._running is None:
-                self._start()
-        return await asyncio.shield(queued)
-
-    def _start(self) -> None:
-        self._running = asyncio.create_task(self._run(), name="hlplugin-shared-check")
-
-    async def _run(self) -> None:
-        answers, self._queued = self._queued, None  # everyone who arrived before this began
-        assert answers is not None
-        try:
-            result = await self._check()
-        except asyncio.CancelledError:
-            answers.cancel()
-            raise
-        except Exception as exc:
-            answers.set_exception(exc)
-        else:
-            answers.set_result(result)
-        finally:
-            self._running = None
-            if self._queued is not None:  # callers that arrived while this ran
-                self._start()
-
-
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _timed(probe: Callable[[], None]) -> tuple[float, BaseException | None]:

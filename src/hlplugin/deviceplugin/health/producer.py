@@ -4,12 +4,14 @@ are kept alive.
 A producer runs one *pass* (an async function of its trigger that returns whether its condition
 holds) when a watched name changes (inotify through DirWatcher, polling where inotify is missing),
 at every tick of ``interval`` seconds (conditions.until_tick: the periodic passes of a process
-share a wake-up; with capped exponential backoff while failing, if asked), and on
-demand (``ensure(max_age)``: a pass that began at most ``max_age`` before the call, in flight or
-done, is shared, so a burst of callers costs one pass, and a caller that gives up never stops
-it). Passes that block (file systems, ioctls) run in the producer's BoundedRunner: past the
-budget the pass reports its condition failing with the timeout as the reason, and the event loop,
-a lock or a caller never waits longer than that.
+share a wake-up; with capped exponential backoff while failing, if asked), and on demand
+(``check(trigger)``; a gate that needs a fresh answer shares passes through health/fresh.py).
+What a pass does that blocks (file systems, ioctls) runs in the producer's BoundedRunner: past
+the budget the pass reports its condition failing with the timeout as the reason, and the event
+loop, a lock or a caller never waits longer than that.
+
+One vocabulary: a *pass* is one call of the producer's pass function, for one Trigger; a *check*
+is the blocking work a pass hands its runner.
 
 Watchers run supervised: one that dies is logged once and restarted; the periodic pass covers the
 gap, so a dead watcher never silently leaves a producer on polling alone.
@@ -39,7 +41,6 @@ class Trigger(StrEnum):
     WATCH = "watch"  # a watched name changed
     PERIODIC = "periodic"  # the interval passed while the condition held
     RETRY = "retry"  # the backoff passed while it failed
-    ENSURE = "ensure"  # ensure() on demand
     DEMAND = "demand"  # a caller wants a pass now, whatever ran before
     ALLOCATE = "allocate"  # on demand, for an Allocate call
 
@@ -48,13 +49,13 @@ Pass = Callable[[Trigger], Awaitable[bool]]
 
 
 class Producer:
-    """Runs ``step(trigger)`` on its triggers; see the module docstring. ``step`` runs blocking
-    work through ``self.runner`` and records its own outcome (conditions, metrics, logs).
+    """Runs ``one_pass(trigger)`` on its triggers; see the module docstring. ``one_pass`` runs
+    its check through ``self.runner`` and records its own outcome (conditions, metrics, logs).
 
-    ``trigger`` says why a pass runs (see ``Trigger``): ``ensure``'s own for one on demand.
+    ``trigger`` says why a pass runs (see ``Trigger``).
     """
 
-    def __init__(self, name: str, step: Pass, *, watch: Sequence[DirWatcher] = (),
+    def __init__(self, name: str, one_pass: Pass, *, watch: Sequence[DirWatcher] = (),
                  interval: float = 10.0, max_backoff: float | None = None, budget: float = 2.0,
                  linger: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
@@ -67,10 +68,8 @@ class Producer:
         self.wakeup = Wakeup(*watch)
         self.ok = False
         self.completed_at: float | None = None  # clock() when the latest pass finished
-        self._completed_began: float | None = None  # clock() when that pass began
-        self._began = 0.0  # clock() when the latest pass (maybe in flight) began
         self.passes = 0
-        self._step = step
+        self._one_pass = one_pass
         self._clock = clock
         self._latest: asyncio.Task[bool] | None = None
         self._tasks: set[asyncio.Task[bool]] = set()
@@ -83,32 +82,15 @@ class Producer:
     async def check(self, trigger: Trigger) -> bool:
         """A pass now, as its own task: it survives the caller's cancellation, and its result is
         recorded either way. Passes that overlap queue in the runner, within their budgets."""
-        self._began = began = self._clock()
-        task = asyncio.create_task(self._once(trigger, began), name=f"producer-{self.name}-pass")
+        task = asyncio.create_task(self._once(trigger), name=f"producer-{self.name}-pass")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         self._latest = task
         return await asyncio.shield(task)
 
-    async def ensure(self, max_age: float, trigger: Trigger = Trigger.ENSURE) -> bool:
-        """The result of a pass that began at most ``max_age`` before this call: the pass in
-        flight or the latest one if it qualifies, else a new one. A success from a pass in flight
-        that began earlier is not trusted (it may have looked before a change): the callers it
-        held share the one pass after it. Its failure stands, since refusing on it is safe (and
-        a stuck check then costs a caller one budget, not two)."""
-        since = self._clock() - max_age
-        while (latest := self.in_flight) is not None:
-            began = self._began
-            ok = await asyncio.shield(latest)
-            if began >= since or not ok:
-                return ok
-        if self._completed_began is not None and self._completed_began >= since:
-            return self.ok
-        return await self.check(trigger)
-
-    async def _once(self, trigger: Trigger, began: float) -> bool:
-        ok = await self._step(trigger)
-        self.ok, self.completed_at, self._completed_began = ok, self._clock(), began
+    async def _once(self, trigger: Trigger) -> bool:
+        ok = await self._one_pass(trigger)
+        self.ok, self.completed_at = ok, self._clock()
         self.passes += 1
         return ok
 
