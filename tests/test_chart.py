@@ -1013,6 +1013,12 @@ def test_docs_of_helm_test_name_what_the_hook_runs() -> None:
         assert f"UID {hook['spec']['securityContext']['runAsUser']}" in text
     assert "helm test hlplugin -n hyperlight-system --logs" in section((ROOT / "README.md").read_text(),
                                                                       "## Deploy\n")
+    # What helm install prints after installing (NOTES.txt) says it too, for the release's name.
+    dry = subprocess.run([tool("helm"), "install", "--dry-run=client", "my-hl", str(CHART), "-n", NAMESPACE],
+                         capture_output=True, text=True, timeout=100, check=False)
+    assert dry.returncode == 0, dry.stderr
+    notes = dry.stdout[dry.stdout.index("NOTES:"):]
+    assert f"helm test my-hl -n {NAMESPACE} --logs" in notes, notes
 
 
 def test_operations_says_what_stays_after_a_reboot_and_after_uninstall() -> None:
