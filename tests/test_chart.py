@@ -509,7 +509,8 @@ def test_config_values_are_the_daemons_settings_with_their_defaults() -> None:
             takes = dest in SUBCOMMAND_OPTIONS[name]
             assert (option.env in env(ds)) == takes, f"{name}: {option.env}"
             if takes:
-                assert option.parse(env(ds)[option.env]) == option.default, f"{name}: {option.env}"
+                read = daemon_parse(dest, env(ds)[option.env])
+                assert read == daemon_default(dest), f"{name}: {option.env}"
 
 
 def other_value(dest: str) -> Any:
@@ -531,8 +532,8 @@ def test_config_value_reaches_the_daemons_that_take_it(dest: str) -> None:
     rendered = daemonsets(render({"config": {camel(dest): value}}))
     for name, ds in rendered.items():
         if dest in SUBCOMMAND_OPTIONS[name]:
-            parsed = option.parse(env(ds)[option.env])
-            assert parsed == value and parsed != option.default, f"{name}: {env(ds)[option.env]!r}"
+            parsed = daemon_parse(dest, env(ds)[option.env])
+            assert parsed == value and parsed != daemon_default(dest), f"{name}: {env(ds)[option.env]!r}"
         else:
             assert option.env not in env(ds), name
 
@@ -544,22 +545,23 @@ def test_config_duration_with_a_unit_renders_as_given() -> None:
 
 
 def test_schema_bounds_are_the_daemons() -> None:
+    """The schema's bounds and choices are the daemons': each range (the accessors at the top),
+    both of its ends accepted by the daemons' parser, and each enum as the parser lists it."""
     props = SCHEMA["properties"]["config"]["properties"]
-    assert (props["deviceCount"]["minimum"], props["deviceCount"]["maximum"]) == (1, config.MAX_DEVICE_COUNT)
-    for key in ("deviceUid", "deviceGid"):
-        assert (props[key]["minimum"], props[key]["maximum"]) == (0, config.UINT32_MAX)
+    ranges = {**daemon_integer_ranges(), **daemon_duration_ranges()}
     for dest in SETTINGS:
-        schema, option = props[camel(dest)], config.OPTIONS[dest]
+        schema = props[camel(dest)]
         if "enum" in schema:  # the parser's choices, as its refusal lists them
             with pytest.raises(ValueError) as refused:
-                option.parse("not-a-choice")
+                daemon_parse(dest, "not-a-choice")
             listed = re.search(r"one of (.*), got", str(refused.value))
             assert listed and listed.group(1).split(", ") == schema["enum"], dest
-        for number in (s for s in schema.get("oneOf", []) if s["type"] == "number"):
-            ranges = {config.INTERVAL_RANGE, config.TIMEOUT_RANGE}
-            assert (number["minimum"], number["maximum"]) in ranges, dest
-            option.parse(str(number["minimum"]))
-            option.parse(str(number["maximum"]))
+        bounded = [s for s in [schema, *schema.get("oneOf", [])] if "maximum" in s]
+        assert bool(bounded) == (dest in ranges), dest
+        for number in bounded:
+            assert (number["minimum"], number["maximum"]) == ranges[dest], dest
+            daemon_parse(dest, str(number["minimum"]))
+            daemon_parse(dest, str(number["maximum"]))
 
 
 # --- the schema refuses --------------------------------------------------------------------------
@@ -749,8 +751,6 @@ def test_the_chart_s_duration_ranges_are_the_daemons() -> None:
         assert limit["shown"] in config.OPTIONS[dest].help, dest
         (number,) = [s for s in props[camel(dest)]["oneOf"] if s["type"] == "number"]
         assert (number["minimum"], number["maximum"]) == (low, high), dest
-    for dest, (low, high) in daemon_integer_ranges().items():
-        assert (props[camel(dest)]["minimum"], props[camel(dest)]["maximum"]) == (low, high), dest
 
 
 def beyond(seconds: float, unit: str, step: float) -> str:
