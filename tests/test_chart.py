@@ -679,8 +679,14 @@ def test_packaged_chart_carries_the_schema_and_readme(tmp_path: Path) -> None:
     assert archive.name == f"hlplugin-{APP_VERSION}.tgz"
     listing = subprocess.run(["tar", "tzf", str(archive)], capture_output=True, text=True, check=True).stdout
     for member in ("Chart.yaml", "values.yaml", "values.schema.json", "README.md",
-                   "files/prometheus-rules.yaml", "templates/device-plugin.yaml"):
+                   "files/prometheus-rules.yaml", "files/limits.yaml", "templates/device-plugin.yaml",
+                   "templates/tests/vm-check.yaml"):
         assert f"hlplugin/{member}" in listing.split(), member
+    # The duration ranges travel with it: the packaged chart refuses what the directory refuses.
+    refused = subprocess.run([tool("helm"), "template", "x", str(archive), "--set-string",
+                              "config.cdiInterval=2h"], capture_output=True, text=True, timeout=100,
+                             check=False)
+    assert refused.returncode != 0 and "config.cdiInterval=2h is out of range: 1s-1h" in refused.stderr
     shutil.rmtree(tmp_path)
 
 
