@@ -51,6 +51,7 @@ def daemon_duration_ranges() -> dict[str, tuple[float, float]]:
 
 
 def daemon_integer_ranges() -> dict[str, tuple[int, int]]:
+    """Each whole-number setting's range (both bounds allowed), by its Settings name."""
     from hlplugin.config import MAX_DEVICE_COUNT, UINT32_MAX
 
     return {"device_count": (1, MAX_DEVICE_COUNT), "device_uid": (0, UINT32_MAX),
@@ -938,10 +939,9 @@ def hook_command(tmp: Path, dev: Path) -> tuple[list[str], dict[str, str]]:
     """The hook container's command line and environment, run here: the image's entrypoint is
     the console script; only the device directory differs (the container's /dev is the node's)."""
     c = hook_pod(render())["spec"]["containers"][0]
-    python = str(Path(sys.executable))
     environ = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp),
                **env_of(c), config.OPTIONS["dev_dir"].env or "": str(dev)}
-    return [python, "-m", "hlplugin", *c["args"]], environ
+    return [sys.executable, "-m", "hlplugin", *c["args"]], environ
 
 
 @pytest.mark.skipif(not (os.path.exists("/dev/kvm") and os.access("/dev/kvm", os.R_OK | os.W_OK)),
