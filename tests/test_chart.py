@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -22,11 +23,50 @@ from typing import Any
 import pytest
 import yaml
 from harness import documents, helm_template, kustomize, tool
-from test_deploy import CHECKOV_ENV, NAMESPACE, check_plugin_daemonsets
+from test_deploy import (
+    CHECKOV_ENV,
+    NAMESPACE,
+    check_plugin_daemonsets,
+    env_of,
+    mib,
+    millicores,
+    restricted_violations,
+)
 
-from hlplugin import config
+from hlplugin import config, durations
 
 pytestmark = pytest.mark.deploy
+
+
+# --- the daemons' own ranges and defaults, read in one place -------------------------------------
+# hlplugin.config is being regrouped: when its names move, repoint these and nothing else.
+
+
+def daemon_duration_ranges() -> dict[str, tuple[float, float]]:
+    """Each duration setting's range in seconds (both bounds allowed), by its Settings name."""
+    from hlplugin.config import INTERVAL_RANGE, TIMEOUT_RANGE
+
+    return {"cdi_interval": INTERVAL_RANGE, "health_interval": INTERVAL_RANGE,
+            "probe_timeout": TIMEOUT_RANGE, "register_timeout": TIMEOUT_RANGE}
+
+
+def daemon_integer_ranges() -> dict[str, tuple[int, int]]:
+    """Each whole-number setting's range (both bounds allowed), by its Settings name."""
+    from hlplugin.config import MAX_DEVICE_COUNT, UINT32_MAX
+
+    return {"device_count": (1, MAX_DEVICE_COUNT), "device_uid": (0, UINT32_MAX),
+            "device_gid": (0, UINT32_MAX)}
+
+
+def daemon_parse(dest: str, text: str) -> Any:
+    """The setting as the daemons read it from their environment; ValueError where they refuse it."""
+    return config.OPTIONS[dest].parse(text)
+
+
+def daemon_default(dest: str) -> Any:
+    """The daemons' default of a setting: the Settings field's."""
+    return getattr(config.Settings(), dest)
+
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy/chart/hlplugin"
@@ -35,6 +75,7 @@ VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 BOOTSTRAP, MAIN = "hyperlight-device-access", "hyperlight-device-plugin"
+TEST_POD = "hyperlight-test-vm"  # templates/tests/vm-check.yaml, what `helm test` runs
 SUBCOMMAND_OPTIONS = {MAIN: config.SERVE_OPTIONS, BOOTSTRAP: config.BOOTSTRAP_OPTIONS}
 # Every toggle on (networkPolicy and admissionPolicy are on by default).
 TOGGLES = {"namespace": {"create": True},
@@ -130,6 +171,15 @@ def host_paths(ds: dict[str, Any]) -> dict[str, str]:
     return {v["name"]: v["hostPath"]["path"] for v in pod(ds)["volumes"]}
 
 
+def hooks(objs: Objects) -> Objects:
+    """The objects only `helm test` (or another hook) creates, not `helm install`."""
+    return [o for o in objs if "helm.sh/hook" in o["metadata"].get("annotations", {})]
+
+
+def installed(objs: Objects) -> Objects:
+    return [o for o in objs if o not in hooks(objs)]
+
+
 def kinds(objs: Objects) -> set[str]:
     return {o["kind"] for o in objs}
 
@@ -179,12 +229,16 @@ def differences(chart: Objects, kustomize_objs: Objects) -> list[str]:
 def test_chart_renders_exactly_what_deploy_base_renders(case: str, tmp_path: Path) -> None:
     """The chart and deploy/base (with its components) are two renderings of one install: every
     object both produce must be equal, field for field, and neither may have one the other lacks.
-    (The default leaves the namespace to `helm install --create-namespace`.)"""
+    (The default leaves the namespace to `helm install --create-namespace`.) The `helm test` pod
+    is the chart's alone: `helm install` does not create it."""
     values, components, drop_namespace = SAME_AS_KUSTOMIZE[case]
     theirs = kustomized(tmp_path, *components)
     if drop_namespace:
         theirs = [o for o in theirs if o["kind"] != "Namespace"]
-    found = differences(render(values), theirs)
+    ours = render(values)
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in hooks(ours)) == [
+        ("NetworkPolicy", TEST_POD), ("Pod", TEST_POD)]
+    found = differences(installed(ours), theirs)
     assert not found, "the chart and deploy/ drifted apart:\n" + "\n".join(found)
 
 
@@ -205,8 +259,8 @@ def test_drift_is_caught_whichever_side_changes(tmp_path: Path) -> None:
 
     edited_chart = helm_template(tmp_path / "chart", NAMESPACE)
     assert edited_chart.returncode == 0, edited_chart.stderr
-    for ours, theirs in ((documents(edited_chart.stdout), kustomize_objects(DEPLOY, "k1")),
-                         (render(), kustomize_objects(tmp_path / "deploy", "k2"))):
+    for ours, theirs in ((installed(documents(edited_chart.stdout)), kustomize_objects(DEPLOY, "k1")),
+                         (installed(render()), kustomize_objects(tmp_path / "deploy", "k2"))):
         found_all = differences(ours, theirs)
         assert len(found_all) == 1, "\n".join(found_all)
         (found,) = found_all
@@ -456,7 +510,8 @@ def test_config_values_are_the_daemons_settings_with_their_defaults() -> None:
             takes = dest in SUBCOMMAND_OPTIONS[name]
             assert (option.env in env(ds)) == takes, f"{name}: {option.env}"
             if takes:
-                assert option.parse(env(ds)[option.env]) == option.default, f"{name}: {option.env}"
+                read = daemon_parse(dest, env(ds)[option.env])
+                assert read == daemon_default(dest), f"{name}: {option.env}"
 
 
 def other_value(dest: str) -> Any:
@@ -478,8 +533,8 @@ def test_config_value_reaches_the_daemons_that_take_it(dest: str) -> None:
     rendered = daemonsets(render({"config": {camel(dest): value}}))
     for name, ds in rendered.items():
         if dest in SUBCOMMAND_OPTIONS[name]:
-            parsed = option.parse(env(ds)[option.env])
-            assert parsed == value and parsed != option.default, f"{name}: {env(ds)[option.env]!r}"
+            parsed = daemon_parse(dest, env(ds)[option.env])
+            assert parsed == value and parsed != daemon_default(dest), f"{name}: {env(ds)[option.env]!r}"
         else:
             assert option.env not in env(ds), name
 
@@ -491,22 +546,23 @@ def test_config_duration_with_a_unit_renders_as_given() -> None:
 
 
 def test_schema_bounds_are_the_daemons() -> None:
+    """The schema's bounds and choices are the daemons': each range (the accessors at the top),
+    both of its ends accepted by the daemons' parser, and each enum as the parser lists it."""
     props = SCHEMA["properties"]["config"]["properties"]
-    assert (props["deviceCount"]["minimum"], props["deviceCount"]["maximum"]) == (1, config.MAX_DEVICE_COUNT)
-    for key in ("deviceUid", "deviceGid"):
-        assert (props[key]["minimum"], props[key]["maximum"]) == (0, config.UINT32_MAX)
+    ranges = {**daemon_integer_ranges(), **daemon_duration_ranges()}
     for dest in SETTINGS:
-        schema, option = props[camel(dest)], config.OPTIONS[dest]
+        schema = props[camel(dest)]
         if "enum" in schema:  # the parser's choices, as its refusal lists them
             with pytest.raises(ValueError) as refused:
-                option.parse("not-a-choice")
+                daemon_parse(dest, "not-a-choice")
             listed = re.search(r"one of (.*), got", str(refused.value))
             assert listed and listed.group(1).split(", ") == schema["enum"], dest
-        for number in (s for s in schema.get("oneOf", []) if s["type"] == "number"):
-            ranges = {config.INTERVAL_RANGE, config.TIMEOUT_RANGE}
-            assert (number["minimum"], number["maximum"]) in ranges, dest
-            option.parse(str(number["minimum"]))
-            option.parse(str(number["maximum"]))
+        bounded = [s for s in [schema, *schema.get("oneOf", [])] if "maximum" in s]
+        assert bool(bounded) == (dest in ranges), dest
+        for number in bounded:
+            assert (number["minimum"], number["maximum"]) == ranges[dest], dest
+            daemon_parse(dest, str(number["minimum"]))
+            daemon_parse(dest, str(number["maximum"]))
 
 
 # --- the schema refuses --------------------------------------------------------------------------
@@ -624,8 +680,14 @@ def test_packaged_chart_carries_the_schema_and_readme(tmp_path: Path) -> None:
     assert archive.name == f"hlplugin-{APP_VERSION}.tgz"
     listing = subprocess.run(["tar", "tzf", str(archive)], capture_output=True, text=True, check=True).stdout
     for member in ("Chart.yaml", "values.yaml", "values.schema.json", "README.md",
-                   "files/prometheus-rules.yaml", "templates/device-plugin.yaml"):
+                   "files/prometheus-rules.yaml", "files/limits.yaml", "templates/device-plugin.yaml",
+                   "templates/tests/vm-check.yaml"):
         assert f"hlplugin/{member}" in listing.split(), member
+    # The duration ranges travel with it: the packaged chart refuses what the directory refuses.
+    refused = subprocess.run([tool("helm"), "template", "x", str(archive), "--set-string",
+                              "config.cdiInterval=2h"], capture_output=True, text=True, timeout=100,
+                             check=False)
+    assert refused.returncode != 0 and "config.cdiInterval=2h is out of range: 1s-1h" in refused.stderr
     shutil.rmtree(tmp_path)
 
 
@@ -674,3 +736,313 @@ def test_operations_names_paths_device_plugins_not_root_dir() -> None:
     assert "paths.devicePlugins" in operations
     assert not re.search(r"non-default `--root-dir` needs", operations)
     assert "?ref=<commit SHA>" in operations and "helm install" in operations
+
+
+# --- durations: refused at render when the daemons would ignore them ------------------------------
+
+LIMITS = yaml.safe_load((CHART / "files/limits.yaml").read_text())["durations"]
+DURATIONS = sorted(daemon_duration_ranges())
+
+
+def test_the_chart_s_duration_ranges_are_the_daemons() -> None:
+    """files/limits.yaml (what the template compares with) and the schema's bounds of a number of
+    seconds both carry the daemons' ranges, and the range the refusal prints is the one their
+    --help prints."""
+    assert set(LIMITS) == {camel(dest) for dest in DURATIONS}
+    props = SCHEMA["properties"]["config"]["properties"]
+    for dest in DURATIONS:
+        low, high = daemon_duration_ranges()[dest]
+        limit = LIMITS[camel(dest)]
+        assert (limit["min"], limit["max"]) == (low, high), dest
+        assert limit["shown"] == f"{durations.show(low)}-{durations.show(high)}", dest
+        assert limit["shown"] in config.OPTIONS[dest].help, dest
+        (number,) = [s for s in props[camel(dest)]["oneOf"] if s["type"] == "number"]
+        assert (number["minimum"], number["maximum"]) == (low, high), dest
+
+
+def beyond(seconds: float, unit: str, step: float) -> str:
+    """``seconds`` written in ``unit`` (ms, s, m, h) and moved by ``step`` of that unit."""
+    size = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
+    return f"{round(seconds / size + step, 6):g}{unit}"
+
+
+@pytest.mark.parametrize("dest", DURATIONS)
+def test_an_out_of_range_duration_fails_the_render_naming_it_and_its_range(dest: str) -> None:
+    """`config.cdiInterval=2h` used to install and be ignored (the daemon warned and ran 10 s):
+    now `helm template`/`install` fails, and says which value and what range. Just inside the
+    range, in a unit other than seconds, renders."""
+    low, high = daemon_duration_ranges()[dest]
+    shown = LIMITS[camel(dest)]["shown"]
+    for bad in (beyond(high, "m", 0.5), beyond(low, "ms", -1)):
+        with pytest.raises(ValueError):
+            daemon_parse(dest, bad)  # the daemon would refuse it too
+        result = helm_template(CHART, NAMESPACE, {"config": {camel(dest): bad}})
+        assert result.returncode != 0, f"helm accepted {camel(dest)}={bad}"
+        assert f"config.{camel(dest)}={bad} is out of range: {shown}" in result.stderr, result.stderr
+    edges = {"high": beyond(high, "m", 0), "low": beyond(low, "ms", 0)}
+    rendered = daemonsets(render({"config": {camel(dest): edges["high"]}}))
+    assert env(rendered[MAIN])[config.OPTIONS[dest].env] == edges["high"]
+    render({"config": {camel(dest): edges["low"]}})
+
+
+def duration_cases(low: float, high: float) -> list[str]:
+    """Durations around both bounds of a range, in every unit and without one, and a spread of
+    others: where a parser that compared in the wrong unit, or off by one step, would differ."""
+    cases = {"0", "0s", "10", "10s", "1.5m", "000000000000000000001s", "1" + "0" * 20 + "ms"}
+    for bound in (low, high):
+        for unit in ("ms", "s", "m", "h"):
+            for step in (0, 1e-6, -1e-6, 1e-3, -1e-3, 1, -1):
+                cases.add(beyond(bound, unit, step))
+        cases.add(f"{bound:g}")
+    rng = random.Random(29)
+    for _ in range(120):
+        whole = str(rng.choice([rng.randrange(0, 10), rng.randrange(0, 5000)]))
+        fraction = rng.choice(["", "." + str(rng.randrange(0, 10_000)).zfill(rng.randrange(1, 5))])
+        cases.add(whole + fraction + rng.choice(["", "ms", "s", "m", "h"]))
+    return sorted(c for c in cases if not c.startswith("-"))
+
+
+def test_the_chart_and_the_daemons_agree_on_every_duration(tmp_path: Path) -> None:
+    """The template's verdict ("hlplugin.durationProblem") against the daemons' own parser, on
+    several hundred durations of each setting: the same ones pass, the same ones are refused. One
+    render of a copy of the chart with a template that only asks the helper."""
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    cases = [[camel(dest), text] for dest in DURATIONS
+             for text in duration_cases(*daemon_duration_ranges()[dest])]
+    numbers = [[camel(dest), value] for dest in DURATIONS for bound in daemon_duration_ranges()[dest]
+               for value in (bound, bound - 0.001, bound + 0.001)]
+    (chart / "files/cases.json").write_text(json.dumps(cases + numbers))
+    (chart / "templates/verdicts.yaml").write_text(
+        '{{- $out := list }}{{- range $c := .Files.Get "files/cases.json" | fromJsonArray }}'
+        '{{- $out = append $out (include "hlplugin.durationProblem" (list $ (index $c 0) (index $c 1))) }}'
+        '{{- end }}\nverdicts: {{ toJson $out | quote }}\n')
+    result = subprocess.run([tool("helm"), "template", "x", str(chart), "--show-only",
+                             "templates/verdicts.yaml"], capture_output=True, text=True,
+                            timeout=100, check=False)
+    assert result.returncode == 0, result.stderr
+    verdicts = json.loads(yaml.safe_load(result.stdout)["verdicts"])
+    assert len(verdicts) == len(cases) + len(numbers) > 400
+    disagree, refused = [], 0
+    for (name, value), problem in zip(cases + numbers, verdicts, strict=True):
+        dest = next(d for d in DURATIONS if camel(d) == name)
+        try:
+            daemon_parse(dest, value if isinstance(value, str) else repr(value))
+            daemon_ok = True
+        except ValueError:
+            daemon_ok = False
+        refused += not daemon_ok
+        if daemon_ok != (problem == ""):
+            disagree.append(f"{name}={value!r}: daemon {'accepts' if daemon_ok else 'refuses'}, "
+                            f"chart says {problem!r}")
+        elif problem:
+            assert problem.startswith(f"config.{name}={value} is "), problem
+    assert not disagree, "\n".join(disagree)
+    assert 0.2 < refused / len(verdicts) < 0.8, "both verdicts are well represented"
+
+
+# --- the defaults written down in the chart and in deploy/base are the daemons' ---------------------
+
+
+def test_defaults_in_values_base_and_docs_are_the_daemons() -> None:
+    """Every config.* default in values.yaml, and every setting deploy/base's DaemonSets write,
+    read by the daemons' own parser, is the daemons' default (the device count's 2000 among them);
+    the docs that state the device count say the same, and the capacity as kubectl prints it."""
+    for dest in SETTINGS:
+        written = VALUES["config"][camel(dest)]
+        text = str(written).lower() if isinstance(written, bool) else str(written)
+        assert daemon_parse(dest, text) == daemon_default(dest), f"values.yaml config.{camel(dest)}"
+    base = {o["metadata"]["name"]: o for path in sorted((DEPLOY / "base").glob("*.yaml"))
+            for o in documents(path.read_text()) if o["kind"] == "DaemonSet"}
+    by_env = {config.OPTIONS[dest].env: dest for dest in SETTINGS}
+    checked = 0
+    for name, ds in base.items():
+        for var, text in env(ds).items():
+            if var in by_env:
+                assert daemon_parse(by_env[var], text) == daemon_default(by_env[var]), f"{name}: {var}"
+                checked += 1
+    assert checked == sum(len(set(SUBCOMMAND_OPTIONS[n]) & set(SETTINGS)) for n in (MAIN, BOOTSTRAP))
+    count = daemon_default("device_count")
+    operations = (ROOT / "docs/operations.md").read_text()
+    assert f"`DEVICE_COUNT` (default {count})" in operations
+    assert f"`DEVICE_COUNT` per node ({count})" in (ROOT / "docs/architecture.md").read_text()
+    assert count % 1000 == 0 and f"`hyperlight.dev/hypervisor: {count // 1000}k`" in operations, (
+        "kubectl prints the quantity canonically")
+
+
+# --- `helm test`: a pod that proves a node serves Hyperlight ---------------------------------------
+
+# Peak RSS of `hlplugin doctor --device-only` (VmHWM, this machine's venv, KVM, guest run): MiB.
+MEASURED_TEST_PEAK_MIB = 38
+
+
+def hook_pod(objs: Objects) -> dict[str, Any]:
+    (found,) = [o for o in hooks(objs) if o["kind"] == "Pod"]
+    return found
+
+
+def test_helm_test_pod_is_a_locked_down_workload_asking_one_slot() -> None:
+    """What `helm test` runs is a workload like any other: one hyperlight.dev/hypervisor, no
+    device-access, the Restricted Pod Security Standard (non-root, no capability, read-only root,
+    RuntimeDefault seccomp), bounded resources, no network, deleted once it passed and before
+    the next run; on the DaemonSets' nodes, with their image and pull policy."""
+    values = {"image": {"tag": "i29", "pullPolicy": "Always"}, "imagePullSecrets": [{"name": "regcred"}],
+              "config": {"hypervisor": "kvm", "probeTimeout": "500ms"}}
+    for objs in (render(), render(values), render(TOGGLES)):
+        hook = hook_pod(objs)
+        meta, spec = hook["metadata"], hook["spec"]
+        assert meta["name"] == TEST_POD and meta["namespace"] == NAMESPACE
+        assert meta["annotations"]["helm.sh/hook"] == "test"
+        assert set(meta["annotations"]["helm.sh/hook-delete-policy"].split(",")) == {
+            "hook-succeeded", "before-hook-creation"}
+        assert restricted_violations(spec) == []
+        assert spec["restartPolicy"] == "Never" and spec["automountServiceAccountToken"] is False
+        (c,) = spec["containers"]
+        sc = c["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc["runAsUser"] != 0 and sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"] == {"drop": ["ALL"]} and sc["seccompProfile"]["type"] == "RuntimeDefault"
+        res = c["resources"]
+        for kind in ("requests", "limits"):
+            assert res[kind]["hyperlight.dev/hypervisor"] == "1"
+            assert "hyperlight.dev/device-access" not in res[kind]
+            assert {"cpu", "memory"} <= set(res[kind])
+        assert millicores(res["requests"]["cpu"]) <= millicores(res["limits"]["cpu"])
+        assert MEASURED_TEST_PEAK_MIB <= mib(res["requests"]["memory"]) <= mib(res["limits"]["memory"])
+        assert mib(res["limits"]["memory"]) >= 1.5 * MEASURED_TEST_PEAK_MIB
+        plugin = daemonsets(objs)[MAIN]
+        for key in ("image", "imagePullPolicy"):
+            assert c[key] == container(plugin)[key], key
+        for key in ("nodeSelector", "tolerations", "imagePullSecrets", "affinity"):
+            assert spec.get(key) == pod(plugin).get(key), key
+        # The daemons' settings that shape the verdict, as the main daemon has them.
+        for var, text in env_of(c).items():
+            assert env(plugin)[var] == text, var
+        # No network: the policy created with it (first, by weight) selects it and allows nothing.
+        (policy,) = [o for o in hooks(objs) if o["kind"] == "NetworkPolicy"]
+        assert int(policy["metadata"]["annotations"]["helm.sh/hook-weight"]) < int(
+            meta["annotations"].get("helm.sh/hook-weight", "0"))
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= meta["labels"].items()
+        assert policy["spec"]["ingress"] == policy["spec"]["egress"] == []
+        assert set(policy["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+    assert hook_pod(render(values))["spec"]["containers"][0]["imagePullPolicy"] == "Always"
+
+
+def test_helm_test_pod_is_admitted_by_the_chart_s_admission_policy() -> None:
+    from test_admission_cel import admit, defaulted
+
+    objs = render()
+    (policy,) = [o for o in objs if o["kind"] == "ValidatingAdmissionPolicy"]
+    assert admit(policy, defaulted(hook_pod(objs))) is True  # it applies, and admits
+
+
+def hook_command(tmp: Path, dev: Path) -> tuple[list[str], dict[str, str]]:
+    """The hook container's command line and environment, run here: the image's entrypoint is
+    the console script; only the device directory differs (the container's /dev is the node's)."""
+    c = hook_pod(render())["spec"]["containers"][0]
+    environ = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp),
+               **env_of(c), config.OPTIONS["dev_dir"].env or "": str(dev)}
+    return [sys.executable, "-m", "hlplugin", *c["args"]], environ
+
+
+@pytest.mark.skipif(not (os.path.exists("/dev/kvm") and os.access("/dev/kvm", os.R_OK | os.W_OK)),
+                    reason="needs a usable /dev/kvm")
+def test_helm_test_command_passes_on_a_working_device_and_fails_without_one(tmp_path: Path) -> None:
+    """The hook's own command and settings give the verdict: exit 0 with a VM created and a guest
+    run through a device node as the CDI spec makes it, exit 1 (saying why) where the container
+    got no device, as a pod admitted without the slot would."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    if os.geteuid() == 0:  # the node as the runtime creates it: mode 0666, owned by DEVICE_UID
+        from harness import mknod_char
+
+        kvm = mknod_char(dev / "kvm", os.stat("/dev/kvm").st_rdev)
+        os.chmod(kvm, 0o666)
+    else:
+        (dev / "kvm").symlink_to("/dev/kvm")
+    argv, environ = hook_command(tmp_path, dev)
+    ok = subprocess.run(argv, env=environ, capture_output=True, text=True, timeout=60, check=False)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "VM creation      OK" in ok.stdout and "guest run        OK" in ok.stdout, ok.stdout
+    assert "verdict: OK" in ok.stdout
+    (dev / "kvm").unlink()
+    bad = subprocess.run(argv, env=environ, capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 1 and "verdict: FAIL" in bad.stdout, bad.stdout + bad.stderr
+
+
+# --- the docs of the namespace, helm test, reboot and uninstall -----------------------------------
+
+
+def sh_blocks(text: str) -> list[str]:
+    return re.findall(r"```sh\n(.*?)```", text, re.S)
+
+
+def test_readme_gives_the_namespace_ways_that_work() -> None:
+    """The chart's README no longer says to install with namespace.create=true and without
+    --create-namespace (helm writes its release record into the namespace first: that fails); it
+    gives both ways that work, with commands Helm accepts, and says what helm uninstall does to
+    the namespace in each. The rendering agrees: the chart's Namespace is the release namespace
+    and carries no keep policy, so helm uninstall deletes it."""
+    text = section(README.read_text(), "## The namespace\n")
+    prose = " ".join(text.split())
+    assert "(then without `--create-namespace`)" not in " ".join(README.read_text().split())
+    assert 'namespaces "hyperlight-system" not found' in prose
+    commands = [" ".join(line.split("#")[0].replace("\\", " ").split())
+                for block in sh_blocks(text) for line in re.sub(r"\\\n", " ", block).splitlines()]
+    installs = [c for c in commands if c.startswith("helm install")]
+    plain = [c for c in installs if "namespace.create=true" not in c]
+    owned = [c for c in installs if "namespace.create=true" in c]
+    assert any("--create-namespace" in c for c in plain), installs
+    assert any("--create-namespace" in c for c in owned), "Helm 4's way"
+    assert any("--take-ownership" in c for c in owned), "an existing namespace, adopted"
+    assert all(f"-n {NAMESPACE}" in c for c in installs), installs
+    # Helm's ownership metadata by hand: the keys and values Helm checks for this release.
+    assert f"kubectl create namespace {NAMESPACE}" in commands
+    assert f"kubectl label namespace {NAMESPACE} app.kubernetes.io/managed-by=Helm" in commands
+    assert (f"kubectl annotate namespace {NAMESPACE} meta.helm.sh/release-name=hlplugin "
+            f"meta.helm.sh/release-namespace={NAMESPACE}") in commands
+    assert "pod-security.kubernetes.io/enforce=privileged" in " ".join(commands)
+    assert "`helm uninstall` leaves it" in prose and "`helm uninstall` deletes it" in prose
+    (namespace,) = [o for o in render({"namespace": {"create": True}}) if o["kind"] == "Namespace"]
+    assert namespace["metadata"]["name"] == NAMESPACE
+    assert "helm.sh/resource-policy" not in namespace["metadata"].get("annotations", {})
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+def test_docs_of_helm_test_name_what_the_hook_runs() -> None:
+    hook = hook_pod(render())
+    (c,) = hook["spec"]["containers"]
+    command = " ".join(["hlplugin", *c["args"]])
+    readme, operations = README.read_text(), (ROOT / "docs/operations.md").read_text()
+    for text in (" ".join(section(readme, "## Test\n").split()), " ".join(operations.split())):
+        assert "helm test hlplugin -n hyperlight-system --logs" in text
+        assert f"`{hook['metadata']['name']}`" in text and f"`{command}`" in text
+        assert f"UID {hook['spec']['securityContext']['runAsUser']}" in text
+    assert "helm test hlplugin -n hyperlight-system --logs" in section((ROOT / "README.md").read_text(),
+                                                                      "## Deploy\n")
+    # What helm install prints after installing (NOTES.txt) says it too, for the release's name.
+    dry = subprocess.run([tool("helm"), "install", "--dry-run=client", "my-hl", str(CHART), "-n", NAMESPACE],
+                         capture_output=True, text=True, timeout=100, check=False)
+    assert dry.returncode == 0, dry.stderr
+    notes = dry.stdout[dry.stdout.index("NOTES:"):]
+    assert f"helm test my-hl -n {NAMESPACE} --logs" in notes, notes
+
+
+def test_operations_says_what_stays_after_a_reboot_and_after_uninstall() -> None:
+    """The cleanup of workload pods that failed admission after a reboot deletes exactly those:
+    phase Failed, the reason the same section quotes; after helm uninstall, the capacity kubectl
+    shows for the kubelet's grace, then 0, and the CDI spec left on the node."""
+    operations = (ROOT / "docs/operations.md").read_text()
+    reboot = section(operations, "## After a node reboot")
+    prose = " ".join(reboot.split())
+    (cleanup,) = [b for b in sh_blocks(reboot) if "delete pod" in b]
+    assert "--field-selector=status.phase=Failed" in cleanup
+    (reason,) = re.findall(r'@\.status\.reason=="(\w+)"', cleanup)
+    assert f"status `{reason}`" in prose and reason == "UnexpectedAdmissionError"
+    assert "ReplicaSet" in prose and "spec.nodeName=<node>" in prose
+    uninstall = operations[operations.index("To uninstall"):]
+    uninstall = " ".join(uninstall[: uninstall.index("\n## ")].split())
+    count = daemon_default("device_count")
+    for needle in (f"`hyperlight.dev/hypervisor: {count // 1000}k`", "`hyperlight.dev/device-access: 1`",
+                   "5 minutes", "show 0 for good", "`/var/run/cdi/hyperlight.json` stays",
+                   "`namespace.create=true`"):
+        assert needle in uninstall, needle

@@ -72,6 +72,8 @@ COMMANDS = ("kubectl ", "python ", "python3 ", "pip ", "bash ", "git ", "ls ", "
 NOT_A_MESSAGE = re.compile(r"\s(?:==|!=|>=|<=|>|<|=)\s|^[A-Za-z_][\w.-]*: ")
 FOREIGN = {
     "Insufficient hyperlight.dev/hypervisor": "the scheduler's event",
+    'namespaces "hyperlight-system" not found': "the API server's, as helm install prints it",
+    'namespaces "hyperlight-system" already exists': "the API server's, as Helm 3 prints it",
 }
 
 

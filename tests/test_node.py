@@ -335,6 +335,36 @@ def test_example_workloads_create_a_vm_through_cdi_as_65534(running: Cluster) ->
         podman("rm", "--force", "--time", "0", workload.name)
 
 
+@pytest.mark.skipif(not IS_CHART, reason="`helm test`'s pod is the chart's; an overlay has none")
+def test_the_helm_test_pod_passes_on_a_node_that_serves_hyperlight(running: Cluster) -> None:
+    """What `helm test` runs (templates/tests/vm-check.yaml), as the kubelet would run it: admitted
+    with its one hyperlight.dev/hypervisor (the CDI device, nothing else), as UID 65534 with no
+    capability and a read-only root, it exits 0 with the doctor's VM and guest run and verdict OK.
+    The same pod without the slot's device fails, so its verdict is the device's."""
+    c = running
+    (hook,) = [d for d in documents(render_plugins()) if d["kind"] == "Pod"
+               and d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
+    test = c.node.create(hook, "helm-test", c.admit)
+    (response,) = test.allocations.values()
+    assert [d.name for d in response.cdi_devices] == ["hyperlight.dev/hypervisor=kvm"]
+    assert not response.devices, "only the CDI device: no DeviceSpec, no mount"
+    c.start(test)
+    code = podman("wait", test.name, timeout=120).stdout.strip()
+    logs = test.logs()
+    assert code == "0", f"the helm test pod exited {code}: {logs}"
+    for row in ("VM creation      OK", "guest run        OK", "CDI device       OK", "verdict: OK"):
+        assert row in logs, logs
+    assert "owner 65534:65534" in logs, "the node the runtime made for the workload's UID"
+
+    def nothing(resource: str, count: int) -> pb.ContainerAllocateResponse:
+        return pb.ContainerAllocateResponse()  # admitted without the device
+
+    bare = c.node.create(hook, "helm-test-bare", nothing)
+    c.start(bare)
+    code = podman("wait", bare.name, timeout=120).stdout.strip()
+    assert code == "1" and "verdict: FAIL" in bare.logs(), f"exit {code}: {bare.logs()}"
+
+
 def test_translation_agrees_with_podman_kube_play(cluster: Cluster) -> None:
     """podman's own reading of each pod spec (`kube play`, not started) and ours give the same
     user, root, capabilities, limits, env, command and volumes."""

@@ -16,9 +16,40 @@
 app.kubernetes.io/part-of: hyperlight
 {{- end -}}
 
-{{/* A duration setting: seconds as a number, or a string with its unit ("10s", "500ms"). */}}
+{{/* A duration setting, (list $ "cdiInterval"), rendered as given (seconds as a number, or a
+string with its unit: "10s", "500ms") once it is within the daemons' range (files/limits.yaml).
+Out of it the render fails naming the value and the range: the daemon would only warn and run its
+default, so `helm install --set config.cdiInterval=2h` would succeed and do nothing. */}}
 {{- define "hlplugin.duration" -}}
-{{- if kindIs "string" . -}}{{ . | quote }}{{- else -}}{{ . | toString | quote }}{{- end -}}
+{{- $root := index . 0 -}}
+{{- $name := index . 1 -}}
+{{- $value := index $root.Values.config $name -}}
+{{- $problem := include "hlplugin.durationProblem" (list $root $name $value) -}}
+{{- if $problem -}}{{- fail $problem -}}{{- end -}}
+{{- $value | toString | quote -}}
+{{- end -}}
+
+{{/* Why the duration setting $name cannot be $value, or nothing: (list $ name value). The
+daemons' parser (src/hlplugin/durations.py) to the letter: 1-20 digits, an optional fraction of
+1-20, an optional unit; the number times the unit's seconds, bounds inclusive. */}}
+{{- define "hlplugin.durationProblem" -}}
+{{- $root := index . 0 -}}
+{{- $name := index . 1 -}}
+{{- $value := index . 2 -}}
+{{- $range := index ($root.Files.Get "files/limits.yaml" | fromYaml) "durations" $name -}}
+{{- $seconds := -1.0 -}}
+{{- if not (kindIs "string" $value) -}}
+{{- $seconds = float64 $value -}}
+{{- else if regexMatch "^[0-9]{1,20}([.][0-9]{1,20})?(ms|s|m|h)?$" $value -}}
+{{- $number := regexFind "^[0-9.]+" $value -}}
+{{- $unit := trimPrefix $number $value | default "s" -}}
+{{- $seconds = mulf (float64 $number) (get (dict "ms" 0.001 "s" 1.0 "m" 60.0 "h" 3600.0) $unit) -}}
+{{- end -}}
+{{- if lt $seconds 0.0 -}}
+config.{{ $name }}={{ $value }} is not a duration: a number of seconds or a number with ms, s, m or h (500ms, 10s, 1m)
+{{- else if or (lt $seconds (float64 $range.min)) (gt $seconds (float64 $range.max)) -}}
+config.{{ $name }}={{ $value }} is out of range: {{ $range.shown }} (the daemons' range; out of it they would warn and use the default)
+{{- end -}}
 {{- end -}}
 
 {{/* DaemonSet metadata annotations: checkov's skips, each with its reason. */}}
