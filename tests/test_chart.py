@@ -34,6 +34,7 @@ from test_deploy import (
 )
 
 from hlplugin import config, durations
+from hlplugin.settings import ServeSettings
 
 pytestmark = pytest.mark.deploy
 
@@ -43,16 +44,16 @@ pytestmark = pytest.mark.deploy
 
 
 def daemon_duration_ranges() -> dict[str, tuple[float, float]]:
-    """Each duration setting's range in seconds (both bounds allowed), by its Settings name."""
-    from hlplugin.config import INTERVAL_RANGE, TIMEOUT_RANGE
+    """Each duration setting's range in seconds (both bounds allowed), by its option name."""
+    from hlplugin.settings import INTERVAL_RANGE, TIMEOUT_RANGE
 
     return {"cdi_interval": INTERVAL_RANGE, "health_interval": INTERVAL_RANGE,
             "probe_timeout": TIMEOUT_RANGE, "register_timeout": TIMEOUT_RANGE}
 
 
 def daemon_integer_ranges() -> dict[str, tuple[int, int]]:
-    """Each whole-number setting's range (both bounds allowed), by its Settings name."""
-    from hlplugin.config import MAX_DEVICE_COUNT, UINT32_MAX
+    """Each whole-number setting's range (both bounds allowed), by its option name."""
+    from hlplugin.settings import MAX_DEVICE_COUNT, UINT32_MAX
 
     return {"device_count": (1, MAX_DEVICE_COUNT), "device_uid": (0, UINT32_MAX),
             "device_gid": (0, UINT32_MAX)}
@@ -64,8 +65,8 @@ def daemon_parse(dest: str, text: str) -> Any:
 
 
 def daemon_default(dest: str) -> Any:
-    """The daemons' default of a setting: the Settings field's."""
-    return getattr(config.Settings(), dest)
+    """The daemons' default of a setting: its hlplugin.settings field's (the main daemon's)."""
+    return config.value_at(ServeSettings(), config.OPTIONS[dest].path)
 
 
 ROOT = Path(__file__).resolve().parents[1]
