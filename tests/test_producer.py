@@ -263,7 +263,8 @@ async def test_periodic_passes_of_one_period_share_a_wake_up() -> None:
         second.cancel()
         await asyncio.wait([first, second])
     for name in seen:
-        assert all(min(t % 0.3, 0.3 - t % 0.3) < 0.05 for t in seen[name]), seen
-        assert all(0.2 < b - a < 0.4 for a, b in itertools.pairwise(seen[name])), seen
+        # Generous bounds (a busy machine wakes late): out of phase would be 0.13 s off a tick.
+        assert all(min(t % 0.3, 0.3 - t % 0.3) < 0.12 for t in seen[name]), seen
+        assert all(0.15 < b - a < 0.45 for a, b in itertools.pairwise(seen[name])), seen
     assert min(abs(t - u) for t in seen["b"] for u in seen["a"]) < 0.01, seen
     assert [made.runner.threads_started for made in producers] == [1, 1]

@@ -1,7 +1,7 @@
 """The one freshness primitive: each caller is answered by a run of a check that began after it
 arrived, and the callers that arrive while a run has not begun share that run.
 
-Every gate before an Allocate uses it (the main daemon's device check and CDI read, the
+Every gate before an Allocate uses it (the main daemon's device check and spec read, the
 bootstrap's node check): a fault that lands just before an Allocate must refuse that Allocate, and
 a burst of Allocates must cost one check, not one each.
 
