@@ -3,6 +3,7 @@ errors, --help; --version is test_packaging's), which needs no daemon and so no 
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import re
@@ -15,6 +16,7 @@ import pytest
 from hlplugin import aliases, cdi_spec, config, durations
 from hlplugin.cli import build_parser, main
 from hlplugin.dirs import not_a_directory
+from hlplugin.settings import ServeSettings
 from hlplugin.tools.emulator import KUBELET_MAX_MESSAGE
 
 Cli = Callable[..., tuple[int, str, str]]
@@ -209,6 +211,28 @@ def test_help_names_every_flag_and_its_twin(cli: Cli) -> None:
         for option in map(config.OPTIONS.__getitem__, names):
             assert option.flag in out and (option.env is None or option.env in out), option.flag
     assert "0.0.0.0:8081" in out and "--cdi-dir" not in out  # bootstrap's
+
+
+def test_each_option_s_help_is_its_settings_field_s_docstring(cli: Cli) -> None:
+    """One source: --help says what the attribute docstring under the option's field says (the
+    frozen groups of hlplugin.settings and the generic package's), then its range, twin and default."""
+    code, out, _ = cli("serve", "--help")
+    assert code == 0
+    flat = " ".join(out.split())
+    for option in map(config.OPTIONS.__getitem__, config.SERVE_OPTIONS):
+        group = type(config.value_at(ServeSettings(), option.path[:-1]))
+        source = " ".join(inspect.getsource(group).split())
+        doc = option.help.split(" Range: ")[0]
+        assert re.search(rf'\b{option.path[-1]}: (?:(?!""").)+ """{re.escape(doc)}"""', source), option.flag
+        assert f"{option.help} (env {option.env}; default " in flat, option.flag
+
+
+def test_a_start_reads_no_docstrings() -> None:
+    """Only help pays for parsing the settings' source: a start builds its parser and resolves."""
+    config.field_docs.cache_clear()
+    args = build_parser("serve").parse_args(["serve", "--device-count", "3"])
+    config.resolve_sources(args, config.SERVE_OPTIONS, "serve", environ={})
+    assert config.field_docs.cache_info().misses == 0
 
 
 def test_cdi_prints_the_spec_the_daemon_writes_or_checks_a_file_against_it(cli: Cli, tmp_path: Path) -> None:

@@ -114,7 +114,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; with ``only`` (the command about to run), the other commands are
     listed without their options, which a start would build and never parse."""
     parser = _Parser(
-        prog="hlplugin",
+        prog="hlplugin", formatter_class=config.HelpFormatter,
         description="Kubernetes device plugin for Hyperlight micro-VMs. Every option has an "
                     "environment twin; a flag wins over its twin.")
     parser.add_argument("--version", action="version", version=f"hlplugin {__version__}")
@@ -127,7 +127,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                        "cdi": f"{help_text}. It also takes the rest of the serve command line, "
                               "and ignores it: only the options below shape the spec."}
         sub = commands.add_parser(name, help=help_text, description=description.get(name, help_text),
-                                  epilog=config.DURATION_HELP if durations else None)
+                                  epilog=config.DURATION_HELP if durations else None,
+                                  formatter_class=config.HelpFormatter)
         sub.set_defaults(subparser=sub)  # errors found after parsing print this command's usage
         if only is not None and name != only:
             continue

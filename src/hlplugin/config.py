@@ -10,7 +10,11 @@ the default, the upstream contract.
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
+import inspect
 import ipaddress
+import itertools
 import logging
 import os
 import re
@@ -151,15 +155,16 @@ def value_at(settings: Any, path: tuple[str, ...]) -> Any:
 @dataclass(frozen=True)
 class Option:
     """One flag and its twin, setting the field at ``at`` (dotted: group.field) of a command's
-    settings; its name (``dest``) is the flag's, as argparse spells it."""
+    settings; its name (``dest``) is the flag's, as argparse spells it, and its help the field's
+    attribute docstring (with ``bounds``, the range its parser takes, where it has one)."""
 
     at: str
     flag: str
     env: str | None
     parse: Callable[[str], Any]
-    help: str
     metavar: str | None = None
     is_switch: bool = False
+    bounds: str = ""
 
     @property
     def dest(self) -> str:
@@ -177,43 +182,69 @@ class Option:
     def default(self) -> Any:
         return self.default_for("serve")
 
+    @property
+    def help(self) -> str:
+        """What the option means: its field's docstring (hlplugin.settings, or the generic
+        package's), read when help is shown (never by a start), and the range it takes."""
+        group: type = type(value_at(SETTINGS_OF["serve"](), self.path[:-1]))
+        text = field_docs(group)[self.path[-1]]
+        return f"{text} Range: {self.bounds}." if self.bounds else text
+
+
+@functools.cache
+def field_docs(group: type) -> dict[str, str]:
+    """The attribute docstrings of a settings dataclass (the string under each field), each on
+    one line: parsed from its source, so only --help and the README's table pay for it."""
+    (tree,) = ast.parse(inspect.getsource(group)).body
+    assert isinstance(tree, ast.ClassDef)
+    docs = {}
+    for field, doc in itertools.pairwise(tree.body):
+        if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+                and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)):
+            docs[field.target.id] = " ".join(doc.value.value.split())
+    return docs
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's, with each option's meaning (Option.help) put before its environment twin and
+    default at the moment help is printed, so a start does not read the settings' docstrings."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = super()._get_help_string(action)
+        option = OPTIONS.get(action.dest)
+        if option is None or text is None:
+            return text
+        return f"{option.help.replace('%', '%%')} {text}"
+
 
 OPTIONS: dict[str, Option] = {o.dest: o for o in (
-    Option("kubelet.plugin_dir", "--plugin-dir", "HYPERLIGHT_PLUGIN_DIR", _path,
-           "kubelet device-plugin directory", "DIR"),
-    Option("cdi.dir", "--cdi-dir", "HYPERLIGHT_CDI_DIR", _path,
-           "directory of the CDI spec hyperlight.json", "DIR"),
-    Option("health.dev_dir", "--dev-dir", "HYPERLIGHT_DEV_DIR", _path,
-           "where the hypervisor device node is seen and probed", "DIR"),
-    Option("health.host_dev_dir", "--host-dev-dir", "HYPERLIGHT_HOST_DEV_DIR", _optional_path,
-           "host /dev view for the device identity check; empty turns it off", "DIR"),
+    Option("kubelet.plugin_dir", "--plugin-dir", "HYPERLIGHT_PLUGIN_DIR", _path, "DIR"),
+    Option("cdi.dir", "--cdi-dir", "HYPERLIGHT_CDI_DIR", _path, "DIR"),
+    Option("health.dev_dir", "--dev-dir", "HYPERLIGHT_DEV_DIR", _path, "DIR"),
+    Option("health.host_dev_dir", "--host-dev-dir", "HYPERLIGHT_HOST_DEV_DIR", _optional_path, "DIR"),
     Option("health.hypervisor", "--hypervisor", "HYPERLIGHT_HYPERVISOR",
-           _choice("auto", *HYPERVISORS), "auto prefers mshv over kvm", "auto|kvm|mshv"),
-    Option("device_count", "--device-count", "DEVICE_COUNT", _device_count,
-           f"number of shareable slots advertised, 1-{MAX_DEVICE_COUNT}", "N"),
-    Option("cdi.device_uid", "--device-uid", "DEVICE_UID", _uint32,
-           "owner of the device node inside workload containers", "N"),
-    Option("cdi.device_gid", "--device-gid", "DEVICE_GID", _uint32,
-           "group of the device node inside workload containers", "N"),
-    Option("http.address", "--http-address", "HYPERLIGHT_HTTP_ADDRESS", _address,
-           "address of /healthz, /readyz and /metrics", "HOST:PORT"),
+           _choice("auto", *HYPERVISORS), "auto|kvm|mshv"),
+    Option("device_count", "--device-count", "DEVICE_COUNT", _device_count, "N",
+           bounds=f"1-{MAX_DEVICE_COUNT}"),
+    Option("cdi.device_uid", "--device-uid", "DEVICE_UID", _uint32, "N"),
+    Option("cdi.device_gid", "--device-gid", "DEVICE_GID", _uint32, "N"),
+    Option("http.address", "--http-address", "HYPERLIGHT_HTTP_ADDRESS", _address, "HOST:PORT"),
     Option("logging.format", "--log-format", "HYPERLIGHT_LOG_FORMAT", _choice(*LOG_FORMATS),
-           "log line format", "text|json"),
+           "text|json"),
     Option("logging.level", "--log-level", "HYPERLIGHT_LOG_LEVEL", _choice(*LOG_LEVELS),
-           "minimum level logged", "LEVEL"),
+           "LEVEL"),
     Option("cdi.annotations", "--cdi-annotations", "HYPERLIGHT_CDI_ANNOTATIONS", _bool,
-           "also name the CDI device in Allocate annotations (kubelets older than 1.29)",
            is_switch=True),
-    Option("cdi.interval", "--cdi-interval", "HYPERLIGHT_CDI_INTERVAL", _interval,
-           f"time between periodic CDI spec checks, {_INTERVALS}", DURATION),
+    Option("cdi.interval", "--cdi-interval", "HYPERLIGHT_CDI_INTERVAL", _interval, DURATION,
+           bounds=_INTERVALS),
     Option("health.interval", "--health-interval", "HYPERLIGHT_HEALTH_INTERVAL", _interval,
-           f"time between periodic device checks, {_INTERVALS}", DURATION),
+           DURATION, bounds=_INTERVALS),
     Option("health.probe_timeout", "--probe-timeout", "HYPERLIGHT_PROBE_TIMEOUT", _timeout,
-           f"budget of one device check, {_TIMEOUTS}", DURATION),
-    Option("health.guest_check", "--guest-check", "HYPERLIGHT_GUEST_CHECK", _bool,
-           "run a tiny guest on KVM as part of each device check", "true|false"),
-    Option("kubelet.register_timeout", "--register-timeout", "HYPERLIGHT_REGISTER_TIMEOUT", _timeout,
-           f"bound of one Register call to the kubelet, {_TIMEOUTS}", DURATION),
+           DURATION, bounds=_TIMEOUTS),
+    Option("health.guest_check", "--guest-check", "HYPERLIGHT_GUEST_CHECK", _bool, "true|false"),
+    Option("kubelet.register_timeout", "--register-timeout", "HYPERLIGHT_REGISTER_TIMEOUT",
+           _timeout, DURATION, bounds=_TIMEOUTS),
 )}
 
 SERVE_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor", "device_count",
@@ -256,7 +287,7 @@ def add_options(parser: argparse.ArgumentParser, names: Sequence[str], command: 
             shown = str(default).lower()
         elif option.metavar == DURATION:
             shown = durations.show(default)
-        help_text = f"{option.help} (env {option.env}; default {shown})"
+        help_text = f"(env {option.env}; default {shown})"  # the meaning: HelpFormatter
         if option.is_switch:
             parser.add_argument(option.flag, dest=name, action="store_const", const=True,
                                 default=_UNSET, help=help_text)

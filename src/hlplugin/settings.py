@@ -45,7 +45,8 @@ class CdiSettings:
     annotations: bool = False
     """Also name the CDI device in Allocate annotations, for kubelets older than 1.29."""
     device_uid: int = 65534
-    """Owner of the device node inside workload containers (nobody: any UID may use it)."""
+    """Owner of the device node inside workload containers (the default, nobody, lets any UID
+    use it)."""
     device_gid: int = 65534
     """Group of the device node inside workload containers."""
     budget: float = 5.0
@@ -64,7 +65,8 @@ class HealthSettings:
     dev_dir: Path = Path("/dev")
     """Where the hypervisor's device node is seen and probed."""
     host_dev_dir: Path | None = Path("/host-dev")
-    """The host's /dev, for the device identity check (None: the check is off)."""
+    """The host's /dev, for the device identity check (None, an empty flag or variable: the check
+    is off)."""
     hypervisor: str = "auto"
     """kvm, mshv, or auto (mshv over kvm, as upstream; by lstat, so a symlink does not count)."""
     interval: float = 10.0
@@ -80,7 +82,7 @@ class LogSettings:
     format: str = "text"
     """text, or json (one object a line, for log pipelines)."""
     level: str = "info"
-    """The least level logged."""
+    """The least level logged: debug, info, warning or error."""
 
 
 @dataclass(frozen=True)
