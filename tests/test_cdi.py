@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 from harness import needs_root, running, sh, spec_is_exact, split_settings, temp_files, wait_until
+from support.observers import Calls
 from support.waits import loop_turn, quiet, quiet_blocking
 
 import hlplugin.cdi
@@ -281,10 +282,10 @@ async def test_a_change_made_while_a_shared_pass_or_read_ran_is_never_answered_a
     for nothing, so only a read that began after the call may."""
     rig = Reconciler(cdi_dir)
     assert (await rig.rec.reconcile("start")).ok
-    calls = rig.rec.producer.runner.calls
+    reads = Calls(rig.rec.producer.runner, "run")
     first = asyncio.create_task(rig.rec.reconcile("watch") if shared == "pass" else rig.rec.ensure())
     # One loop step at a time, so the read's completion is not yet seen when it has started.
-    while rig.rec.producer.runner.calls == calls:
+    while not reads.began:
         await loop_turn()
     # Hold the loop (deliberately blocking) until the helper finished its read: the result is
     # then in, but the loop has not seen it, so the change below races it and comes first.
@@ -732,9 +733,10 @@ async def test_run_repairs_periodically_but_never_more_often_than_the_floor(
     began: dict[int, float] = {}  # passes completed -> when the next one began
 
     def clock() -> float:  # first read while N passes are done: pass N + 1 starting
-        return began.setdefault(rig.rec.producer.passes, time.monotonic())
+        return began.setdefault(checks.ended, time.monotonic())
 
     rig = Reconciler(cdi_dir, interval=0, clock=clock)
+    checks = Calls(rig.rec.producer, "check")  # a pass each
     alias = tmp_path / "alias.json"
     passes = began.values()  # in order of insertion: pass by pass
 

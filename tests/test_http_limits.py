@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from harness import Daemon, Node, wait_until
 from prometheus_client import CollectorRegistry
+from support.observers import held_connections
 
 from hlplugin import config
 from hlplugin.deviceplugin.process.http import HttpServer, Limits, connection_cap
@@ -175,7 +176,7 @@ async def test_slow_request_is_closed_at_the_whole_request_deadline() -> None:
         assert closed_after is not None, "still open after the whole request was sent"
         assert closed_after >= 0.5
         assert served.liveness == 0
-        assert http.open_connections == 0
+        assert held_connections(http.port) == 0
 
 
 async def test_connections_over_the_cap_close_the_oldest_so_a_probe_gets_in() -> None:
@@ -184,7 +185,7 @@ async def test_connections_over_the_cap_close_the_oldest_so_a_probe_gets_in() ->
         try:
             probe = await exchange(http.port, request())
             assert status(probe) == 200
-            assert http.open_connections <= 8
+            assert held_connections(http.port) <= 8
             # The oldest were closed: they read EOF (or a reset), with no answer.
             reader, _ = silent[0]
             with contextlib.suppress(ConnectionResetError):

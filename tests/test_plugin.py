@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from harness import STALLING_CLIENT, healthy_tracker, wait_until
+from support.observers import Calls
 from support.waits import quiet
 
 from hlplugin.api import deviceplugin_pb2 as pb
@@ -87,16 +88,21 @@ async def test_the_first_list_waits_for_the_first_checks_with_the_stream_counted
     async def gate() -> HealthState:
         return tracker.state
 
-    plugin = HypervisorPlugin("kvm", slots("kvm", 2), tracker, gate, metrics=Metrics(), first=first)
+    metrics = Metrics()
+    plugin = HypervisorPlugin("kvm", slots("kvm", 2), tracker, gate, metrics=metrics, first=first)
+
+    def advertised() -> float | None:  # what the daemon exports of the latest list sent
+        return metrics.registry.get_sample_value(f"{metrics.prefix}_devices_advertised")
+
     async with served(plugin) as (stub, _):
         stream = stub.ListAndWatch(pb.Empty())
         reading = asyncio.create_task(stream.read())
         await wait_until(lambda: plugin.open_streams == 1, what="the stream open")
-        assert plugin.lists_sent == 0 and not reading.done()
+        assert advertised() == 0 and not reading.done()
         tracker.set_condition("device", True)  # what the first check found
         first.set_result(None)
         response = await asyncio.wait_for(reading, 10)
-        assert {d.health for d in response.devices} == {"Healthy"} and plugin.lists_sent == 1
+        assert {d.health for d in response.devices} == {"Healthy"} and advertised() == 2
         stream.cancel()
 
 
@@ -226,6 +232,7 @@ async def test_a_reader_that_stops_reading_gets_the_latest_state_not_a_backlog()
 
     tracker = healthy_tracker()
     plugin = make_plugin(tracker, count=2000)  # ~40 KB a list: the transport fills quickly
+    lists = Calls(plugin.devices, "wire")  # one a list sent
     async with served(plugin) as (_, path):
         client = await asyncio.create_subprocess_exec(
             sys.executable, "-c", STALLING_CLIENT, str(path), stdout=subprocess.PIPE)
@@ -238,7 +245,7 @@ async def test_a_reader_that_stops_reading_gets_the_latest_state_not_a_backlog()
                 tracker.set_condition("device", n % 2 == 1, "flap")
                 await quiet(0.01, "pacing: each state has a chance to be written")
             assert not tracker.state.healthy
-            queued = plugin.lists_sent
+            queued = lists.began
             assert queued < transitions // 2, f"{queued} lists sent to a reader that stopped"
             client.send_signal(signal.SIGCONT)
 
@@ -248,8 +255,8 @@ async def test_a_reader_that_stops_reading_gets_the_latest_state_not_a_backlog()
                     seen.append(line.decode().strip())
 
             reader = asyncio.create_task(read())
-            await wait_until(lambda: seen[-1] == "Unhealthy" and len(seen) == plugin.lists_sent)
-            assert plugin.lists_sent < transitions // 2
+            await wait_until(lambda: seen[-1] == "Unhealthy" and len(seen) == lists.began)
+            assert lists.began < transitions // 2
             reader.cancel()
         finally:
             client.kill()

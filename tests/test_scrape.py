@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 from harness import wait_until
 from prometheus_client import CollectorRegistry
+from support.observers import held_connections
 
 from hlplugin.deviceplugin.process.http import HttpServer, Limits
 
@@ -64,7 +65,7 @@ async def test_a_scraper_that_leaves_while_it_waits_takes_no_turn() -> None:
         await wait_until(lambda: len(server.scrapes.waiting) == 5, what="five scrapes waiting")
         for writer in gone:
             writer.close()
-        await wait_until(lambda: not server.open_connections, what="the scrapers' connections closed")
+        await wait_until(lambda: not held_connections(server.port), what="the scrapers' connections closed")
         # The next scrape's turn comes within the second, not after five of them.
         status, took = await fetch(server.port, "/metrics")
         assert status == 200 and took < 2.5, took

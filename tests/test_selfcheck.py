@@ -17,6 +17,7 @@ from pathlib import Path
 
 from harness import wait_until
 from prometheus_client import CollectorRegistry
+from support.observers import Calls
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.deviceplugin.health.conditions import HealthTracker
@@ -49,6 +50,7 @@ class Probed:
     def __init__(self, lifecycle: PluginLifecycle, plugin: Counted, check: SelfCheck,
                  http: HttpServer, now: list[float]) -> None:
         self.lifecycle, self.plugin, self.check, self.http, self.now = lifecycle, plugin, check, http, now
+        self.checks = Calls(check, "check")
 
     async def healthz(self) -> tuple[int, dict[str, str]]:
         reader, writer = await asyncio.open_connection("127.0.0.1", self.http.port)
@@ -88,11 +90,11 @@ async def probed(tmp_path: Path) -> AsyncIterator[Probed]:
 
 async def test_no_probe_no_call_and_a_burst_of_probes_is_one_call(tmp_path: Path) -> None:
     async with probed(tmp_path) as p:
-        assert p.plugin.calls == 0 and p.check.checks == 0  # nothing runs on its own
+        assert p.plugin.calls == 0 and p.checks.began == 0  # nothing runs on its own
         answers = await asyncio.gather(*(p.healthz() for _ in range(40)))
         assert {code for code, _ in answers} == {200}  # none waited for the check
         await wait_until(p.settled, 10, "the check")
-        assert p.plugin.calls == 1 and p.check.checks == 1
+        assert p.plugin.calls == 1 and p.checks.began == 1
 
 
 async def test_a_pass_stands_for_fresh_for_then_the_next_probe_checks_again(tmp_path: Path) -> None:

@@ -54,7 +54,6 @@ class BoundedRunner:
         self.linger = linger
         self.after: Callable[[], object] | None = None
         self.threads_started = 0
-        self.calls = 0
         self._lock = threading.Lock()
         self._current: concurrent.futures.Future[object] | None = None
         self._idle: queue.SimpleQueue[_Job[Any]] | None = None  # a lingering helper's inbox
@@ -67,7 +66,6 @@ class BoundedRunner:
 
     async def run(self, fn: Callable[[], T], budget: float | None = None) -> T:
         budget = self.budget if budget is None else budget
-        self.calls += 1
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         while True:

@@ -68,7 +68,6 @@ class Producer:
         self.wakeup = Wakeup(*watch)
         self.ok = False
         self.completed_at: float | None = None  # clock() when the latest pass finished
-        self.passes = 0
         self._one_pass = one_pass
         self._clock = clock
         self._latest: asyncio.Task[bool] | None = None
@@ -91,7 +90,6 @@ class Producer:
     async def _once(self, trigger: Trigger) -> bool:
         ok = await self._one_pass(trigger)
         self.ok, self.completed_at = ok, self._clock()
-        self.passes += 1
         return ok
 
     async def run(self) -> None:

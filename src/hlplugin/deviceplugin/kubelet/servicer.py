@@ -53,7 +53,6 @@ class TrackedDevicePlugin(PluginServicer):
         self.tracker = tracker
         self.metrics = metrics
         self.open_streams = 0
-        self.lists_sent = 0
         self.max_streams = MAX_STREAMS
         self.max_request_bytes = REQUEST_SLACK_BYTES + sum(len(i) + 8 for i in self.device_ids)
         self.on_streams_changed: Callable[[], None] | None = None
@@ -111,7 +110,6 @@ class TrackedDevicePlugin(PluginServicer):
                 first = sent is None
                 sent = state.healthy
                 self._publish(state)
-                self.lists_sent += 1
                 # Resumes once gRPC took the message; the loop then sends the state as it is now.
                 yield self.devices.wire(state.healthy)
                 if first:  # now the kubelet has the list: what it counts as the node's capacity

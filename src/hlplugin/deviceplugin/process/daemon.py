@@ -154,7 +154,6 @@ class SelfCheck:
         self.clock = clock
         self.ok = True
         self.reason = ""
-        self.checks = 0
         self.began: float | None = None  # clock() when the latest check began
         self._running: asyncio.Task[bool] | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -171,7 +170,6 @@ class SelfCheck:
 
     async def check(self) -> bool:
         self.began = self.clock()
-        self.checks += 1
         current = self.lifecycle()
         try:
             async with asyncio.timeout(self.limit):

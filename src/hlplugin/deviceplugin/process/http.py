@@ -308,10 +308,6 @@ class HttpServer:
         self._warned_at: float | None = None
         self.evicted = 0
 
-    @property
-    def open_connections(self) -> int:
-        return len(self._open)
-
     async def start(self, address: tuple[str, int]) -> None:
         """Bind ``address``; OSError (socket.gaierror included) when it cannot be bound."""
         sock = await self._bind(address)

@@ -54,6 +54,3 @@ def complete() -> None:
     assert package.__spec__ is not None and package.__spec__.loader is not None
     package.__spec__.loader.exec_module(package)
 
-
-def is_deferred() -> bool:
-    return _deferred is not None
