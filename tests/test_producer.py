@@ -17,8 +17,9 @@ from support.waits import loop_turn, quiet
 
 from hlplugin.cdi import CdiReconciler
 from hlplugin.cdi_spec import SPEC_FILE, render_spec
+from hlplugin.deviceplugin.health import producer as producer_module
 from hlplugin.deviceplugin.health.bounded import BoundedRunner, CheckFailed
-from hlplugin.deviceplugin.health.conditions import HealthTracker
+from hlplugin.deviceplugin.health.conditions import HealthTracker, until_tick
 from hlplugin.deviceplugin.health.producer import Producer, Trigger
 from hlplugin.deviceplugin.health.watch import supervise
 from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
@@ -234,39 +235,58 @@ def test_triggers_and_repair_causes_read_as_their_plain_words() -> None:
     assert json.dumps({"cause": RepairCause.STALE}) == '{"cause": "stale"}'
 
 
-async def test_periodic_passes_of_one_period_share_a_wake_up() -> None:
-    """Two producers of the same interval, started apart, pass periodically on the same ticks of
-    the loop's clock (one wake-up for both on an idle node), and never less often than that; each
-    producer's passes run in one helper thread that waits between them (none started per pass)."""
+async def test_periodic_passes_of_one_period_share_a_wake_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two producers of the same interval, started apart, wait for the same ticks of the loop's
+    clock (one wake-up for both on an idle node), never less than a period apart, and pass after
+    each; each producer's passes run in one helper thread that waits between them (none started
+    per pass). Asserted on the ticks they wait for and the order of waits and passes, not on when
+    the passes land, which a busy machine delays."""
     loop = asyncio.get_running_loop()
-    seen: dict[str, list[float]] = {"a": [], "b": []}
+    period = 0.3
+    events: dict[str, list[tuple[str, float]]] = {"a": [], "b": []}  # ("tick", t) or ("pass", t)
+
+    def recorded(interval: float, now: float) -> float:
+        delay = until_tick(interval, now)
+        events[asyncio.current_task().get_name()].append(("tick", now + delay))  # type: ignore[union-attr]
+        return delay
+
+    monkeypatch.setattr(producer_module, "until_tick", recorded)
 
     def producer(name: str) -> Producer:
         async def step(trigger: Trigger) -> bool:
             if trigger is Trigger.PERIODIC:
-                seen[name].append(loop.time())
+                events[name].append(("pass", loop.time()))
             return True
 
         async def step_in_helper(trigger: Trigger) -> bool:
             return await made.runner.run(lambda: True) and await step(trigger)
 
-        made = Producer(name, step_in_helper, interval=0.3)
+        made = Producer(name, step_in_helper, interval=period)
         producers.append(made)
         return made
 
+    def passes(name: str) -> int:
+        return sum(kind == "pass" for kind, _ in events[name])
+
     producers: list[Producer] = []
-    first = asyncio.create_task(producer("a").run())
+    first = asyncio.create_task(producer("a").run(), name="a")
     await quiet(0.13, "out of phase, were passes timed from each one's start")
-    second = asyncio.create_task(producer("b").run())
+    second = asyncio.create_task(producer("b").run(), name="b")
     try:
-        await wait_until(lambda: len(seen["a"]) >= 3 and len(seen["b"]) >= 2, 10, "periodic passes")
+        await wait_until(lambda: passes("a") >= 3 and passes("b") >= 2, 10, "periodic passes")
     finally:
         first.cancel()
         second.cancel()
         await asyncio.wait([first, second])
-    for name in seen:
-        # Generous bounds (a busy machine wakes late): out of phase would be 0.13 s off a tick.
-        assert all(min(t % 0.3, 0.3 - t % 0.3) < 0.12 for t in seen[name]), seen
-        assert all(0.15 < b - a < 0.45 for a, b in itertools.pairwise(seen[name])), seen
-    assert min(abs(t - u) for t in seen["b"] for u in seen["a"]) < 0.01, seen
+    for name, seen in events.items():
+        kinds = [kind for kind, _ in seen]
+        # Order: a wait for a tick, then the pass it wakes (the last wait may not have ended).
+        assert kinds[: 2 * passes(name)] == ["tick", "pass"] * passes(name), seen
+        ticks = [t for kind, t in seen if kind == "tick"]
+        # Every tick waited for is a multiple of the period: the same ticks for both producers.
+        assert all(abs(t / period - round(t / period)) < 1e-6 for t in ticks), ticks
+        assert all(round((b - a) / period) >= 1 for a, b in itertools.pairwise(ticks)), ticks
+        waited = iter(seen[: 2 * passes(name)])
+        for (_, tick), (_, passed) in zip(waited, waited, strict=True):
+            assert passed >= tick - 0.001, seen  # not before its tick
     assert [made.runner.threads_started for made in producers] == [1, 1]
