@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 from harness import documents, helm_template, kustomize, tool
-from test_deploy import (
+from support.deploy import (
     CHECKOV_ENV,
     NAMESPACE,
     check_plugin_daemonsets,
@@ -929,7 +929,7 @@ def test_helm_test_pod_is_a_locked_down_workload_asking_one_slot() -> None:
 
 
 def test_helm_test_pod_is_admitted_by_the_chart_s_admission_policy() -> None:
-    from test_admission_cel import admit, defaulted
+    from support.admission import admit, defaulted
 
     objs = render()
     (policy,) = [o for o in objs if o["kind"] == "ValidatingAdmissionPolicy"]
