@@ -1,7 +1,7 @@
 """What each daemon runs with: plain frozen data, grouped by concern, at the bottom of the import
 graph. Every default and every bound is written here once; the command line (hlplugin.config)
 derives its flags, environment twins and ranges from these, and the chart's values and schema
-are checked against them (tests/test_chart.py).
+are checked against them (tests/test_chart_settings.py).
 
 No parsing and no detection here (``auto`` is resolved by hlplugin.detect); standard library and
 the generic package's own settings only.
