@@ -1,5 +1,5 @@
 """A long-running workload keeps its VM while the node is broken and repaired around it (issue 21
-#8, the seed's "continuous guests" row): on the podman node of tests/test_node.py, a workload pod
+#8, the seed's "continuous guests" row): on the podman node of tests/support/node.py, a workload pod
 holds one KVM VM and counts guest runs (tests/data/guest_loop.py) while the main and bootstrap
 containers are killed and started again, the CDI spec is garbled and repaired, and the daemons'
 device view (/host-dev, the host's /dev) is broken and restored. It never loses its device and its
@@ -22,12 +22,13 @@ from typing import Any
 import pytest
 from harness import documents, kustomize
 from podnode import Container, Node, cdi_mountpoint, podman
-from test_node import (
+from support.node import (
     ACCESS,
     CDI_DIR,
     EXAMPLES,
     HYPERVISOR,
     KVM,
+    NODE_MARKS,
     PLUGIN_DIR,
     Cluster,
     Loop,
@@ -35,12 +36,11 @@ from test_node import (
     pod_of,
     render_plugins,
 )
-from test_node import image as image  # the image fixture (re-exported: pytest finds it here)
-from test_node import pytestmark as node_marks
+from support.node import image as image  # a fixture
 
 from hlplugin.tools.emulator import KubeletEmulator
 
-pytestmark = node_marks
+pytestmark = NODE_MARKS
 GUEST_LOOP = Path(__file__).parent / "data" / "guest_loop.py"
 GUARD = 90.0  # seconds: a guard for a busy machine, never a measurement
 
