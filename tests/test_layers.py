@@ -53,3 +53,12 @@ def test_no_hand_written_module_is_over_400_lines() -> None:
             if PACKAGE / "api" not in p.parents
             and (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long
+
+
+def test_no_test_module_imports_another() -> None:
+    """What tests share lives in tests/support (or the harness), so each test module runs alone
+    and a move of one test never breaks another module's imports."""
+    tests = Path(__file__).parent
+    modules = {p.stem for p in tests.glob("test_*.py")}
+    offenders = {p.name: sorted(set(imported_modules(p)) & modules) for p in tests.rglob("*.py")}
+    assert {name: found for name, found in offenders.items() if found} == {}
