@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import faultreport
 from harness import Gate
 
 # A guard, not a timing assertion: a test that hangs fails with its stack instead of stalling CI.
@@ -40,6 +41,13 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
     asyncio.run(guarded())
     return True
+
+
+@pytest.fixture(scope="session")
+def fault_report(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The fault matrix's table, once the session's rows ran (tests/test_faults*.py use it)."""
+    yield
+    faultreport.write(request)
 
 
 @pytest.fixture

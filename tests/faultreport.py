@@ -1,6 +1,6 @@
 """The fault matrix's report: one row per scenario, printed as a table and written as JSON.
 
-Kept apart from the scenarios so tests/test_faults.py holds only the faults and their checks.
+Kept apart from the scenarios so tests/test_faults*.py hold only the faults and their checks.
 """
 
 from __future__ import annotations
@@ -74,12 +74,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def write(request: pytest.FixtureRequest) -> None:
-    """Once every row of the requesting module has run: add the rows that did not run and the
-    preservation summary, write the JSON ($HLPLUGIN_FAULT_REPORT or ./fault-matrix.json), print
-    the table."""
+    """Once every row of the session has run (tests/conftest.py's fault_report): add the rows that
+    did not run and the preservation summary, write the JSON ($HLPLUGIN_FAULT_REPORT or
+    ./fault-matrix.json), print the table."""
     ran = {r["test"] for r in ROWS}
     for item in request.session.items:
-        if item.path == request.path and item.nodeid not in ran:
+        if item.get_closest_marker("faults") and item.nodeid not in ran:
             skip = item.get_closest_marker("skipif")
             reason = skip.kwargs.get("reason", "skipped") if skip else "not run (deselected or skipped)"
             ROWS.append({"test": item.nodeid, "scenario": item.name, "result": "skipped",
@@ -94,7 +94,7 @@ def write(request: pytest.FixtureRequest) -> None:
                     "facts": {"checked": f"{preserved}/{len(checked)} scenarios",
                               "what": "sibling CDI spec bytes; /dev/kvm mode, uid, gid, rdev"}}]
     target = Path(os.environ.get("HLPLUGIN_FAULT_REPORT")
-                  or request.path.resolve().parents[1] / "fault-matrix.json")
+                  or request.config.rootpath / "fault-matrix.json")
     report = {"machine": {"nproc": os.cpu_count(), "kernel": os.uname().release,
                           "python": sys.version.split()[0], "root": IS_ROOT, "kvm": HAVE_KVM},
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows, "failed": failed}
