@@ -128,7 +128,7 @@ def test_helm_lint_strict(rendering: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("rendering", RENDERINGS)
 def test_chart_daemonsets_have_the_deploy_properties(rendering: str) -> None:
-    """tests/test_deploy.py's checks of the DaemonSets (locked down, probes on the admitted port,
+    """tests/support/deploy.py's checks of the DaemonSets (locked down, probes on the admitted port,
     resources from the measured peak, host paths, rollout), the environment read by the daemons'
     own parsers, on the chart's rendering."""
     objs = render(RENDERINGS[rendering])
@@ -176,6 +176,8 @@ def test_checkov_finds_nothing_in_the_renderings(tmp_path: Path) -> None:
         assert len(reason) > 20, skipped["check_id"]
         assert not (skipped["check_id"] == "CKV_K8S_43" and skipped["file_path"].endswith("digest.yaml"))
 
+
+# --- the values table in the chart's README -------------------------------------------------------
 
 BEGIN, END = "<!-- values table: python tests/test_chart.py --write -->", "<!-- end of values table -->"
 

@@ -12,6 +12,9 @@ from support.deploy import NAMESPACE
 pytestmark = pytest.mark.deploy
 
 
+# --- the docs: where the image comes from, Helm first, the recipes --------------------------------
+
+
 def test_readme_deploy_leads_with_the_image_and_helm_install() -> None:
     deploy = section((ROOT / "README.md").read_text(), "## Deploy\n")
     image, helm_install, kustomize_apply = (deploy.index("ghcr.io/hyperlight-dev/hlplugin"),

@@ -34,8 +34,6 @@ from hlplugin import config
 pytestmark = pytest.mark.deploy
 
 
-# --- `helm test`: a pod that proves a node serves Hyperlight ---------------------------------------
-
 # Peak RSS of `hlplugin doctor --device-only` (VmHWM, this machine's venv, KVM, guest run): MiB.
 MEASURED_TEST_PEAK_MIB = 38
 

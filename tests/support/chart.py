@@ -49,6 +49,7 @@ def daemon_default(dest: str) -> Any:
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy/chart/hlplugin"
+README = CHART / "README.md"
 DEPLOY = ROOT / "deploy"
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
@@ -182,14 +183,6 @@ def kustomized(workdir: Path, *components: str, deploy: Path = DEPLOY) -> Object
 
 
 PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
-
-
-# --- the values table in the chart's README -------------------------------------------------------
-
-README = CHART / "README.md"
-
-
-# --- the docs: where the image comes from, Helm first, the recipes --------------------------------
 
 
 def section(text: str, heading: str) -> str:
