@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, is_dataclass, replace
 from pathlib import Path
@@ -194,9 +195,9 @@ class Option:
 @functools.cache
 def field_docs(group: type) -> dict[str, str]:
     """The attribute docstrings of a settings dataclass (the string under each field), each on
-    one line: parsed from its source, so only --help and the README's table pay for it."""
-    (tree,) = ast.parse(inspect.getsource(group)).body
-    assert isinstance(tree, ast.ClassDef)
+    one line: parsed from its module's source, so only --help and the README's table pay for it."""
+    (tree,) = [node for node in _parsed(group.__module__).body
+               if isinstance(node, ast.ClassDef) and node.name == group.__qualname__]
     docs = {}
     for field, doc in itertools.pairwise(tree.body):
         if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
@@ -204,6 +205,11 @@ def field_docs(group: type) -> dict[str, str]:
                 and isinstance(doc.value.value, str)):
             docs[field.target.id] = " ".join(doc.value.value.split())
     return docs
+
+
+@functools.cache
+def _parsed(module: str) -> ast.Module:
+    return ast.parse(inspect.getsource(sys.modules[module]))
 
 
 class HelpFormatter(argparse.HelpFormatter):
