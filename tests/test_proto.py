@@ -8,29 +8,32 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTO = "hlplugin/api/deviceplugin.proto"
+PROTOS = sorted((ROOT / "protos" / "hlplugin" / "api").glob("*.proto"))
 
 
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
     pytest.importorskip("grpc_tools", reason="grpcio-tools is needed to regenerate the API code")
+    assert len(PROTOS) >= 4, PROTOS
     subprocess.run(
         [sys.executable, "-m", "grpc_tools.protoc", "-I", str(ROOT / "protos"),
          f"--python_out={tmp_path}", f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}",
-         str(ROOT / "protos" / PROTO)],
+         *map(str, PROTOS)],
         check=True,
     )
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.py*"))
-    assert generated, "protoc generated nothing"
+    assert len(generated) == 3 * len(PROTOS), generated
     for relative in generated:
         committed = ROOT / "src" / relative
         assert committed.read_bytes() == (tmp_path / relative).read_bytes(), (
             f"{committed} is stale: regenerate it with the command in protos/{PROTO}")
 
 
+def numbers(message: type) -> dict[str, int]:
+    return {f.name: f.number for f in message.DESCRIPTOR.fields}  # type: ignore[attr-defined]
+
+
 def test_wire_compatible_field_numbers() -> None:
     from hlplugin.api import deviceplugin_pb2 as pb
-
-    def numbers(message: type) -> dict[str, int]:
-        return {f.name: f.number for f in message.DESCRIPTOR.fields}  # type: ignore[attr-defined]
 
     assert pb.DESCRIPTOR.package == "v1beta1"
     assert numbers(pb.ContainerAllocateResponse) == {
@@ -46,3 +49,45 @@ def test_wire_compatible_field_numbers() -> None:
         "v1beta1.DevicePlugin": ["GetDevicePluginOptions", "ListAndWatch",
                                  "GetPreferredAllocation", "Allocate", "PreStartContainer"],
     }
+
+
+def test_plugin_watcher_api_is_the_kubelets() -> None:
+    """k8s.io/kubelet/pkg/apis/pluginregistration/v1: its package is "pluginregistration"."""
+    from hlplugin.api import pluginregistration_pb2 as pb
+
+    assert pb.DESCRIPTOR.package == "pluginregistration"
+    assert numbers(pb.PluginInfo) == {"type": 1, "name": 2, "endpoint": 3, "supported_versions": 4}
+    assert numbers(pb.RegistrationStatus) == {"plugin_registered": 1, "error": 2}
+    assert numbers(pb.InfoRequest) == {} and numbers(pb.RegistrationStatusResponse) == {}
+    (service,) = pb.DESCRIPTOR.services_by_name.values()
+    assert service.full_name == "pluginregistration.Registration"
+    assert {m.name: (m.input_type.name, m.output_type.name) for m in service.methods} == {
+        "GetInfo": ("InfoRequest", "PluginInfo"),
+        "NotifyRegistrationStatus": ("RegistrationStatus", "RegistrationStatusResponse")}
+
+
+@pytest.mark.parametrize("version", ["v1", "v1beta1"])
+def test_dra_api_is_the_kubelets(version: str) -> None:
+    """k8s.io/kubelet/pkg/apis/dra/{v1,v1beta1}: the method paths the kubelet calls, the fields."""
+    import importlib
+
+    pb = importlib.import_module(f"hlplugin.api.dra_{version}_pb2")
+    package = f"k8s.io.kubelet.pkg.apis.dra.{version}"
+    assert pb.DESCRIPTOR.package == package
+    (service,) = pb.DESCRIPTOR.services_by_name.values()
+    assert service.full_name == f"{package}.DRAPlugin"
+    assert {m.name: (m.input_type.name, m.output_type.name) for m in service.methods} == {
+        "NodePrepareResources": ("NodePrepareResourcesRequest", "NodePrepareResourcesResponse"),
+        "NodeUnprepareResources": ("NodeUnprepareResourcesRequest", "NodeUnprepareResourcesResponse")}
+    assert numbers(pb.Claim) == {"namespace": 1, "uid": 2, "name": 3}
+    assert numbers(pb.Device) == {"request_names": 1, "pool_name": 2, "device_name": 3,
+                                  "cdi_device_ids": 4}
+    assert numbers(pb.NodePrepareResourceResponse) == {"devices": 1, "error": 2}
+    assert numbers(pb.NodeUnprepareResourceResponse) == {"error": 1}
+    for message in (pb.NodePrepareResourcesRequest, pb.NodeUnprepareResourcesRequest,
+                    pb.NodePrepareResourcesResponse, pb.NodeUnprepareResourcesResponse):
+        assert numbers(message) == {"claims": 1}
+    claims = pb.NodePrepareResourcesResponse.DESCRIPTOR.fields_by_name["claims"]
+    assert claims.message_type.GetOptions().map_entry  # map<string, NodePrepareResourceResponse>
+    key, value = claims.message_type.fields
+    assert (key.type, value.message_type.name) == (key.TYPE_STRING, "NodePrepareResourceResponse")
