@@ -29,10 +29,12 @@ from hlplugin.settings import (
     LOG_FORMATS,
     LOG_LEVELS,
     MAX_DEVICE_COUNT,
+    MAX_POD_UID,
     TIMEOUT_RANGE,
     UINT32_MAX,
     BootstrapSettings,
     DaemonSettings,
+    DraSettings,
     ServeSettings,
     show,
 )
@@ -125,6 +127,24 @@ def _address(text: str) -> tuple[str, int]:
     return host, number
 
 
+def _pod_uid(text: str) -> str:
+    """Letters, digits and hyphens: the UID goes into socket names."""
+    value = text.strip()
+    if not re.fullmatch(rf"[A-Za-z0-9-]{{0,{MAX_POD_UID}}}", value):
+        raise ValueError(f"must be a pod UID (letters, digits, hyphens, at most {MAX_POD_UID}), "
+                         f"got {quote(text)}")
+    return value
+
+
+def _node_name(text: str) -> str:
+    """A DNS subdomain (a node's name), or empty."""
+    value = text.strip()
+    label = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+    if value and (len(value) > 253 or not re.fullmatch(rf"{label}(\.{label})*", value)):
+        raise ValueError(f"must be a node name (a lowercase DNS subdomain), got {quote(text)}")
+    return value
+
+
 def _bool(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -139,7 +159,7 @@ _UNSET: Any = object()
 # Which settings each command builds: `cdi` and `doctor` read the main daemon's.
 SETTINGS_OF: dict[str, type[DaemonSettings]] = {
     "serve": ServeSettings, "bootstrap": BootstrapSettings, "cdi": ServeSettings,
-    "doctor": ServeSettings, "demo": ServeSettings}
+    "doctor": ServeSettings, "demo": ServeSettings, "dra": DraSettings}
 
 
 def value_at(settings: Any, path: tuple[str, ...]) -> Any:
@@ -175,7 +195,9 @@ class Option:
 
     @property
     def default(self) -> Any:
-        return self.default_for("serve")
+        """The main daemon's default; for a field only the DRA driver has, the driver's."""
+        first = self.path[0]
+        return self.default_for("serve" if hasattr(ServeSettings(), first) else "dra")
 
 
 OPTIONS: dict[str, Option] = {o.dest: o for o in (
@@ -214,6 +236,14 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
            "run a tiny guest on KVM as part of each device check", "true|false"),
     Option("kubelet.register_timeout", "--register-timeout", "HYPERLIGHT_REGISTER_TIMEOUT", _timeout,
            f"bound of one Register call to the kubelet, {_TIMEOUTS}", DURATION),
+    Option("dra.registry_dir", "--registry-dir", "HYPERLIGHT_REGISTRY_DIR", _path,
+           "kubelet plugin watcher directory (the DRA driver's registration socket)", "DIR"),
+    Option("dra.plugin_dir", "--dra-dir", "HYPERLIGHT_DRA_DIR", _path,
+           "the DRA driver's directory: its service socket and checkpoint", "DIR"),
+    Option("dra.pod_uid", "--pod-uid", "HYPERLIGHT_POD_UID", _pod_uid,
+           "this pod's UID, which names the DRA driver's sockets; empty: fixed names", "UID"),
+    Option("dra.node_name", "--node-name", "HYPERLIGHT_NODE_NAME", _node_name,
+           "this node's name, the pool of the DRA driver's device; empty: the host name", "NAME"),
 )}
 
 SERVE_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor", "device_count",
@@ -222,6 +252,10 @@ SERVE_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor
                  "guest_check", "register_timeout")
 BOOTSTRAP_OPTIONS = ("plugin_dir", "dev_dir", "hypervisor", "http_address", "log_format",
                      "log_level", "register_timeout")
+DRA_OPTIONS = ("registry_dir", "dra_dir", "pod_uid", "node_name", "cdi_dir", "dev_dir",
+               "host_dev_dir", "hypervisor", "device_uid", "device_gid", "http_address",
+               "log_format", "log_level", "cdi_interval", "health_interval", "probe_timeout",
+               "guest_check")
 # `hlplugin cdi` takes the serve command line as it is, so an operator can paste it; only the
 # hypervisor, uid and gid shape the spec.
 CDI_OPTIONS = SERVE_OPTIONS

@@ -38,9 +38,11 @@ RootTasks = Mapping[str, Coroutine[Any, Any, None]]
 @dataclass(frozen=True)
 class Started:
     """What a daemon's setup hands back: its plugin lifecycle and its named root tasks (the
-    lifecycle's own run() among them)."""
+    lifecycle's own run() among them). A daemon whose kubelet side is no device plugin (the DRA
+    driver) has no lifecycle: its DaemonSpec's ``kubelet_conditions`` say how it stands, and the
+    self-check has no socket of ours to ask (an HTTP answer proves the event loop turns)."""
 
-    lifecycle: PluginLifecycle
+    lifecycle: PluginLifecycle | None
     tasks: RootTasks
 
 
@@ -72,6 +74,8 @@ class DaemonSpec(Generic[T]):
     setup: Callable[[T], Awaitable[Started]]
     pending: Mapping[str, str] = field(default_factory=dict)
     launch: Launch = field(default_factory=Launch)
+    # /readyz's kubelet conditions in place of plugin_readiness's registered and listandwatch.
+    kubelet_conditions: Callable[[], dict[str, tuple[bool, str]]] | None = None
 
 
 def await_chain(task: asyncio.Task[Any]) -> list[str]:
@@ -235,7 +239,12 @@ class Daemon(Generic[T]):
     def readiness(self) -> dict[str, tuple[bool, str]]:
         """/readyz's conditions: the plugin's (see plugin_readiness), and while wait() has not
         returned, the spec's ``pending`` ones, failing."""
-        conditions = plugin_readiness(self.lifecycle, self.spec.tracker)()
+        if self.spec.kubelet_conditions is None:
+            conditions = plugin_readiness(self.lifecycle, self.spec.tracker)()
+        else:
+            conditions = self.spec.kubelet_conditions()
+            conditions.update((name, (c.ok, c.reason))
+                              for name, c in sorted(self.spec.tracker.state.conditions.items()))
         if self._waiting:
             conditions.update((name, (False, reason)) for name, reason in self.spec.pending.items())
         return conditions
