@@ -1,0 +1,314 @@
+"""The DRA driver's kubelet side against a fake kubelet plugin watcher (tests/support/
+pluginwatcher.py) over real unix sockets and gRPC: registration, both API versions, Prepare and
+Unprepare idempotency, refusal on an unhealthy device, and the checkpoint across restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness import short_dir, wait_until
+from support.pluginwatcher import FakePluginWatcher
+
+from hlplugin.deviceplugin.checkpoint import Checkpoint
+from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.kubelet.draservice import SERVICES, ClaimRef, PreparedDevice, new_dra_server
+from hlplugin.deviceplugin.kubelet.pluginwatcher import DRA_PLUGIN, WatcherPlugin
+from hlplugin.dra_claims import (
+    CHECKPOINT_FILE,
+    CHECKPOINT_KIND,
+    Allocation,
+    ClaimPreparer,
+    NotAllocated,
+    node_device,
+)
+from hlplugin.names import DRA_DRIVER, dra_socket_names
+
+CDI_ID = "hyperlight.dev/hypervisor=kvm"
+UID = "7d3c1a1e-0b7f-4c52-9d2e-2f8f6c1b0a11"
+CLAIM = ("team-a", "claim-uid-1", "vm-claim")
+
+
+class Node:
+    """The kubelet's two directories for one test, and a device whose health the test sets."""
+
+    def __init__(self) -> None:
+        root = short_dir()
+        self.registry = root / "plugins_registry"
+        self.plugin_dir = root / "plugins" / DRA_DRIVER
+        self.registry.mkdir()
+        self.tracker = HealthTracker(required=("device",))
+        self.tracker.set_condition("device", True)
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.plugin_dir / CHECKPOINT_FILE
+
+    async def gate(self) -> HealthState:
+        return self.tracker.state
+
+    def preparer(self, allocation: Allocation | None = None) -> ClaimPreparer:
+        return ClaimPreparer(Checkpoint(self.plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND),
+                             self.gate, allocation or node_device("node-a", "kvm", CDI_ID))
+
+    def recorded(self) -> set[str]:
+        return set(json.loads(self.checkpoint.read_bytes())["entries"])
+
+
+@dataclass
+class Pod:
+    plugin: WatcherPlugin
+    preparer: ClaimPreparer
+    task: asyncio.Task[None]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.plugin, self.preparer))
+
+
+@contextlib.asynccontextmanager
+async def driver(node: Node, uid: str = UID, preparer: ClaimPreparer | None = None
+                 ) -> AsyncIterator[Pod]:
+    """One driver pod's kubelet side, serving until the block ends (or its task is cancelled)."""
+    preparer = preparer or node.preparer()
+    await preparer.load()
+    registration, service = dra_socket_names(uid)
+    plugin = WatcherPlugin(node.registry, registration, node.plugin_dir / service, DRA_PLUGIN,
+                           DRA_DRIVER, SERVICES, functools.partial(new_dra_server, preparer),
+                           recheck=0.2)
+    task = asyncio.create_task(plugin.run())
+    try:
+        yield Pod(plugin, preparer, task)
+    finally:
+        task.cancel()
+        await asyncio.wait({task})
+        assert task.cancelled(), task
+
+
+async def registered(watcher: FakePluginWatcher, plugin: WatcherPlugin) -> None:
+    async def done() -> bool:
+        await watcher.sync()
+        return plugin.registered and any(
+            p.info.endpoint == str(plugin.endpoint_path) for p in watcher.plugins.values())
+
+    await wait_until(done, 20, "the plugin watcher registered the driver")
+
+
+def devices(response: object, uid: str) -> list[tuple[list[str], str, str, list[str]]]:
+    entry = response.claims[uid]  # type: ignore[attr-defined]
+    assert not entry.error, entry.error
+    return [(list(d.request_names), d.pool_name, d.device_name, list(d.cdi_device_ids))
+            for d in entry.devices]
+
+
+async def test_the_plugin_watcher_registers_the_driver_by_its_per_pod_socket() -> None:
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as (plugin, _):
+        await registered(watcher, plugin)
+        (info,) = watcher.infos
+        assert (info.type, info.name) == ("DRAPlugin", "hyperlight.dev")
+        assert info.endpoint == str(node.plugin_dir / f"dra-{UID}.sock")
+        assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+        (socket_path,) = watcher.plugins
+        assert socket_path == node.registry / f"hyperlight.dev-{UID}-reg.sock"
+        assert watcher.newest(DRA_DRIVER).service == "v1.DRAPlugin"
+        assert plugin.status == ""
+    assert os.listdir(node.registry) == [] and os.listdir(node.plugin_dir) == []
+
+
+async def test_a_registration_the_kubelet_refuses_is_said_in_the_status() -> None:
+    node = Node()
+    watcher = FakePluginWatcher(node.registry, services=("v2.DRAPlugin",))
+    async with driver(node) as (plugin, _):
+        async def refused() -> bool:
+            await watcher.sync()
+            return bool(watcher.refused) and plugin.registrations > 0
+
+        await wait_until(refused, 20, "the kubelet refused the registration")
+        assert not plugin.registered
+        assert "the kubelet refused the registration: none of services" in plugin.status
+
+
+async def test_a_kubelet_that_knows_only_v1beta1_prepares_through_it() -> None:
+    node = Node()
+    for services, chosen in ((("v1beta1.DRAPlugin",), "v1beta1.DRAPlugin"),
+                             (("v1.DRAPlugin", "v1beta1.DRAPlugin"), "v1.DRAPlugin")):
+        watcher = FakePluginWatcher(node.registry, services=services)
+        async with driver(node) as (plugin, _):
+            await registered(watcher, plugin)
+            newest = watcher.newest(DRA_DRIVER)
+            assert newest.service == chosen
+            response = await watcher.prepare(DRA_DRIVER, CLAIM)
+            assert type(response).DESCRIPTOR.full_name == (
+                f"k8s.io.kubelet.pkg.apis.dra.{chosen.split('.')[0]}.NodePrepareResourcesResponse")
+            assert devices(response, CLAIM[1]) == [([], "node-a", "kvm", [CDI_ID])]
+
+
+async def test_both_versions_answer_the_same_claim_the_same_and_record_it_once() -> None:
+    """Prepare is idempotent whichever version asks: the same devices, one record, no rewrite."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as (plugin, _):
+        await registered(watcher, plugin)
+        v1 = watcher.newest(DRA_DRIVER)
+        first = devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
+        written = os.stat(node.checkpoint).st_ino
+        assert node.recorded() == {CLAIM[1]}
+        v1beta1 = type(v1)(v1.socket, v1.identity, v1.info, "v1beta1.DRAPlugin")
+        again = devices(await watcher.prepare(DRA_DRIVER, CLAIM, plugin=v1beta1), CLAIM[1])
+        assert again == first
+        assert os.stat(node.checkpoint).st_ino == written  # nothing new: not rewritten
+
+
+async def test_every_claim_of_a_call_is_answered_by_its_uid() -> None:
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as (plugin, _):
+        await registered(watcher, plugin)
+        claims = [("ns", f"uid-{i}", f"claim-{i}") for i in range(5)]
+        response = await watcher.prepare(DRA_DRIVER, *claims)
+        assert set(response.claims) == {uid for _, uid, _ in claims}
+        assert node.recorded() == {uid for _, uid, _ in claims}
+
+
+async def test_unprepare_forgets_a_claim_is_idempotent_and_accepts_an_unknown_one() -> None:
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as (plugin, _):
+        await registered(watcher, plugin)
+        await watcher.prepare(DRA_DRIVER, CLAIM, ("ns", "other", "kept"))
+        for _ in range(2):
+            response = await watcher.unprepare(DRA_DRIVER, CLAIM, ("ns", "never-seen", "x"))
+            assert {uid: e.error for uid, e in response.claims.items()} == {
+                CLAIM[1]: "", "never-seen": ""}
+            assert node.recorded() == {"other"}
+        assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])  # prepared anew
+
+
+async def test_an_unhealthy_device_refuses_every_claim_with_the_reason_and_records_none() -> None:
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as (plugin, _):
+        await registered(watcher, plugin)
+        node.tracker.set_condition("device", False, "KVM_CREATE_VM failed: EIO")
+        response = await watcher.prepare(DRA_DRIVER, CLAIM, ("ns", "second", "c"))
+        for uid in (CLAIM[1], "second"):
+            error = response.claims[uid].error
+            assert "not usable on this node" in error and "KVM_CREATE_VM failed: EIO" in error
+            assert not response.claims[uid].devices
+        assert not node.checkpoint.exists()
+        node.tracker.set_condition("device", True)
+        assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
+
+
+async def test_prepared_claims_survive_a_restart_of_the_driver() -> None:
+    """After a restart a claim prepared before gets its recorded answer, not a new one: here the
+    new driver's allocation would refuse every claim, so only the checkpoint can answer."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as (plugin, _):
+        await registered(watcher, plugin)
+        before = devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
+
+    async def refuse(claim: ClaimRef) -> tuple[PreparedDevice, ...]:
+        raise NotAllocated(f"claim {claim.describe()} has no device of hyperlight.dev")
+
+    async with driver(node, preparer=node.preparer(refuse)) as (plugin, preparer):
+        assert set(preparer.prepared) == {CLAIM[1]}
+        await registered(watcher, plugin)
+        assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1]) == before
+        response = await watcher.prepare(DRA_DRIVER, ("ns", "new", "c"))
+        assert "has no device of hyperlight.dev" in response.claims["new"].error
+
+
+async def test_a_corrupt_checkpoint_is_refused_loudly_left_alone_and_mended_by_moving_it() -> None:
+    node = Node()
+    node.plugin_dir.mkdir(parents=True)
+    torn = b'{"kind": "hyperlight.dev/prepared-claims", "version": 1, "entr'
+    node.checkpoint.write_bytes(torn)
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as (plugin, preparer):
+        ok, reason = preparer.condition()
+        assert not ok and str(node.checkpoint) in reason and "is not JSON" in reason
+        await registered(watcher, plugin)  # still serving: the kubelet is told why, per claim
+        response = await watcher.prepare(DRA_DRIVER, CLAIM)
+        assert response.claims[CLAIM[1]].error.startswith("refusing to prepare: ")
+        assert str(node.checkpoint) in response.claims[CLAIM[1]].error
+        response = await watcher.unprepare(DRA_DRIVER, CLAIM)  # a pod's end never waits on us
+        assert response.claims[CLAIM[1]].error == ""
+        assert node.checkpoint.read_bytes() == torn  # never half-read, never overwritten
+        node.checkpoint.rename(node.plugin_dir / "checkpoint.json.broken")
+        assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
+        assert preparer.condition() == (True, "")
+
+
+async def test_a_symlinked_checkpoint_is_refused_and_its_target_untouched() -> None:
+    node = Node()
+    node.plugin_dir.mkdir(parents=True)
+    target = node.plugin_dir.parent / "precious"
+    target.write_text("not a checkpoint")
+    node.checkpoint.symlink_to(target)
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as (plugin, preparer):
+        await registered(watcher, plugin)
+        response = await watcher.prepare(DRA_DRIVER, CLAIM)
+        assert "a symlink" in response.claims[CLAIM[1]].error
+        assert not preparer.condition()[0]
+    assert target.read_text() == "not a checkpoint" and node.checkpoint.is_symlink()
+
+
+async def test_a_claim_that_cannot_be_recorded_is_not_answered_as_prepared() -> None:
+    """Something not ours at the checkpoint's path after the start: the claim fails with the
+    reason (the kubelet retries), and the thing stays."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as (plugin, _):
+        await registered(watcher, plugin)
+        node.checkpoint.mkdir()
+        response = await watcher.prepare(DRA_DRIVER, CLAIM)
+        error = response.claims[CLAIM[1]].error
+        assert error.startswith("cannot record the claim: ") and "a directory" in error
+        assert not response.claims[CLAIM[1]].devices and node.checkpoint.is_dir()
+
+
+async def test_two_pods_of_a_surging_upgrade_serve_side_by_side() -> None:
+    """Per-pod names: the new pod registers beside the old, the kubelet calls the newest, and the
+    old one's exit removes only its own sockets."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    new_uid = "0a1b2c3d-0000-4000-8000-000000000002"
+    async with driver(node) as old:
+        await registered(watcher, old.plugin)
+        async with driver(node, uid=new_uid) as new:
+            await registered(watcher, new.plugin)
+            assert len(watcher.plugins) == 2
+            assert watcher.newest(DRA_DRIVER).info.endpoint == str(new.plugin.endpoint_path)
+            await watcher.prepare(DRA_DRIVER, CLAIM)
+            old.task.cancel()  # the old pod exits
+            await asyncio.wait({old.task})
+            await watcher.sync()
+            assert [p.info.endpoint for p in watcher.plugins.values()] == [
+                str(new.plugin.endpoint_path)]
+            assert sorted(os.listdir(node.plugin_dir)) == sorted(
+                [CHECKPOINT_FILE, new.plugin.endpoint_path.name])
+            assert os.listdir(node.registry) == [new.plugin.registration_path.name]
+            assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])  # recorded
+
+
+async def test_a_removed_registration_socket_is_published_again() -> None:
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as (plugin, _):
+        await registered(watcher, plugin)
+        os.unlink(plugin.registration_path)
+        await watcher.sync()
+        assert not watcher.plugins  # the kubelet unregistered us
+        await registered(watcher, plugin)
+        assert len(watcher.infos) == 2
