@@ -1,0 +1,119 @@
+"""`hlplugin dra` as a process, against the fake kubelet plugin watcher: the main daemon's proofs
+gate its Prepare (a device that fails its check is refused, naming why), /readyz says how it
+stands with the kubelet and its checkpoint, the CDI device it answers is declared by the node's
+one spec, and SIGTERM removes its sockets and nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness import daemon, needs_kvm, short_dir, wait_until
+from support.pluginwatcher import FakePluginWatcher
+
+from hlplugin import config
+from hlplugin.dra_claims import CHECKPOINT_FILE
+from hlplugin.names import DRA_DRIVER
+
+UID = "5b8e0c6a-1f2d-4e3b-8a9c-0d1e2f3a4b5c"
+CLAIM = ("team-a", "claim-uid-1", "vm-claim")
+
+
+class Node:
+    def __init__(self, dev_dir: Path | None = None) -> None:
+        root = short_dir()
+        self.registry = root / "plugins_registry"
+        self.plugin_dir = root / "plugins" / DRA_DRIVER
+        self.cdi_dir = root / "cdi"
+        self.dev_dir = dev_dir or root / "dev"
+        for directory in (self.registry, self.cdi_dir, root / "dev"):
+            directory.mkdir()
+
+    def args(self) -> list[str]:
+        return ["dra", "--registry-dir", str(self.registry), "--dra-dir", str(self.plugin_dir),
+                "--pod-uid", UID, "--node-name", "node-a", "--cdi-dir", str(self.cdi_dir),
+                "--dev-dir", str(self.dev_dir), "--host-dev-dir", "", "--hypervisor", "kvm"]
+
+
+async def registered(watcher: FakePluginWatcher) -> None:
+    async def done() -> bool:
+        await watcher.sync()
+        return bool(watcher.plugins)
+
+    await wait_until(done, 30, "the plugin watcher registered the driver")
+
+
+def readiness(body: bytes) -> dict[str, tuple[bool, str]]:
+    return {name: (c["ok"], c["reason"]) for name, c in json.loads(body)["conditions"].items()}
+
+
+async def test_a_device_that_fails_its_check_refuses_prepare_naming_why() -> None:
+    node = Node()  # --hypervisor kvm, and no kvm node under --dev-dir: the device check fails
+    watcher = FakePluginWatcher(node.registry)
+    async with daemon(node.args(), graceful=True) as proc:
+        await registered(watcher)
+        response = await watcher.prepare(DRA_DRIVER, CLAIM)
+        error = response.claims[CLAIM[1]].error
+        assert "hyperlight.dev: the hypervisor device is not usable on this node" in error
+        assert "device" in error and not response.claims[CLAIM[1]].devices
+        conditions = readiness(await proc.wait_http("/readyz", 503))
+        assert conditions["registered"] == (True, "")
+        assert conditions["checkpoint"] == (True, "")
+        assert not conditions["device"][0]
+        assert sorted(os.listdir(node.cdi_dir)) == ["hyperlight.json"]  # the spec is kept anyway
+        code, metrics = await proc.http("/metrics")
+        assert code == 200
+        assert b'hyperlight_dra_prepares_total{result="refused"} 1.0' in metrics
+    assert proc.exited() == 0
+    assert os.listdir(node.registry) == []
+    assert os.listdir(node.plugin_dir) == []  # its socket gone; no claim, so no checkpoint
+    assert os.listdir(node.cdi_dir) == ["hyperlight.json"]  # stays, for running containers
+
+
+@needs_kvm
+async def test_prepare_answers_the_cdi_device_the_nodes_one_spec_declares() -> None:
+    node = Node(dev_dir=Path("/dev"))
+    watcher = FakePluginWatcher(node.registry)
+    async with daemon(node.args(), graceful=True) as proc:
+        await registered(watcher)
+        response = await watcher.prepare(DRA_DRIVER, CLAIM)
+        entry = response.claims[CLAIM[1]]
+        assert not entry.error, entry.error
+        ((device,),) = [entry.devices]
+        assert (device.pool_name, device.device_name) == ("node-a", "kvm")
+        assert list(device.cdi_device_ids) == ["hyperlight.dev/hypervisor=kvm"]
+        declared = [f"{spec['kind']}={d['name']}" for name in os.listdir(node.cdi_dir)
+                    for spec in [json.loads((node.cdi_dir / name).read_bytes())]
+                    for d in spec["devices"]]
+        assert declared == ["hyperlight.dev/hypervisor=kvm"]  # one spec declares it, once
+        conditions = readiness(await proc.wait_http("/readyz", 200))
+        assert {"registered", "checkpoint", "cdi", "device"} <= set(conditions)
+        assert CLAIM[1] in json.loads((node.plugin_dir / CHECKPOINT_FILE).read_bytes())["entries"]
+    assert sorted(os.listdir(node.plugin_dir)) == [CHECKPOINT_FILE]
+
+
+def test_a_registry_dir_too_long_for_its_socket_exits_2_naming_the_flag(tmp_path: Path) -> None:
+    long_dir = "/tmp/" + "d" * 80
+    result = subprocess.run(
+        [sys.executable, "-m", "hlplugin", "dra", "--registry-dir", long_dir, "--pod-uid", UID,
+         "--dra-dir", str(tmp_path), "--cdi-dir", str(tmp_path), "--http-address", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "argument --registry-dir (or HYPERLIGHT_REGISTRY_DIR): " in result.stderr
+    assert "too long for a unix socket path" in result.stderr
+
+
+@pytest.mark.parametrize(("variable", "value"), [
+    ("HYPERLIGHT_POD_UID", "../../etc"), ("HYPERLIGHT_NODE_NAME", "Node_A")])
+def test_an_invalid_pod_uid_or_node_name_from_the_environment_falls_back_with_a_warning(
+        variable: str, value: str) -> None:
+    no_flags = argparse.Namespace()
+    resolution = config.resolve_sources(no_flags, config.DRA_OPTIONS, "dra", {variable: value})
+    assert resolution.settings.dra.pod_uid == "" and resolution.settings.dra.node_name == ""
+    (warning,) = [w for w in resolution.warnings if variable in w]
+    assert "using the default ''" in warning
