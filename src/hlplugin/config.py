@@ -290,6 +290,8 @@ def add_options(parser: argparse.ArgumentParser, names: Sequence[str], command: 
             shown = str(default).lower()
         elif option.metavar == DURATION:
             shown = durations.show(default)
+        elif default == "":
+            shown = "(empty)"
         help_text = f"{option.help} (env {option.env}; default {shown})"
         if option.is_switch:
             parser.add_argument(option.flag, dest=name, action="store_const", const=True,

@@ -111,6 +111,7 @@ class ClaimPreparer:
         self.runner = BoundedRunner(budget, name="dra-checkpoint")
         self._claims: dict[str, _Entry] | None = None  # None: not loaded, or refused
         self.problem = "the checkpoint is not read yet"
+        self._refused = False
         self._lock = asyncio.Lock()
         self._on_change = on_change
         self._on_result = on_result
@@ -136,9 +137,9 @@ class ClaimPreparer:
                                 f"{str(exc)[:80]})")
         except (OSError, CheckFailed) as exc:
             return self._refuse(f"cannot read {path}: {exc}")
-        if self.problem and self._claims is None and self.problem != "the checkpoint is not read yet":
-            log.info("the checkpoint %s is readable again", path)
-        self._claims, self.problem = claims, ""
+        if self._refused:
+            log.info("the checkpoint %s is trusted again", path)
+        self._claims, self.problem, self._refused = claims, "", False
         self._changed()
         log.info("%d prepared claims in %s", len(claims), path)
         return True
@@ -147,7 +148,7 @@ class ClaimPreparer:
         if problem != self.problem:
             log.error("refusing the checkpoint of prepared claims: %s; claims are not prepared "
                       "until it is mended or moved aside", problem)
-        self._claims, self.problem = None, problem
+        self._claims, self.problem, self._refused = None, problem, True
         return False
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Prepared]:
