@@ -3,6 +3,7 @@ why; written atomically; never following, blocking on or replacing what is not o
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -193,3 +194,14 @@ def test_a_save_replaces_the_whole_record_and_readers_never_see_a_mix(tmp_path: 
             thread.join(timeout=30)
     assert not failures, failures[:1]
     assert seen <= {1, 500} and seen
+
+
+def test_a_record_too_large_to_read_back_is_never_written(tmp_path: Path) -> None:
+    """A save that load() would refuse would lock the driver out of its own record: refused
+    before anything is written, and the old record stays."""
+    record = checkpoint(tmp_path, max_bytes=2048)
+    record.save(ENTRIES)
+    with pytest.raises(OSError, match="over the 2048 a checkpoint may have") as refused:
+        record.save({f"uid-{i}": {"pad": "x" * 100} for i in range(40)})
+    assert refused.value.errno == errno.EFBIG
+    assert record.load() == ENTRIES

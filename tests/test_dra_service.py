@@ -123,6 +123,15 @@ async def test_the_plugin_watcher_registers_the_driver_by_its_per_pod_socket() -
     assert os.listdir(node.registry) == [] and os.listdir(node.plugin_dir) == []
 
 
+async def test_until_the_kubelet_calls_the_status_names_the_registry_dir() -> None:
+    node = Node()
+    async with driver(node) as (plugin, _):
+        await wait_until(lambda: plugin.registration_path.exists(), 20, "the registration socket")
+        assert not plugin.registered
+        assert str(plugin.registration_path) in plugin.status
+        assert "is the registry directory the kubelet's plugins_registry?" in plugin.status
+
+
 async def test_a_registration_the_kubelet_refuses_is_said_in_the_status() -> None:
     node = Node()
     watcher = FakePluginWatcher(node.registry, services=("v2.DRAPlugin",))

@@ -27,7 +27,7 @@ from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Launch, Sta
 from hlplugin.dra_claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, node_device
 from hlplugin.health import DeviceMonitor
 from hlplugin.metrics import DraMetrics
-from hlplugin.names import DRA_DRIVER, dra_socket_names
+from hlplugin.names import DRA_DRIVER, REGISTRY_DIR_FLAG, dra_socket_names
 from hlplugin.settings import DraSettings, show
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,8 @@ class DraDriver:
 
         self.plugin = WatcherPlugin(
             settings.dra.registry_dir, registration, plugin_dir / service, DRA_PLUGIN, DRA_DRIVER,
-            SERVICES, functools.partial(new_dra_server, self.claims), on_status=status)
+            SERVICES, functools.partial(new_dra_server, self.claims), on_status=status,
+            dir_setting=REGISTRY_DIR_FLAG)
 
     async def gate(self) -> HealthState:
         """The main daemon's Allocate gate: the inotify-vouched CDI read, then a device check

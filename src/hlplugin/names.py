@@ -33,6 +33,7 @@ NO_HYPERVISOR_HINT = ("is the kvm module loaded (modprobe kvm_intel or kvm_amd),
 # How operators choose the kubelet's device-plugins directory: the hints in the daemons' messages
 # name it.
 PLUGIN_DIR_FLAG = "--plugin-dir"
+REGISTRY_DIR_FLAG = "--registry-dir"  # the DRA driver's: the kubelet's plugins_registry
 
 
 class ConditionName(StrEnum):

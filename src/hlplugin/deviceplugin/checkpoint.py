@@ -12,6 +12,7 @@ operator. Nothing of it is ever used, so nothing is half-read. A missing file is
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -89,8 +90,13 @@ class Checkpoint:
 
     def save(self, entries: Mapping[str, Any]) -> None:
         """Atomically: a reader (a restart) sees the whole old record or the whole new one.
-        Raises NotRegular (something not ours at the path: left in place) or OSError."""
-        self.file.replace(encode(self.kind, entries))
+        Raises NotRegular (something not ours at the path: left in place) or OSError (EFBIG for
+        a record larger than load() would read back: never written, so it cannot lock us out)."""
+        content = encode(self.kind, entries)
+        if len(content) > self.max_bytes:
+            raise OSError(errno.EFBIG, f"the record would be {len(content)} bytes, over the "
+                                       f"{self.max_bytes} a checkpoint may have")
+        self.file.replace(content)
 
     def cleanup_leftovers(self) -> int:
         """Temp files a crash in save() left behind."""

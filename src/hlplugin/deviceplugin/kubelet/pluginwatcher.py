@@ -62,7 +62,9 @@ class WatcherPlugin:
     def __init__(self, registry_dir: Path, registration_name: str, endpoint: Path,
                  plugin_type: str, name: str, versions: tuple[str, ...],
                  server: Callable[[], grpc.aio.Server], *, recheck: float = 10.0,
-                 on_status: Callable[[bool], None] | None = None) -> None:
+                 on_status: Callable[[bool], None] | None = None,
+                 dir_setting: str = "the registry directory") -> None:
+        """``dir_setting``: how the operator names ``registry_dir`` (a flag), for the hint."""
         self.registry_dir = registry_dir
         self.registration_path = registry_dir / registration_name
         self.endpoint_path = endpoint
@@ -73,7 +75,8 @@ class WatcherPlugin:
         self._on_status = on_status
         self._wakeup = Wakeup(DirWatcher(registry_dir, {registration_name}, poll_interval=1.0))
         self.registered = False
-        self.problem = "not registered with the kubelet yet (its plugin watcher has not called)"
+        self.problem = (f"the kubelet's plugin watcher has not called on {self.registration_path} "
+                        f"yet (is {dir_setting} the kubelet's plugins_registry?)")
         self.registrations = 0  # verdicts received, for tests and the log
 
     @property
