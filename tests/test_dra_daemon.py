@@ -97,6 +97,24 @@ async def test_prepare_answers_the_cdi_device_the_nodes_one_spec_declares() -> N
     assert sorted(os.listdir(node.plugin_dir)) == [CHECKPOINT_FILE]
 
 
+async def test_a_corrupt_checkpoint_is_said_in_readyz_and_the_log_and_left_alone() -> None:
+    node = Node()
+    node.plugin_dir.mkdir(parents=True)
+    checkpoint = node.plugin_dir / CHECKPOINT_FILE
+    checkpoint.write_bytes(b"\0" * 64)  # a torn write of the kind a crashed filesystem leaves
+    watcher = FakePluginWatcher(node.registry)
+    async with daemon(node.args(), graceful=True) as proc:
+        await registered(watcher)  # it still serves, and tells the kubelet why per claim
+        ok, reason = readiness(await proc.wait_http("/readyz", 503))["checkpoint"]
+        assert not ok and str(checkpoint) in reason and "is not JSON" in reason
+        errors = [line["message"] for line in proc.lines if line.get("levelname") == "ERROR"
+                  or line.get("level") == "error"]
+        assert any("refusing the checkpoint of prepared claims" in m for m in errors), proc.raw
+        response = await watcher.prepare(DRA_DRIVER, CLAIM)
+        assert "refusing to prepare" in response.claims[CLAIM[1]].error
+    assert checkpoint.read_bytes() == b"\0" * 64
+
+
 def test_a_registry_dir_too_long_for_its_socket_exits_2_naming_the_flag(tmp_path: Path) -> None:
     long_dir = "/tmp/" + "d" * 80
     result = subprocess.run(
