@@ -143,6 +143,21 @@ async def test_a_registration_the_kubelet_refuses_is_said_in_the_status() -> Non
         await wait_until(refused, 20, "the kubelet refused the registration")
         assert not plugin.registered
         assert "the kubelet refused the registration: none of services" in plugin.status
+        watcher.services = ("v1.DRAPlugin",)  # the kubelet retries; one that knows v1 accepts
+        await registered(watcher, plugin)
+        assert plugin.status == ""
+
+
+async def test_a_restarted_kubelet_registers_the_same_socket_again() -> None:
+    """Nothing in the registry directory is removed by a kubelet restart: the new kubelet's
+    watcher finds our socket, calls GetInfo and notifies again, and the driver serves on."""
+    node = Node()
+    async with driver(node) as (plugin, _):
+        await registered(FakePluginWatcher(node.registry), plugin)
+        restarted = FakePluginWatcher(node.registry)
+        await registered(restarted, plugin)
+        assert plugin.registrations == 2 and len(restarted.infos) == 1
+        assert devices(await restarted.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
 
 
 async def test_a_kubelet_that_knows_only_v1beta1_prepares_through_it() -> None:

@@ -6,7 +6,9 @@ real gRPC (pkg/kubelet/pluginmanager and pkg/kubelet/cm/dra/plugin, v1.36):
   the first the kubelet knows is chosen, in the plugin's order; an endpoint no other plugin of the
   driver has registered), then NotifyRegistrationStatus with the verdict;
 - a registration socket that goes away (or is replaced) unregisters the plugin, and a new one is
-  registered anew;
+  registered anew; a refused one is tried again at every pass (the kubelet's reconciler retries a
+  failed registration, with a backoff this fake leaves out);
+- a restarted kubelet (a new watcher) registers every socket it finds in the directory;
 - calls go to the newest registered plugin of a driver, over the service chosen at its
   registration.
 
@@ -50,7 +52,7 @@ class FakePluginWatcher:
     registry_dir: Path
     services: tuple[str, ...] = ("v1.DRAPlugin", "v1beta1.DRAPlugin")  # what this kubelet knows
     plugins: dict[Path, Registered] = field(default_factory=dict)
-    refused: dict[Path, str] = field(default_factory=dict)  # socket -> the error we notified
+    refused: dict[Path, str] = field(default_factory=dict)  # socket -> the latest error notified
     infos: list[reg_pb.PluginInfo] = field(default_factory=list)  # every GetInfo answer
 
     async def sync(self) -> None:
@@ -65,7 +67,7 @@ class FakePluginWatcher:
             if present.get(path) != self.plugins[path].identity:
                 del self.plugins[path]
         for path, identity in present.items():
-            if path not in self.plugins and self.refused.get(path) != str(identity):
+            if path not in self.plugins:
                 await self._register(path, identity)
 
     async def _register(self, path: Path, identity: tuple[int, int, int]) -> None:
@@ -77,8 +79,9 @@ class FakePluginWatcher:
             await stub.NotifyRegistrationStatus(
                 reg_pb.RegistrationStatus(plugin_registered=not error, error=error), timeout=5)
         if error:
-            self.refused[path] = str(identity)
+            self.refused[path] = error
             return
+        self.refused.pop(path, None)
         service = next(s for s in info.supported_versions if s in self.services)
         self.plugins[path] = Registered(path, identity, info, service)
 
