@@ -273,6 +273,22 @@ async def test_a_corrupt_checkpoint_is_refused_loudly_left_alone_and_mended_by_m
         assert preparer.condition() == (True, "")
 
 
+async def test_a_checkpoint_whose_entries_have_another_shape_is_refused() -> None:
+    """A checksum proves the bytes are the ones written, not that this version wrote them: an
+    entry it cannot read field by field refuses the record, as a corrupt one."""
+    from hlplugin.deviceplugin.checkpoint import encode
+
+    node = Node()
+    node.plugin_dir.mkdir(parents=True)
+    node.checkpoint.write_bytes(encode(CHECKPOINT_KIND, {"uid-1": {"claim": "vm", "slots": 3}}))
+    preparer = node.preparer()
+    assert not await preparer.load()
+    ok, reason = preparer.condition()
+    assert not ok and "holds an entry of another shape (KeyError" in reason
+    answers = await preparer.prepare([ClaimRef("ns", "uid-1", "vm")])
+    assert answers["uid-1"].error.startswith("refusing to prepare: ")
+
+
 async def test_a_symlinked_checkpoint_is_refused_and_its_target_untouched() -> None:
     node = Node()
     node.plugin_dir.mkdir(parents=True)

@@ -198,7 +198,10 @@ class ClaimPreparer:
                 return self._done(claims, "")
             error = await self._save({k: v for k, v in self._claims.items() if k not in gone})
             if error:
-                return {c.uid: error if c.uid in gone else "" for c in claims}
+                answers = {c.uid: error if c.uid in gone else "" for c in claims}
+                for answer in answers.values():
+                    self._result("unprepare", "error" if answer else "success")
+                return answers
             for uid in gone:
                 log.info("unprepared claim %s", self._claims.pop(uid).claim.describe())
             self._changed()
