@@ -191,6 +191,35 @@ async def test_both_versions_answer_the_same_claim_the_same_and_record_it_once()
         assert os.stat(node.checkpoint).st_ino == written  # nothing new: not rewritten
 
 
+async def test_a_share_of_a_shared_device_is_answered_in_v1_and_kept_across_a_restart() -> None:
+    """Consumable capacity: the claim's share ID goes into v1's Device.share_id (1.36); v1beta1,
+    which has no such field, answers the same device without it."""
+    node = Node()
+    shared = PreparedDevice((), "node-a", "kvm", (CDI_ID,), share="5f1c")
+
+    async def allocation(claim: ClaimRef) -> tuple[PreparedDevice, ...]:
+        return (shared,)
+
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node, preparer=node.preparer(allocation)) as (plugin, _):
+        await registered(watcher, plugin)
+        entry = (await watcher.prepare(DRA_DRIVER, CLAIM)).claims[CLAIM[1]]
+        assert [d.share_id for d in entry.devices] == ["5f1c"]
+    async with driver(node) as (plugin, preparer):
+        assert preparer.prepared[CLAIM[1]].devices == (shared,)
+        await registered(watcher, plugin)
+        v1 = watcher.newest(DRA_DRIVER)
+        v1beta1 = type(v1)(v1.socket, v1.identity, v1.info, "v1beta1.DRAPlugin")
+        old = (await watcher.prepare(DRA_DRIVER, CLAIM, plugin=v1beta1)).claims[CLAIM[1]]
+        assert devices_of(old) == [([], "node-a", "kvm", [CDI_ID])]
+        assert "share_id" not in type(old.devices[0]).DESCRIPTOR.fields_by_name
+
+
+def devices_of(entry: Any) -> list[tuple[list[str], str, str, list[str]]]:
+    return [(list(d.request_names), d.pool_name, d.device_name, list(d.cdi_device_ids))
+            for d in entry.devices]
+
+
 async def test_every_claim_of_a_call_is_answered_by_its_uid() -> None:
     node = Node()
     watcher = FakePluginWatcher(node.registry)

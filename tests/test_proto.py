@@ -80,8 +80,9 @@ def test_dra_api_is_the_kubelets(version: str) -> None:
         "NodePrepareResources": ("NodePrepareResourcesRequest", "NodePrepareResourcesResponse"),
         "NodeUnprepareResources": ("NodeUnprepareResourcesRequest", "NodeUnprepareResourcesResponse")}
     assert numbers(pb.Claim) == {"namespace": 1, "uid": 2, "name": 3}
+    share = {"share_id": 5} if version == "v1" else {}  # 1.36's v1 only: consumable capacity
     assert numbers(pb.Device) == {"request_names": 1, "pool_name": 2, "device_name": 3,
-                                  "cdi_device_ids": 4}
+                                  "cdi_device_ids": 4, **share}
     assert numbers(pb.NodePrepareResourceResponse) == {"devices": 1, "error": 2}
     assert numbers(pb.NodeUnprepareResourceResponse) == {"error": 1}
     for message in (pb.NodePrepareResourcesRequest, pb.NodeUnprepareResourcesRequest,
@@ -91,3 +92,85 @@ def test_dra_api_is_the_kubelets(version: str) -> None:
     assert claims.message_type.GetOptions().map_entry  # map<string, NodePrepareResourceResponse>
     key, value = claims.message_type.fields
     assert (key.type, value.message_type.name) == (key.TYPE_STRING, "NodePrepareResourceResponse")
+
+
+# --- against the kubelet itself -------------------------------------------------------------------
+
+def _kubelet_xz() -> Path | None:
+    """The v1.36 kubelet of ../shared/k8s (README there), beside the repository or its worktree."""
+    for base in (ROOT.parent, ROOT.parent.parent):
+        path = base / "shared" / "k8s" / "kubelet.xz"
+        if path.is_file():
+            return path
+    return None
+
+
+def _embedded_descriptors(binary: bytes) -> dict[str, object]:
+    """The kubelet's own API descriptors, as Go's generated code embeds them: each a serialized
+    FileDescriptorProto named after its staging path, parsed up to its longest valid prefix."""
+    import re
+
+    from google.protobuf import descriptor_pb2
+
+    found: dict[str, object] = {}
+    for match in re.finditer(rb"\n([\x05-\x7f])(staging/src/k8s\.io/kubelet/pkg/apis/[a-z0-9/_-]+"
+                             rb"/api\.proto)", binary):
+        if match.group(1)[0] != len(match.group(2)):
+            continue
+        start, best, name = match.start(), None, match.group(2).decode()
+        for end in range(start + 64, min(start + 16384, len(binary))):
+            proto = descriptor_pb2.FileDescriptorProto()
+            try:
+                proto.ParseFromString(binary[start:end])
+            except Exception:  # a prefix that is not a whole descriptor
+                continue
+            # A prefix running into the next descriptor parses too, merged: its name is the next's.
+            if proto.service and proto.name == name:
+                best = proto
+        if best is not None:
+            found[match.group(2).decode().removeprefix("staging/src/k8s.io/kubelet/pkg/apis/")] = best
+    return found
+
+
+def _shape(proto: object) -> dict[str, object]:
+    """What the wire depends on: package, messages (nested too) with each field's name, number,
+    label, type and type name, enums, and services with their methods' types and streaming."""
+    def message(m: object) -> dict[str, object]:
+        return {"fields": sorted((f.name, f.number, f.label, f.type, f.type_name)  # type: ignore[attr-defined]
+                                 for f in m.field),  # type: ignore[attr-defined]
+                "nested": {n.name: message(n) for n in m.nested_type},  # type: ignore[attr-defined]
+                "map": m.options.map_entry}  # type: ignore[attr-defined]
+
+    return {
+        "package": proto.package,  # type: ignore[attr-defined]
+        "messages": {m.name: message(m) for m in proto.message_type},  # type: ignore[attr-defined]
+        "enums": {e.name: [(v.name, v.number) for v in e.value] for e in proto.enum_type},  # type: ignore[attr-defined]
+        "services": {s.name: sorted((m.name, m.input_type, m.output_type, m.client_streaming,  # type: ignore[attr-defined]
+                                     m.server_streaming) for m in s.method)
+                     for s in proto.service},  # type: ignore[attr-defined]
+    }
+
+
+OURS = {"deviceplugin/v1beta1/api.proto": "deviceplugin_pb2",
+        "pluginregistration/v1/api.proto": "pluginregistration_pb2",
+        "dra/v1/api.proto": "dra_v1_pb2", "dra/v1beta1/api.proto": "dra_v1beta1_pb2",
+        "dra-health/v1alpha1/api.proto": "dra_health_v1alpha1_pb2"}
+
+
+def test_every_kubelet_api_we_speak_is_the_v1_36_kubelets_own() -> None:
+    """Compared with the descriptors compiled into the real kubelet (../shared/k8s): the same
+    package, messages, fields, enums and methods, so the same bytes and method paths."""
+    import importlib
+    import lzma
+
+    from google.protobuf import descriptor_pb2
+
+    xz = _kubelet_xz()
+    if xz is None:
+        pytest.skip("no ../shared/k8s/kubelet.xz (the v1.36 kubelet) beside the repository")
+    theirs = _embedded_descriptors(lzma.decompress(xz.read_bytes()))
+    assert set(OURS) <= set(theirs), sorted(theirs)
+    for path, module in OURS.items():
+        ours = descriptor_pb2.FileDescriptorProto()
+        importlib.import_module(f"hlplugin.api.{module}").DESCRIPTOR.CopyToProto(ours)
+        assert _shape(ours) == _shape(theirs[path]), path

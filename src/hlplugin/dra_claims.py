@@ -68,7 +68,7 @@ class _Entry:
     def to_json(self) -> dict[str, Any]:
         return {"namespace": self.claim.namespace, "name": self.claim.name,
                 "devices": [{"requests": list(d.requests), "pool": d.pool, "device": d.device,
-                             "ids": list(d.ids)} for d in self.devices]}
+                             "ids": list(d.ids), "share": d.share} for d in self.devices]}
 
 
 def _strings(value: Any) -> tuple[str, ...]:
@@ -84,11 +84,11 @@ def _entry(uid: str, value: Any) -> _Entry:
         raise ValueError("not an object")
     devices = []
     for device in value["devices"]:
-        pool, name = device["pool"], device["device"]
-        if not isinstance(pool, str) or not isinstance(name, str):
-            raise ValueError("pool and device must be strings")
+        pool, name, share = device["pool"], device["device"], device["share"]
+        if not all(isinstance(v, str) for v in (pool, name, share)):
+            raise ValueError("pool, device and share must be strings")
         devices.append(PreparedDevice(_strings(device["requests"]), pool, name,
-                                      _strings(device["ids"])))
+                                      _strings(device["ids"]), share))
     namespace, name = value["namespace"], value["name"]
     if not isinstance(namespace, str) or not isinstance(name, str):
         raise ValueError("namespace and name must be strings")

@@ -49,12 +49,15 @@ class ClaimRef:
 @dataclass(frozen=True)
 class PreparedDevice:
     """One device of a prepared claim: the requests it serves (empty: all), where it is published
-    (pool, device), and the IDs the container runtime resolves for it."""
+    (pool, device), the IDs the container runtime resolves for it, and for a device shared with
+    consumable capacity the claim's share (its allocation result's share ID; v1 carries it,
+    v1beta1 has no such field)."""
 
     requests: tuple[str, ...]
     pool: str
     device: str
     ids: tuple[str, ...]
+    share: str = ""
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class DraServicer:
         self.api = api
         self.preparer = preparer
         self.version = api.DESCRIPTOR.package.rsplit(".", 1)[-1]
+        self._shares = "share_id" in api.Device.DESCRIPTOR.fields_by_name
 
     async def NodePrepareResources(self, request: Any, context: Context) -> Any:
         claims = _claims(request)
@@ -103,8 +107,10 @@ class DraServicer:
                 entry.error = prepared.error
                 continue
             for device in prepared.devices:
-                entry.devices.add(request_names=device.requests, pool_name=device.pool,
-                                  device_name=device.device, cdi_device_ids=device.ids)
+                added = entry.devices.add(request_names=device.requests, pool_name=device.pool,
+                                          device_name=device.device, cdi_device_ids=device.ids)
+                if device.share and self._shares:
+                    added.share_id = device.share
         return response
 
     async def NodeUnprepareResources(self, request: Any, context: Context) -> Any:
