@@ -6,6 +6,7 @@ one spec, and SIGTERM removes its sockets and nothing else."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ from harness import daemon, needs_kvm, short_dir, wait_until
 from support.pluginwatcher import FakePluginWatcher
 
 from hlplugin import config
+from hlplugin.api import dra_health_v1alpha1_pb2 as health_pb
 from hlplugin.dra_claims import CHECKPOINT_FILE
 from hlplugin.names import DRA_DRIVER
 
@@ -66,6 +68,11 @@ async def test_a_device_that_fails_its_check_refuses_prepare_naming_why() -> Non
         assert conditions["checkpoint"] == (True, "")
         assert not conditions["device"][0]
         assert sorted(os.listdir(node.cdi_dir)) == ["hyperlight.json"]  # the spec is kept anyway
+        stream = watcher.watch_health(DRA_DRIVER)
+        async with contextlib.aclosing(stream):
+            (device,) = (await anext(stream)).devices  # what the kubelet shows in pod status
+        assert (device.device.pool_name, device.device.device_name) == ("node-a", "kvm")
+        assert device.health == health_pb.HealthStatus.UNHEALTHY and "device: " in device.message
         code, metrics = await proc.http("/metrics")
         assert code == 200
         assert b'hyperlight_dra_prepares_total{result="refused"} 1.0' in metrics

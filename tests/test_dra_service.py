@@ -381,3 +381,42 @@ async def test_a_removed_registration_socket_is_published_again() -> None:
         assert not watcher.plugins  # the kubelet unregistered us
         await registered(watcher, plugin)
         assert len(watcher.infos) == 2
+
+
+async def test_the_health_stream_reports_the_device_at_once_on_every_change_and_on_refresh() -> None:
+    from hlplugin.api import dra_health_v1alpha1_pb2 as health_pb
+    from hlplugin.deviceplugin.kubelet.drahealth import HealthStream
+
+    node = Node()
+    health = HealthStream(node.tracker, lambda: [("node-a", "kvm")], refresh=0.5)
+    preparer = node.preparer()
+    await preparer.load()
+    registration, service = dra_socket_names(UID)
+    plugin = WatcherPlugin(node.registry, registration, node.plugin_dir / service, DRA_PLUGIN,
+                           DRA_DRIVER, SERVICES,
+                           functools.partial(new_dra_server, preparer, health), recheck=0.2)
+    task = asyncio.create_task(plugin.run())
+    watcher = FakePluginWatcher(node.registry)
+    try:
+        await registered(watcher, plugin)
+        seen: list[tuple[int, str]] = []
+        stream = watcher.watch_health(DRA_DRIVER)
+        async with contextlib.aclosing(stream):
+            first = await anext(stream)
+            (device,) = first.devices
+            assert (device.device.pool_name, device.device.device_name) == ("node-a", "kvm")
+            assert (device.health, device.message) == (health_pb.HealthStatus.HEALTHY, "")
+            assert device.health_check_timeout_seconds == 2 and device.last_updated_time > 0
+            node.tracker.set_condition("device", False, "KVM_CREATE_VM failed: EIO")
+            changed = (await anext(stream)).devices[0]
+            assert changed.health == health_pb.HealthStatus.UNHEALTHY
+            assert changed.message == "device: KVM_CREATE_VM failed: EIO"
+            refreshed = (await anext(stream)).devices[0]  # no change: sent again within refresh
+            seen.append((refreshed.health, refreshed.message))
+            node.tracker.set_condition("device", True)
+            assert (await anext(stream)).devices[0].health == health_pb.HealthStatus.HEALTHY
+        assert seen == [(health_pb.HealthStatus.UNHEALTHY, "device: KVM_CREATE_VM failed: EIO")]
+        await wait_until(lambda: health.open_streams == 0, 20, "the stream's end seen by the driver")
+    finally:
+        task.cancel()
+        await asyncio.wait({task})

@@ -21,6 +21,7 @@ from hlplugin.detect import wait_for_hypervisor
 from hlplugin.deviceplugin.checkpoint import Checkpoint
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.health.producer import Trigger
+from hlplugin.deviceplugin.kubelet.drahealth import HealthStream
 from hlplugin.deviceplugin.kubelet.draservice import SERVICES, new_dra_server
 from hlplugin.deviceplugin.kubelet.pluginwatcher import DRA_PLUGIN, WatcherPlugin
 from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Launch, Started
@@ -55,18 +56,21 @@ class DraDriver:
             tracker=tracker, metrics=metrics)
         self.monitor = DeviceMonitor(tracker, hypervisor, settings.health, metrics=metrics)
         plugin_dir = settings.dra.plugin_dir
+        pool = node_name(settings)
         self.claims = ClaimPreparer(
             Checkpoint(plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND), self.gate,
-            node_device(node_name(settings), hypervisor, cdi_spec.qualified_name(hypervisor)),
+            node_device(pool, hypervisor, cdi_spec.qualified_name(hypervisor)),
             on_change=metrics.dra_prepared_claims.set, on_result=metrics.claim_result)
         registration, service = dra_socket_names(settings.dra.pod_uid)
+        self.health = HealthStream(tracker, lambda: [(pool, hypervisor)],
+                                   refresh=settings.health.interval)
 
         def status(registered: bool) -> None:
             metrics.registrations.labels(result="success" if registered else "failure").inc()
 
         self.plugin = WatcherPlugin(
             settings.dra.registry_dir, registration, plugin_dir / service, DRA_PLUGIN, DRA_DRIVER,
-            SERVICES, functools.partial(new_dra_server, self.claims), on_status=status,
+            SERVICES, functools.partial(new_dra_server, self.claims, self.health), on_status=status,
             dir_setting=REGISTRY_DIR_FLAG)
 
     async def gate(self) -> HealthState:

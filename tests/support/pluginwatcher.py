@@ -10,7 +10,8 @@ real gRPC (pkg/kubelet/pluginmanager and pkg/kubelet/cm/dra/plugin, v1.36):
   failed registration, with a backoff this fake leaves out);
 - a restarted kubelet (a new watcher) registers every socket it finds in the directory;
 - calls go to the newest registered plugin of a driver, over the service chosen at its
-  registration.
+  registration; the resource-health stream (dra-health v1alpha1, gate ResourceHealthStatus, on
+  in 1.36) is opened on the same endpoint, whatever the plugin listed.
 
 ``sync()`` is one pass of the watcher's reconciler (the kubelet's runs every second and on
 inotify events); tests call it through the one poller, harness.wait_until.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -27,6 +29,8 @@ from typing import Any
 
 import grpc
 
+from hlplugin.api import dra_health_v1alpha1_pb2 as health_pb
+from hlplugin.api import dra_health_v1alpha1_pb2_grpc as health_grpc
 from hlplugin.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from hlplugin.api import pluginregistration_pb2 as reg_pb
 from hlplugin.api import pluginregistration_pb2_grpc as reg_grpc
@@ -122,3 +126,12 @@ class FakePluginWatcher:
     async def unprepare(self, driver: str, *claims: tuple[str, str, str],
                         plugin: Registered | None = None) -> Any:
         return await self.call(driver, "NodeUnprepareResources", list(claims), plugin)
+
+    async def watch_health(self, driver: str) -> AsyncIterator[health_pb.NodeWatchResourcesResponse]:
+        """The health stream of the newest plugin of ``driver``, as the kubelet reads it."""
+        plugin = self.newest(driver)
+        async with grpc.aio.insecure_channel(f"unix://{plugin.info.endpoint}") as channel:
+            stream = health_grpc.DRAResourceHealthStub(channel).NodeWatchResources(
+                health_pb.NodeWatchResourcesRequest())
+            async for response in stream:
+                yield response

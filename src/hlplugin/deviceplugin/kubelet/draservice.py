@@ -17,7 +17,13 @@ from typing import Any, Protocol
 
 import grpc
 
-from hlplugin.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
+from hlplugin.api import (
+    dra_health_v1alpha1_pb2_grpc,
+    dra_v1_pb2,
+    dra_v1_pb2_grpc,
+    dra_v1beta1_pb2,
+    dra_v1beta1_pb2_grpc,
+)
 from hlplugin.deviceplugin.kubelet.grpcserver import (
     MAX_CONNECTIONS,
     MAX_DEALLOCATING_STREAMS,
@@ -127,9 +133,12 @@ class DraServicer:
 _VERSIONS = ((dra_v1_pb2, dra_v1_pb2_grpc), (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc))
 
 
-def new_dra_server(preparer: Preparer) -> grpc.aio.Server:
-    """A gRPC server serving DRAPlugin v1 and v1beta1 over ``preparer``, within the bounds of
-    grpcserver.py (a request over MAX_REQUEST_BYTES is refused before it is parsed)."""
+def new_dra_server(preparer: Preparer,
+                   health: dra_health_v1alpha1_pb2_grpc.DRAResourceHealthServicer | None = None
+                   ) -> grpc.aio.Server:
+    """A gRPC server serving DRAPlugin v1 and v1beta1 over ``preparer``, and with ``health`` (a
+    drahealth.HealthStream) the resource-health stream, within the bounds of grpcserver.py (a
+    request over MAX_REQUEST_BYTES is refused before it is parsed)."""
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
@@ -138,4 +147,6 @@ def new_dra_server(preparer: Preparer) -> grpc.aio.Server:
     ])
     for api, api_grpc in _VERSIONS:
         api_grpc.add_DRAPluginServicer_to_server(DraServicer(api, preparer), server)
+    if health is not None:
+        dra_health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(health, server)
     return server
