@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 from harness import daemon, needs_kvm, short_dir, wait_until
 from support.pluginwatcher import FakePluginWatcher
+from support.waits import quiet
 
 from hlplugin import config
 from hlplugin.api import dra_health_v1alpha1_pb2 as health_pb
@@ -82,6 +84,28 @@ async def test_a_device_that_fails_its_check_refuses_prepare_naming_why() -> Non
     assert os.listdir(node.cdi_dir) == ["hyperlight.json"]  # stays, for running containers
 
 
+@pytest.mark.slow  # the passing check stands 9 s (HttpSettings.self_check_fresh_for)
+async def test_healthz_fails_when_the_dra_service_stops_answering_on_its_socket() -> None:
+    """The self-check is a call to the DRA service: with something mute at its socket (the
+    kubelet could not reach the driver either), /healthz fails and the kubelet restarts it."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with daemon(node.args(), graceful=True) as proc:
+        await registered(watcher)
+        endpoint = watcher.newest(DRA_DRIVER).info.endpoint
+        assert json.loads(await proc.wait_http("/healthz", 200))["status"] == "ok"
+        # The first probe answered from no check yet and started one, which /healthz does not
+        # show ending: a bounded window for it, then its verdict (a call that was answered).
+        await quiet(1.0, "the self-check the first probe started ends")
+        assert json.loads(await proc.wait_http("/healthz", 200))["status"] == "ok"
+        os.unlink(endpoint)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as mute:
+            mute.bind(endpoint)
+            mute.listen(8)
+            body = json.loads(await proc.wait_http("/healthz", 503, timeout=40))
+            assert body["reason"] == "the gRPC server did not answer on its socket"
+
+
 @needs_kvm
 async def test_prepare_answers_the_cdi_device_the_nodes_one_spec_declares() -> None:
     node = Node(dev_dir=Path("/dev"))
@@ -99,6 +123,13 @@ async def test_prepare_answers_the_cdi_device_the_nodes_one_spec_declares() -> N
                     for d in spec["devices"]]
         assert declared == ["hyperlight.dev/hypervisor=kvm"]  # one spec declares it, once
         conditions = readiness(await proc.wait_http("/readyz", 200))
+        # /healthz asks the DRA service itself (an Unprepare of no claims): it answers.
+
+        async def live() -> bool:
+            code, body = await proc.http("/healthz")
+            return code == 200 and json.loads(body)["status"] == "ok"
+
+        await wait_until(live, 30, "/healthz after a self-check of the DRA service")
         assert {"registered", "checkpoint", "cdi", "device"} <= set(conditions)
         assert CLAIM[1] in json.loads((node.plugin_dir / CHECKPOINT_FILE).read_bytes())["entries"]
     assert sorted(os.listdir(node.plugin_dir)) == [CHECKPOINT_FILE]

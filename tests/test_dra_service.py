@@ -420,3 +420,38 @@ async def test_the_health_stream_reports_the_device_at_once_on_every_change_and_
     finally:
         task.cancel()
         await asyncio.wait({task})
+
+
+async def test_the_liveness_call_is_answered_while_a_prepare_waits_and_fails_on_a_mute_server(
+        ) -> None:
+    """answers() (the driver's /healthz check) needs no claim lock, so a Prepare stuck on slow
+    storage cannot fail liveness; a socket that accepts and never speaks gRPC fails it within
+    the timeout."""
+    import socket
+
+    from hlplugin.deviceplugin.kubelet.draservice import answers
+
+    node = Node()
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_gate() -> HealthState:
+        entered.set()
+        await release.wait()
+        return node.tracker.state
+
+    preparer = ClaimPreparer(Checkpoint(node.plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND),
+                             slow_gate, node_device("node-a", "kvm", CDI_ID))
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node, preparer=preparer) as (plugin, _):
+        await registered(watcher, plugin)
+        waiting = asyncio.create_task(watcher.prepare(DRA_DRIVER, CLAIM))
+        await asyncio.wait_for(entered.wait(), 20)
+        assert await answers(plugin.endpoint_path, 2.0)
+        release.set()
+        assert devices((await waiting), CLAIM[1])
+    mute = node.plugin_dir / "mute.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(mute))
+        listener.listen(8)
+        assert not await answers(mute, 0.5)
+    assert not await answers(node.plugin_dir / "nothing.sock", 0.5)

@@ -22,7 +22,7 @@ from hlplugin.deviceplugin.checkpoint import Checkpoint
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.health.producer import Trigger
 from hlplugin.deviceplugin.kubelet.drahealth import HealthStream
-from hlplugin.deviceplugin.kubelet.draservice import SERVICES, new_dra_server
+from hlplugin.deviceplugin.kubelet.draservice import SERVICES, answers, new_dra_server
 from hlplugin.deviceplugin.kubelet.pluginwatcher import DRA_PLUGIN, WatcherPlugin
 from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Launch, Started
 from hlplugin.dra_claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, node_device
@@ -85,6 +85,10 @@ class DraDriver:
                              self.claims.load())
         await self.claims.runner.run(self.claims.checkpoint.cleanup_leftovers)
 
+    async def alive(self, timeout: float) -> bool:
+        """/healthz: the DRA service answers on its socket (nothing to ask between servers)."""
+        return not self.plugin.serving or await answers(self.plugin.endpoint_path, timeout)
+
     def conditions(self) -> dict[str, tuple[bool, str]]:
         return {"registered": (self.plugin.registered, self.plugin.status),
                 "checkpoint": self.claims.condition()}
@@ -120,4 +124,9 @@ async def dra(settings: DraSettings, launch: Launch | None = None) -> None:
         functools.partial(wait_for_hypervisor, settings.health), setup,
         pending={"hypervisor": f"no mshv or kvm device under {show(settings.health.dev_dir)}"},
         launch=launch or Launch(),
-        kubelet_conditions=kubelet_conditions(lambda: built[0] if built else None))).run()
+        kubelet_conditions=kubelet_conditions(lambda: built[0] if built else None),
+        self_check=lambda timeout: built[0].alive(timeout) if built else _answered())).run()
+
+
+async def _answered() -> bool:
+    return True  # before the driver is built: the HTTP answer itself proves the loop turns

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -103,7 +104,7 @@ class DraServicer:
 
     async def NodePrepareResources(self, request: Any, context: Context) -> Any:
         claims = _claims(request)
-        answers = await self.preparer.prepare(claims)
+        answers = await self.preparer.prepare(claims) if claims else {}
         response = self.api.NodePrepareResourcesResponse()
         for uid in _missing(claims, answers):  # never leave a claim out: the kubelet would wait
             answers[uid] = Prepared(error="the driver gave no answer for this claim")
@@ -121,7 +122,8 @@ class DraServicer:
 
     async def NodeUnprepareResources(self, request: Any, context: Context) -> Any:
         claims = _claims(request)
-        errors = await self.preparer.unprepare(claims)
+        # No claims, nothing to wait for: the self-check's call, never queued behind a Prepare.
+        errors = await self.preparer.unprepare(claims) if claims else {}
         response = self.api.NodeUnprepareResourcesResponse()
         for uid in _missing(claims, errors):
             errors[uid] = "the driver gave no answer for this claim"
@@ -131,6 +133,18 @@ class DraServicer:
 
 
 _VERSIONS = ((dra_v1_pb2, dra_v1_pb2_grpc), (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc))
+
+
+async def answers(endpoint: Path, timeout: float) -> bool:
+    """The DRA service at ``endpoint`` answers a call (an Unprepare of no claims, which runs our
+    handler on the event loop and waits for no other call): the driver's liveness check."""
+    async with grpc.aio.insecure_channel(f"unix://{endpoint}") as channel:
+        try:
+            await dra_v1_pb2_grpc.DRAPluginStub(channel).NodeUnprepareResources(
+                dra_v1_pb2.NodeUnprepareResourcesRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+    return True
 
 
 def new_dra_server(preparer: Preparer,

@@ -75,6 +75,7 @@ class WatcherPlugin:
         self._on_status = on_status
         self._wakeup = Wakeup(DirWatcher(registry_dir, {registration_name}, poll_interval=1.0))
         self.registered = False
+        self.serving = False  # our endpoint is published and its server runs
         self.problem = (f"the kubelet's plugin watcher has not called on {self.registration_path} "
                         f"yet (is {dir_setting} the kubelet's plugins_registry?)")
         self.registrations = 0  # verdicts received, for tests and the log
@@ -101,11 +102,13 @@ class WatcherPlugin:
         server = self._make_server()
         try:
             await self._bind(endpoint, server)
+            self.serving = True
             log.info("serving %s on %s", self.info.name, self.endpoint_path)
             async with self._wakeup.running():
                 while True:
                     await self._registered_until_removed()
         finally:
+            self.serving = False  # stopping on purpose: the self-check no longer asks
             with contextlib.suppress(asyncio.CancelledError):
                 await stop_server(server)
             endpoint.remove()
