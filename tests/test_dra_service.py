@@ -16,6 +16,7 @@ from typing import Any
 
 from harness import short_dir, wait_until
 from support.pluginwatcher import FakePluginWatcher
+from support.waits import quiet
 
 from hlplugin.deviceplugin.checkpoint import Checkpoint
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
@@ -455,3 +456,21 @@ async def test_the_liveness_call_is_answered_while_a_prepare_waits_and_fails_on_
         listener.listen(8)
         assert not await answers(mute, 0.5)
     assert not await answers(node.plugin_dir / "nothing.sock", 0.5)
+
+
+async def test_a_second_instance_of_one_pod_waits_for_the_first_to_go_then_takes_over() -> None:
+    """One server per socket (endpoint.py): a restarted container of the same pod (same UID)
+    never takes the socket of a live predecessor; it serves once that one is gone."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as first:
+        await registered(watcher, first.plugin)
+        async with driver(node) as second:
+            await quiet(0.5, "the second instance must not take the live one's socket meanwhile")
+            assert not second.plugin.serving and first.plugin.serving
+            assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
+            first.task.cancel()
+            await asyncio.wait({first.task})
+            await wait_until(lambda: second.plugin.serving, 30, "the second instance serving")
+            await registered(watcher, second.plugin)
+            assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])

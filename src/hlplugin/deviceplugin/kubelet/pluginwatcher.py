@@ -23,15 +23,19 @@ import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import grpc
 
 from hlplugin.api import pluginregistration_pb2 as reg_pb
 from hlplugin.api import pluginregistration_pb2_grpc as reg_grpc
 from hlplugin.deviceplugin.health.watch import DirWatcher, Wakeup
-from hlplugin.deviceplugin.kubelet.endpoint import Endpoint, wait_until_free
-from hlplugin.deviceplugin.kubelet.grpcserver import stop_server
+from hlplugin.deviceplugin.kubelet.endpoint import Endpoint, Holder, wait_until_free
+from hlplugin.deviceplugin.kubelet.grpcserver import (
+    MAX_CONNECTIONS,
+    MAX_DEALLOCATING_STREAMS,
+    MAX_STREAMS_PER_CONNECTION,
+    stop_server,
+)
 from hlplugin.deviceplugin.kubelet.interfaces import Context
 
 log = logging.getLogger(__name__)
@@ -123,7 +127,13 @@ class WatcherPlugin:
         """Publish the registration socket; return once it is no longer ours (removed,
         replaced); cancelled, remove it first."""
         registration = Endpoint(self.registration_path)
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024)])
+        # The kubelet sends two tiny messages; the bounds of grpcserver.py for everything else.
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", 64 * 1024),
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+            ("grpc.http2.max_deallocating_streams", MAX_DEALLOCATING_STREAMS),
+            ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
+        ])
         reg_grpc.add_RegistrationServicer_to_server(
             RegistrationServicer(self.info, self._status), server)
         try:
@@ -137,12 +147,11 @@ class WatcherPlugin:
                         self.registration_path)
         finally:
             self.registered = False
-            self.problem = "registration socket being published again"
+            self.problem = f"{self.registration_path} is not published (being published again)"
             registration.remove()  # first: the kubelet unregisters us before the endpoint goes
             with contextlib.suppress(asyncio.CancelledError):
                 await stop_server(server)
 
 
-def _log_holder(holder: Any) -> None:
-    log.warning("%s; waiting for it to go away", holder.path.name + " is served by "
-                + holder.describe())
+def _log_holder(holder: Holder) -> None:
+    log.warning("%s is served by %s; waiting for it to go away", holder.path, holder.describe())
