@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 from harness import short_dir, wait_until
 from support.pluginwatcher import FakePluginWatcher
 from support.waits import quiet
@@ -74,9 +75,10 @@ class Pod:
 
 
 @contextlib.asynccontextmanager
-async def driver(node: Node, uid: str = UID, preparer: ClaimPreparer | None = None
-                 ) -> AsyncIterator[Pod]:
-    """One driver pod's kubelet side, serving until the block ends (or its task is cancelled)."""
+async def driver(node: Node, uid: str = UID, preparer: ClaimPreparer | None = None, *,
+                 fails: bool = False) -> AsyncIterator[Pod]:
+    """One driver pod's kubelet side, serving until the block ends (or its task is cancelled);
+    with ``fails``, its task is expected to have failed by then (the block awaits it)."""
     preparer = preparer or node.preparer()
     await preparer.load()
     registration, service = dra_socket_names(uid)
@@ -89,7 +91,7 @@ async def driver(node: Node, uid: str = UID, preparer: ClaimPreparer | None = No
     finally:
         task.cancel()
         await asyncio.wait({task})
-        assert task.cancelled(), task
+        assert task.done() and not task.cancelled() if fails else task.cancelled(), task
 
 
 async def registered(watcher: FakePluginWatcher, plugin: WatcherPlugin) -> None:
@@ -474,3 +476,26 @@ async def test_a_second_instance_of_one_pod_waits_for_the_first_to_go_then_takes
             await wait_until(lambda: second.plugin.serving, 30, "the second instance serving")
             await registered(watcher, second.plugin)
             assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
+
+
+async def test_something_not_a_socket_at_our_socket_names_is_refused_and_left_alone() -> None:
+    """A regular file at the service socket's name, a symlink at the registration socket's: the
+    driver stops with the reason (the kubelet restarts it, naming it in its log), and neither
+    the file, the link nor the link's target is touched."""
+    for kind in ("file at the endpoint", "symlink at the registration"):
+        node = Node()
+        registration, service = dra_socket_names(UID)
+        node.plugin_dir.mkdir(parents=True)
+        target = node.plugin_dir.parent / "precious"
+        target.write_text("not ours")
+        if kind == "file at the endpoint":
+            squatter = node.plugin_dir / service
+            squatter.write_text("not ours")
+        else:
+            squatter = node.registry / registration
+            squatter.symlink_to(target)
+        async with driver(node, fails=True) as pod:
+            with pytest.raises(RuntimeError, match="exists and is not a socket; refusing to replace"):
+                await asyncio.wait_for(asyncio.shield(pod.task), 20)
+        assert target.read_text() == "not ours"
+        assert squatter.is_symlink() if kind.startswith("symlink") else squatter.read_text() == "not ours"
