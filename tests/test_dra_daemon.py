@@ -21,7 +21,7 @@ from support.waits import quiet
 
 from hlplugin import config
 from hlplugin.api import dra_health_v1alpha1_pb2 as health_pb
-from hlplugin.dra_claims import CHECKPOINT_FILE
+from hlplugin.dra_claims import CHECKPOINT_FILE, LOCK_FILE
 from hlplugin.names import DRA_DRIVER
 
 UID = "5b8e0c6a-1f2d-4e3b-8a9c-0d1e2f3a4b5c"
@@ -80,7 +80,8 @@ async def test_a_device_that_fails_its_check_refuses_prepare_naming_why() -> Non
         assert b'hyperlight_dra_prepares_total{result="refused"} 1.0' in metrics
     assert proc.exited() == 0
     assert os.listdir(node.registry) == []
-    assert os.listdir(node.plugin_dir) == []  # its socket gone; no claim, so no checkpoint
+    # Its socket gone; no claim recorded, so no checkpoint (the instances' lock file stays).
+    assert os.listdir(node.plugin_dir) == [LOCK_FILE]
     assert os.listdir(node.cdi_dir) == ["hyperlight.json"]  # stays, for running containers
 
 
@@ -132,7 +133,7 @@ async def test_prepare_answers_the_cdi_device_the_nodes_one_spec_declares() -> N
         await wait_until(live, 30, "/healthz after a self-check of the DRA service")
         assert {"registered", "checkpoint", "cdi", "device"} <= set(conditions)
         assert CLAIM[1] in json.loads((node.plugin_dir / CHECKPOINT_FILE).read_bytes())["entries"]
-    assert sorted(os.listdir(node.plugin_dir)) == [CHECKPOINT_FILE]
+    assert sorted(os.listdir(node.plugin_dir)) == [CHECKPOINT_FILE, LOCK_FILE]
 
 
 async def test_a_corrupt_checkpoint_is_said_in_readyz_and_the_log_and_left_alone() -> None:

@@ -26,6 +26,7 @@ from hlplugin.deviceplugin.kubelet.pluginwatcher import DRA_PLUGIN, WatcherPlugi
 from hlplugin.dra_claims import (
     CHECKPOINT_FILE,
     CHECKPOINT_KIND,
+    LOCK_FILE,
     Allocation,
     ClaimPreparer,
     NotAllocated,
@@ -337,17 +338,25 @@ async def test_a_symlinked_checkpoint_is_refused_and_its_target_untouched() -> N
 
 
 async def test_a_claim_that_cannot_be_recorded_is_not_answered_as_prepared() -> None:
-    """Something not ours at the checkpoint's path after the start: the claim fails with the
-    reason (the kubelet retries), and the thing stays."""
+    """A record that cannot be written (here: it would outgrow what it may read back) fails the
+    claim with the reason (the kubelet retries); something not ours at the checkpoint's path
+    after the start is refused when the record is read anew, and stays."""
     node = Node()
+    small = ClaimPreparer(Checkpoint(node.plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND,
+                                     max_bytes=256),
+                          node.gate, node_device("node-a", "kvm", CDI_ID))
     watcher = FakePluginWatcher(node.registry)
-    async with driver(node) as (plugin, _):
+    async with driver(node, preparer=small) as (plugin, _):
         await registered(watcher, plugin)
+        response = await watcher.prepare(DRA_DRIVER, CLAIM)
+        error = response.claims[CLAIM[1]].error
+        assert error.startswith("cannot record the claim: cannot write ") and "over the 256" in error
+        assert not response.claims[CLAIM[1]].devices and not node.checkpoint.exists()
         node.checkpoint.mkdir()
         response = await watcher.prepare(DRA_DRIVER, CLAIM)
         error = response.claims[CLAIM[1]].error
-        assert error.startswith("cannot record the claim: ") and "a directory" in error
-        assert not response.claims[CLAIM[1]].devices and node.checkpoint.is_dir()
+        assert error.startswith("refusing to prepare: ") and "is a directory" in error
+        assert node.checkpoint.is_dir()
 
 
 async def test_two_pods_of_a_surging_upgrade_serve_side_by_side() -> None:
@@ -369,7 +378,7 @@ async def test_two_pods_of_a_surging_upgrade_serve_side_by_side() -> None:
             assert [p.info.endpoint for p in watcher.plugins.values()] == [
                 str(new.plugin.endpoint_path)]
             assert sorted(os.listdir(node.plugin_dir)) == sorted(
-                [CHECKPOINT_FILE, new.plugin.endpoint_path.name])
+                [CHECKPOINT_FILE, LOCK_FILE, new.plugin.endpoint_path.name])
             assert os.listdir(node.registry) == [new.plugin.registration_path.name]
             assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])  # recorded
 
@@ -499,3 +508,61 @@ async def test_something_not_a_socket_at_our_socket_names_is_refused_and_left_al
                 await asyncio.wait_for(asyncio.shield(pod.task), 20)
         assert target.read_text() == "not ours"
         assert squatter.is_symlink() if kind.startswith("symlink") else squatter.read_text() == "not ours"
+
+
+async def test_two_instances_sharing_the_record_never_write_over_each_other() -> None:
+    """A surge's two pods answer the kubelet from one record: each change is made under the
+    instances' lock on the record read anew, so no claim one recorded is lost to the other's
+    write, and one unprepared by either is gone for both."""
+    node = Node()
+    old, new = node.preparer(), node.preparer()
+    await old.load()
+    await new.load()
+
+    def claim(uid: str) -> ClaimRef:
+        return ClaimRef("ns", uid, f"claim-{uid}")
+
+    await old.prepare([claim("c1")])
+    await new.prepare([claim("c2")])
+    await old.prepare([claim("c3")])  # from a view without c2, had it not read anew
+    assert node.recorded() == {"c1", "c2", "c3"}
+    assert await old.unprepare([claim("c2")]) == {"c2": ""}
+    assert node.recorded() == {"c1", "c3"}
+    await new.prepare([claim("c4")])
+    assert node.recorded() == {"c1", "c3", "c4"}  # c2 not brought back by the other's view
+
+
+async def test_a_lock_held_past_the_budget_fails_the_call_with_the_reason() -> None:
+    import fcntl
+
+    node = Node()
+    preparer = ClaimPreparer(Checkpoint(node.plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND),
+                             node.gate, node_device("node-a", "kvm", CDI_ID), lock_wait=0.3)
+    await preparer.load()
+    node.plugin_dir.mkdir(parents=True, exist_ok=True)
+    other = os.open(node.plugin_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:  # another instance, mid-change
+        fcntl.flock(other, fcntl.LOCK_EX)
+        answers = await preparer.prepare([ClaimRef("ns", "c1", "c")])
+        assert answers["c1"].error == (
+            f"cannot prepare now: another instance of the driver has held "
+            f"{node.plugin_dir / LOCK_FILE} for more than 0.3 s")
+        errors = await preparer.unprepare([ClaimRef("ns", "c1", "c")])
+        assert errors["c1"].startswith("cannot unprepare now: another instance")
+        fcntl.flock(other, fcntl.LOCK_UN)
+        assert not (await preparer.prepare([ClaimRef("ns", "c1", "c")]))["c1"].error
+    finally:
+        os.close(other)
+
+
+async def test_a_symlink_at_the_lock_is_refused_and_its_target_untouched() -> None:
+    node = Node()
+    node.plugin_dir.mkdir(parents=True)
+    target = node.plugin_dir.parent / "precious"
+    target.write_text("not ours")
+    (node.plugin_dir / LOCK_FILE).symlink_to(target)
+    preparer = node.preparer()
+    await preparer.load()
+    answers = await preparer.prepare([ClaimRef("ns", "c1", "c")])
+    assert "is a symlink; refusing to use what we do not own" in answers["c1"].error
+    assert target.read_text() == "not ours" and (node.plugin_dir / LOCK_FILE).is_symlink()

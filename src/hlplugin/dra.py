@@ -84,6 +84,9 @@ class DraDriver:
         await asyncio.gather(self.reconciler.reconcile(Trigger.START), self.monitor.check(),
                              self.claims.load())
         await self.claims.runner.run(self.claims.checkpoint.cleanup_leftovers)
+        if self.claims.condition()[0]:
+            log.info("%d prepared claims in %s", len(self.claims.prepared),
+                     self.claims.checkpoint.path)
 
     async def alive(self, timeout: float) -> bool:
         """/healthz: the DRA service answers on its socket (nothing to ask between servers)."""

@@ -22,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hlplugin.deviceplugin.checkpoint import Checkpoint, Corrupt
+from hlplugin.deviceplugin.checkpoint import Checkpoint, Corrupt, InstanceLock
 from hlplugin.deviceplugin.health.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.health.conditions import HealthState
 from hlplugin.deviceplugin.kubelet.draservice import ClaimRef, Prepared, PreparedDevice
@@ -36,6 +37,8 @@ from hlplugin.names import DRA_DRIVER
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.json"
+LOCK_FILE = "checkpoint.lock"  # every instance's (a surge runs two): see checkpoint.InstanceLock
+_LOCK_POLL = 0.01  # seconds between tries while another instance holds the lock
 CHECKPOINT_KIND = f"{DRA_DRIVER}/prepared-claims"
 CHECKPOINT_BUDGET = 5.0  # seconds one read or write of the checkpoint may take: hung storage
 
@@ -100,15 +103,20 @@ class ClaimPreparer:
     checkpoint on disk is always the record of every answer given."""
 
     def __init__(self, checkpoint: Checkpoint, gate: Gate, allocation: Allocation, *,
-                 budget: float = CHECKPOINT_BUDGET, on_change: Callable[[int], None] | None = None,
+                 budget: float = CHECKPOINT_BUDGET, lock_wait: float | None = None,
+                 on_change: Callable[[int], None] | None = None,
                  on_result: Callable[[str, str], None] | None = None) -> None:
-        """``on_change(count)``: the number of prepared claims, after each change;
+        """``budget``: of each read or write of the record; ``lock_wait``: how long a call waits
+        for another instance's change (default: the budget); ``on_change(count)``: the number
+        of prepared claims, after each change;
         ``on_result(call, result)``: each claim's outcome (prepare: success, refused, error;
         unprepare: success, error), for the metrics."""
         self.checkpoint = checkpoint
         self._gate = gate
         self._allocation = allocation
         self.runner = BoundedRunner(budget, name="dra-checkpoint")
+        self._instances = InstanceLock(checkpoint.file.directory, LOCK_FILE)
+        self._lock_wait = budget if lock_wait is None else lock_wait
         self._claims: dict[str, _Entry] | None = None  # None: not loaded, or refused
         self.problem = "the checkpoint is not read yet"
         self._refused = False
@@ -141,7 +149,7 @@ class ClaimPreparer:
             log.info("the checkpoint %s is trusted again", path)
         self._claims, self.problem, self._refused = claims, "", False
         self._changed()
-        log.info("%d prepared claims in %s", len(claims), path)
+        log.debug("%d prepared claims in %s", len(claims), path)
         return True
 
     def _refuse(self, problem: str) -> bool:
@@ -151,61 +159,101 @@ class ClaimPreparer:
         self._claims, self.problem, self._refused = None, problem, True
         return False
 
+    async def _acquire(self) -> tuple[int | None, str]:
+        """The instance lock's descriptor, or None and why not: another instance holding it
+        past the budget, or something not ours at its path."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._lock_wait
+        path = self._instances.path
+        while True:
+            try:
+                fd = await self.runner.run(self._instances.try_acquire)
+            except NotRegular as exc:
+                return None, f"{path} is {exc}; refusing to use what we do not own"
+            except (OSError, CheckFailed) as exc:
+                return None, f"cannot lock {path}: {exc}"
+            if fd is not None:
+                return fd, ""
+            if loop.time() >= deadline:
+                return None, (f"another instance of the driver has held {path} for more than "
+                              f"{self._lock_wait:g} s")
+            await asyncio.sleep(_LOCK_POLL)
+
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Prepared]:
         async with self._lock:
-            if self._claims is None and not await self.load():
-                return self._all(claims, f"refusing to prepare: {self.problem}", "error")
-            state = await self._gate()
-            if not state.healthy:
-                return self._all(claims, f"{DRA_DRIVER}: the hypervisor device is not usable on "
-                                 f"this node: {state.describe()}", "refused")
-            assert self._claims is not None
-            answers: dict[str, Prepared] = {}
-            new: dict[str, _Entry] = {}
-            for claim in claims:
-                known = self._claims.get(claim.uid) or new.get(claim.uid)
-                if known is not None:
-                    answers[claim.uid] = Prepared(known.devices)
-                    continue
-                try:
-                    devices = await self._allocation(claim)
-                except NotAllocated as exc:
-                    answers[claim.uid] = Prepared(error=str(exc))
-                    continue
-                new[claim.uid] = _Entry(claim, devices)
-            if new:
-                error = await self._save({**self._claims, **new})
-                if error:
-                    answers.update({uid: Prepared(error=error) for uid in new})
-                else:
-                    self._claims.update(new)
-                    self._changed()
-                    answers.update({uid: Prepared(entry.devices) for uid, entry in new.items()})
-                    for entry in new.values():
-                        log.info("prepared claim %s", entry.claim.describe())
-            for prepared in answers.values():
-                self._result("prepare", "error" if prepared.error else "success")
-            return answers
+            fd, problem = await self._acquire()
+            if fd is None:
+                return self._all(claims, f"cannot prepare now: {problem}", "error")
+            try:
+                return await self._prepare(claims)
+            finally:
+                os.close(fd)
+
+    async def _prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Prepared]:
+        """Under both locks: read the record anew (another instance may have changed it), then
+        answer, recording the new claims."""
+        if not await self.load():
+            return self._all(claims, f"refusing to prepare: {self.problem}", "error")
+        state = await self._gate()
+        if not state.healthy:
+            return self._all(claims, f"{DRA_DRIVER}: the hypervisor device is not usable on "
+                             f"this node: {state.describe()}", "refused")
+        assert self._claims is not None
+        answers: dict[str, Prepared] = {}
+        new: dict[str, _Entry] = {}
+        for claim in claims:
+            known = self._claims.get(claim.uid) or new.get(claim.uid)
+            if known is not None:
+                answers[claim.uid] = Prepared(known.devices)
+                continue
+            try:
+                devices = await self._allocation(claim)
+            except NotAllocated as exc:
+                answers[claim.uid] = Prepared(error=str(exc))
+                continue
+            new[claim.uid] = _Entry(claim, devices)
+        if new:
+            error = await self._save({**self._claims, **new})
+            if error:
+                answers.update({uid: Prepared(error=error) for uid in new})
+            else:
+                self._claims.update(new)
+                self._changed()
+                answers.update({uid: Prepared(entry.devices) for uid, entry in new.items()})
+                for entry in new.values():
+                    log.info("prepared claim %s", entry.claim.describe())
+        for prepared in answers.values():
+            self._result("prepare", "error" if prepared.error else "success")
+        return answers
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
         async with self._lock:
-            if self._claims is None and not await self.load():
-                log.warning("unprepared %d claims without recording it: %s", len(claims), self.problem)
-                return self._done(claims, "")
-            assert self._claims is not None
-            gone = {c.uid for c in claims if c.uid in self._claims}
-            if not gone:
-                return self._done(claims, "")
-            error = await self._save({k: v for k, v in self._claims.items() if k not in gone})
-            if error:
-                answers = {c.uid: error if c.uid in gone else "" for c in claims}
-                for answer in answers.values():
-                    self._result("unprepare", "error" if answer else "success")
-                return answers
-            for uid in gone:
-                log.info("unprepared claim %s", self._claims.pop(uid).claim.describe())
-            self._changed()
+            fd, problem = await self._acquire()
+            if fd is None:  # transient: the kubelet retries an Unprepare until it succeeds
+                return self._done(claims, f"cannot unprepare now: {problem}")
+            try:
+                return await self._unprepare(claims)
+            finally:
+                os.close(fd)
+
+    async def _unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
+        if not await self.load():
+            log.warning("unprepared %d claims without recording it: %s", len(claims), self.problem)
             return self._done(claims, "")
+        assert self._claims is not None
+        gone = {c.uid for c in claims if c.uid in self._claims}
+        if not gone:
+            return self._done(claims, "")
+        error = await self._save({k: v for k, v in self._claims.items() if k not in gone})
+        if error:
+            answers = {c.uid: error if c.uid in gone else "" for c in claims}
+            for answer in answers.values():
+                self._result("unprepare", "error" if answer else "success")
+            return answers
+        for uid in gone:
+            log.info("unprepared claim %s", self._claims.pop(uid).claim.describe())
+        self._changed()
+        return self._done(claims, "")
 
     async def _save(self, claims: dict[str, _Entry]) -> str:
         """Write the record; "" when done, else the error every affected claim answers."""

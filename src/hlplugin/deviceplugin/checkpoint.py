@@ -8,18 +8,26 @@ hand-edited file is told from a good one. A file that is there and is not exactl
 regular file, too large, not JSON, another kind, another version, a checksum that does not match)
 raises Corrupt with the reason: the caller refuses loudly and leaves the file as it is for the
 operator. Nothing of it is ever used, so nothing is half-read. A missing file is an empty record.
+
+Several instances of a plugin may keep one record (the old and the new pod of a surging upgrade,
+both serving the kubelet): InstanceLock, an flock(2) beside it, is held across each
+read-modify-write, and the record is read anew under it, so no instance writes over what another
+recorded.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hlplugin.deviceplugin.files import kind_of
 from hlplugin.deviceplugin.ownedfile import NotRegular, OwnedFile
 
 VERSION = 1
@@ -104,3 +112,38 @@ class Checkpoint:
 
     def exists(self) -> bool:
         return os.path.lexists(self.path)
+
+
+class InstanceLock:
+    """An exclusive flock(2) on ``directory/name`` that every instance of a plugin on the node
+    takes around its changes of a shared record. The file is created once and never removed (a
+    removed lock file would let two instances each lock a file of their own)."""
+
+    def __init__(self, directory: Path, name: str) -> None:
+        self.directory = directory
+        self.path = directory / name
+
+    def try_acquire(self) -> int | None:
+        """The locked file descriptor (close it to release), or None while another instance
+        holds the lock. Never follows a symlink or takes what is not a regular file (NotRegular);
+        OSError when the directory cannot be used. Run it off the event loop (the open)."""
+        os.makedirs(self.directory, 0o755, exist_ok=True)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path, flags, MODE)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise NotRegular("a symlink") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotRegular(kind_of(st.st_mode))
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
