@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from hlplugin.deviceplugin.checkpoint import MODE, VERSION, Checkpoint, Corrupt, decode, encode
+from hlplugin.deviceplugin.checkpoint import (
+    MODE,
+    VERSION,
+    Checkpoint,
+    Corrupt,
+    InstanceLock,
+    decode,
+    encode,
+)
 from hlplugin.deviceplugin.ownedfile import NotRegular
 
 KIND = "example.com/prepared-claims"
@@ -205,3 +213,26 @@ def test_a_record_too_large_to_read_back_is_never_written(tmp_path: Path) -> Non
         record.save({f"uid-{i}": {"pad": "x" * 100} for i in range(40)})
     assert refused.value.errno == errno.EFBIG
     assert record.load() == ENTRIES
+
+
+def test_the_instance_lock_is_exclusive_and_never_takes_what_is_not_a_regular_file(
+        tmp_path: Path) -> None:
+    lock = InstanceLock(tmp_path / "state", "checkpoint.lock")
+    held = lock.try_acquire()
+    assert held is not None
+    try:
+        assert InstanceLock(tmp_path / "state", "checkpoint.lock").try_acquire() is None
+    finally:
+        os.close(held)
+    again = lock.try_acquire()
+    assert again is not None
+    os.close(again)
+    assert os.listdir(tmp_path / "state") == ["checkpoint.lock"]  # never removed
+    target = tmp_path / "target"
+    target.write_text("not ours")
+    for name, make in (("link", lambda p: p.symlink_to(target)), ("fifo", os.mkfifo),
+                       ("dir", os.mkdir)):
+        make(tmp_path / name)
+        with pytest.raises(NotRegular):
+            InstanceLock(tmp_path, name).try_acquire()
+    assert target.read_text() == "not ours" and (tmp_path / "link").is_symlink()

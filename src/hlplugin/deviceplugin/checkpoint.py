@@ -132,8 +132,8 @@ class InstanceLock:
         try:
             fd = os.open(self.path, flags, MODE)
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise NotRegular("a symlink") from None
+            if exc.errno in (errno.ELOOP, errno.EISDIR):
+                raise NotRegular("a symlink" if exc.errno == errno.ELOOP else "a directory") from None
             raise
         try:
             st = os.fstat(fd)
