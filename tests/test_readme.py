@@ -27,7 +27,8 @@ QUICKSTART = (
     "```\n"
 )
 _USERS = (("serve", config.SERVE_OPTIONS), ("bootstrap", config.BOOTSTRAP_OPTIONS),
-          ("cdi", config.CDI_OPTIONS), ("doctor", config.DOCTOR_OPTIONS))
+          ("cdi", config.CDI_OPTIONS), ("doctor", config.DOCTOR_OPTIONS), ("dra", config.DRA_OPTIONS))
+_OWN_DEFAULTS = (("bootstrap", config.BOOTSTRAP_OPTIONS), ("dra", config.DRA_OPTIONS))
 
 
 def _shown(value: Any) -> str:
@@ -43,8 +44,8 @@ def render_options_table() -> str:
     for name, option in config.OPTIONS.items():
         default = (f"`{durations.show(option.default)}`" if option.metavar == config.DURATION
                    else _shown(option.default))
-        for command in ("bootstrap",):
-            if name in config.BOOTSTRAP_OPTIONS and option.default_for(command) != option.default:
+        for command, names in _OWN_DEFAULTS:
+            if name in names and option.default_for(command) != option.default:
                 default += f" ({command}: {_shown(option.default_for(command))})"
         users = ", ".join(command for command, names in _USERS if name in names)
         flag = f"`{option.flag}`" if option.is_switch else f"`{option.flag} {option.metavar}`"

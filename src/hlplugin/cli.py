@@ -1,4 +1,4 @@
-"""Command line: `hlplugin serve | bootstrap | cdi | doctor | demo`."""
+"""Command line: `hlplugin serve | bootstrap | dra | cdi | doctor | demo`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from hlplugin.deviceplugin import files
 from hlplugin.deviceplugin.process.signals import StopSignals
 from hlplugin.deviceplugin.quoting import clip, quote
 from hlplugin.dirs import not_a_directory
-from hlplugin.names import NO_HYPERVISOR_HINT
+from hlplugin.names import NO_HYPERVISOR_HINT, dra_socket_names
 from hlplugin.settings import ServeSettings
 
 log = logging.getLogger("hlplugin")
@@ -70,6 +70,8 @@ _COMMANDS = {
                      daemon=("hlplugin.plugin", "serve")),
     "bootstrap": Command("run the bootstrap plugin (hyperlight.dev/device-access)",
                          config.BOOTSTRAP_OPTIONS, daemon=("hlplugin.bootstrap", "bootstrap")),
+    "dra": Command("run the DRA driver hyperlight.dev (opt-in, in place of serve on a node)",
+                   config.DRA_OPTIONS, daemon=("hlplugin.dra", "dra")),
     "cdi": Command("print the CDI spec the daemon keeps, or --check a file against it",
                    config.CDI_OPTIONS, _cdi_command),
     "doctor": Command("check whether this node could serve Hyperlight workloads",
@@ -195,7 +197,14 @@ def _unusable_dirs(command: str, settings: Any) -> list[str]:
         problem = config.socket_path_problem(settings.kubelet.plugin_dir)
         if problem:
             problems.append(f"argument --plugin-dir (or HYPERLIGHT_PLUGIN_DIR): {problem}")
-    if command == "serve":
+    if command == "dra":
+        registration, service = dra_socket_names(settings.dra.pod_uid)
+        for option, name in (("registry_dir", registration), ("dra_dir", service)):
+            flag = config.OPTIONS[option]
+            problem = files.socket_path_problem(config.value_at(settings, flag.path), name)
+            if problem:
+                problems.append(f"argument {flag.flag} (or {flag.env}): {problem}")
+    if command in ("serve", "dra"):
         problem = not_a_directory(settings.cdi.dir)
         if problem:
             problems.append(f"argument --cdi-dir (or HYPERLIGHT_CDI_DIR): {problem}")

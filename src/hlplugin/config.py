@@ -34,10 +34,12 @@ from hlplugin.settings import (
     LOG_FORMATS,
     LOG_LEVELS,
     MAX_DEVICE_COUNT,
+    MAX_POD_UID,
     TIMEOUT_RANGE,
     UINT32_MAX,
     BootstrapSettings,
     DaemonSettings,
+    DraSettings,
     ServeSettings,
     show,
 )
@@ -130,6 +132,24 @@ def _address(text: str) -> tuple[str, int]:
     return host, number
 
 
+def _pod_uid(text: str) -> str:
+    """Letters, digits and hyphens: the UID goes into socket names."""
+    value = text.strip()
+    if not re.fullmatch(rf"[A-Za-z0-9-]{{0,{MAX_POD_UID}}}", value):
+        raise ValueError(f"must be a pod UID (letters, digits, hyphens, at most {MAX_POD_UID}), "
+                         f"got {quote(text)}")
+    return value
+
+
+def _node_name(text: str) -> str:
+    """A DNS subdomain (a node's name), or empty."""
+    value = text.strip()
+    label = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+    if value and (len(value) > 253 or not re.fullmatch(rf"{label}(\.{label})*", value)):
+        raise ValueError(f"must be a node name (a lowercase DNS subdomain), got {quote(text)}")
+    return value
+
+
 def _bool(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -144,7 +164,7 @@ _UNSET: Any = object()
 # Which settings each command builds: `cdi` and `doctor` read the main daemon's.
 SETTINGS_OF: dict[str, type[DaemonSettings]] = {
     "serve": ServeSettings, "bootstrap": BootstrapSettings, "cdi": ServeSettings,
-    "doctor": ServeSettings, "demo": ServeSettings}
+    "doctor": ServeSettings, "demo": ServeSettings, "dra": DraSettings}
 
 
 def value_at(settings: Any, path: tuple[str, ...]) -> Any:
@@ -181,13 +201,19 @@ class Option:
 
     @property
     def default(self) -> Any:
-        return self.default_for("serve")
+        """The main daemon's default; for a field only the DRA driver has, the driver's."""
+        return self.default_for(self._owner)
+
+    @property
+    def _owner(self) -> str:
+        """The command whose settings hold this field: the main daemon's, else the driver's."""
+        return "serve" if hasattr(ServeSettings(), self.path[0]) else "dra"
 
     @property
     def help(self) -> str:
         """What the option means: its field's docstring (hlplugin.settings, or the generic
         package's), read when help is shown (never by a start), and the range it takes."""
-        group: type = type(value_at(SETTINGS_OF["serve"](), self.path[:-1]))
+        group: type = type(value_at(SETTINGS_OF[self._owner](), self.path[:-1]))
         text = field_docs(group)[self.path[-1]]
         return f"{text} Range: {self.bounds}." if self.bounds else text
 
@@ -251,6 +277,10 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
     Option("health.guest_check", "--guest-check", "HYPERLIGHT_GUEST_CHECK", _bool, "true|false"),
     Option("kubelet.register_timeout", "--register-timeout", "HYPERLIGHT_REGISTER_TIMEOUT",
            _timeout, DURATION, bounds=_TIMEOUTS),
+    Option("dra.registry_dir", "--registry-dir", "HYPERLIGHT_REGISTRY_DIR", _path, "DIR"),
+    Option("dra.plugin_dir", "--dra-dir", "HYPERLIGHT_DRA_DIR", _path, "DIR"),
+    Option("dra.pod_uid", "--pod-uid", "HYPERLIGHT_POD_UID", _pod_uid, "UID"),
+    Option("dra.node_name", "--node-name", "HYPERLIGHT_NODE_NAME", _node_name, "NAME"),
 )}
 
 SERVE_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor", "device_count",
@@ -259,6 +289,10 @@ SERVE_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor
                  "guest_check", "register_timeout")
 BOOTSTRAP_OPTIONS = ("plugin_dir", "dev_dir", "hypervisor", "http_address", "log_format",
                      "log_level", "register_timeout")
+DRA_OPTIONS = ("registry_dir", "dra_dir", "pod_uid", "node_name", "cdi_dir", "dev_dir",
+               "host_dev_dir", "hypervisor", "device_uid", "device_gid", "http_address",
+               "log_format", "log_level", "cdi_interval", "health_interval", "probe_timeout",
+               "guest_check")
 # `hlplugin cdi` takes the serve command line as it is, so an operator can paste it; only the
 # hypervisor, uid and gid shape the spec.
 CDI_OPTIONS = SERVE_OPTIONS
@@ -293,6 +327,8 @@ def add_options(parser: argparse.ArgumentParser, names: Sequence[str], command: 
             shown = str(default).lower()
         elif option.metavar == DURATION:
             shown = durations.show(default)
+        elif default == "":
+            shown = "(empty)"
         help_text = f"(env {option.env}; default {shown})"  # the meaning: HelpFormatter
         if option.is_switch:
             parser.add_argument(option.flag, dest=name, action="store_const", const=True,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from prometheus_client.metrics import Counter, Histogram, Info
+from prometheus_client.metrics import Counter, Gauge, Histogram, Info
 from prometheus_client.registry import CollectorRegistry
 
 from hlplugin import __version__
@@ -76,3 +76,30 @@ class Metrics(HyperlightMetrics):
             self.cdi_repairs: CDI_REPAIR_CAUSES,
             self.cdi_refusals: CDI_REFUSAL_REASONS,
         })
+
+
+DRA_PREPARE_RESULTS = ("success", "refused", "error")
+DRA_UNPREPARE_RESULTS = ("success", "error")
+
+
+class DraMetrics(Metrics):
+    """The DRA driver's: the main daemon's proofs (device checks, CDI reconciler), and its claims."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry)
+        r = self.registry
+        self.dra_prepares = Counter(
+            f"{PREFIX}_dra_prepares", "Claims answered by NodePrepareResources, by result.",
+            ["result"], registry=r)
+        self.dra_unprepares = Counter(
+            f"{PREFIX}_dra_unprepares", "Claims answered by NodeUnprepareResources, by result.",
+            ["result"], registry=r)
+        self.dra_prepared_claims = Gauge(
+            f"{PREFIX}_dra_prepared_claims", "Claims prepared on this node (the checkpoint's).",
+            registry=r)
+        precreate({self.dra_prepares: DRA_PREPARE_RESULTS,
+                   self.dra_unprepares: DRA_UNPREPARE_RESULTS})
+
+    def claim_result(self, call: str, result: str) -> None:
+        family = self.dra_prepares if call == "prepare" else self.dra_unprepares
+        family.labels(result=result).inc()

@@ -13,6 +13,19 @@ HYPERVISOR_SOCKET = "hyperlight.sock"
 # The bootstrap daemon's: one slot that grants the hypervisor node to the main daemon's pod.
 DEVICE_ACCESS_RESOURCE = "hyperlight.dev/device-access"
 DEVICE_ACCESS_SOCKET = "hyperlight-device-access.sock"
+# The DRA driver's name (its ResourceSlices, DeviceClass selector and plugin registration).
+DRA_DRIVER = "hyperlight.dev"
+
+
+def dra_socket_names(pod_uid: str) -> tuple[str, str]:
+    """The DRA driver's (registration, service) socket names: per pod, so the two pods of a
+    surging upgrade each have theirs (the Go helper's names, k8s.io/dynamic-resource-allocation
+    kubeletplugin); without a UID, fixed ones."""
+    if pod_uid:
+        return f"{DRA_DRIVER}-{pod_uid}-reg.sock", f"dra-{pod_uid}.sock"
+    return f"{DRA_DRIVER}-reg.sock", "dra.sock"
+
+
 # What to look at when a machine has no hypervisor device, or one that does not work.
 NO_HYPERVISOR_HINT = ("is the kvm module loaded (modprobe kvm_intel or kvm_amd), virtualisation "
                       "turned on in the firmware, and, in a virtual machine, nested virtualisation "
@@ -20,6 +33,7 @@ NO_HYPERVISOR_HINT = ("is the kvm module loaded (modprobe kvm_intel or kvm_amd),
 # How operators choose the kubelet's device-plugins directory: the hints in the daemons' messages
 # name it.
 PLUGIN_DIR_FLAG = "--plugin-dir"
+REGISTRY_DIR_FLAG = "--registry-dir"  # the DRA driver's: the kubelet's plugins_registry
 
 
 class ConditionName(StrEnum):

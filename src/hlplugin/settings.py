@@ -108,7 +108,38 @@ class BootstrapSettings:
     logging: LogSettings = field(default_factory=LogSettings)
 
 
-DaemonSettings = ServeSettings | BootstrapSettings
+@dataclass(frozen=True)
+class DraPluginSettings:
+    """How the DRA driver meets the kubelet (hlplugin.dra): the plugin watcher and the DRA service."""
+
+    registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")
+    """The kubelet's plugin watcher directory: the driver's registration socket is there."""
+    plugin_dir: Path = Path("/var/lib/kubelet/plugins/hyperlight.dev")
+    """The driver's own directory: its DRA service socket and its checkpoint of prepared claims."""
+    pod_uid: str = ""
+    """This pod's UID (the downward API's metadata.uid): it names both sockets, so the old and the
+    new pod of a surging upgrade serve side by side. Empty (run by hand): one fixed name each."""
+    node_name: str = ""
+    """This node's name (the downward API's spec.nodeName): the device pool every answer names.
+    Empty: the host name."""
+
+
+# Letters, digits and hyphens (a UID is 36 of them): it goes into two socket names.
+MAX_POD_UID = 63
+
+
+@dataclass(frozen=True)
+class DraSettings:
+    """`hlplugin dra`, the DRA driver hyperlight.dev: opt-in, in place of the main daemon on a node."""
+
+    dra: DraPluginSettings = field(default_factory=DraPluginSettings)
+    cdi: CdiSettings = field(default_factory=CdiSettings)
+    health: HealthSettings = field(default_factory=HealthSettings)
+    http: HttpSettings = field(default_factory=lambda: HttpSettings(address=("0.0.0.0", 8082)))
+    logging: LogSettings = field(default_factory=LogSettings)
+
+
+DaemonSettings = ServeSettings | BootstrapSettings | DraSettings
 
 
 def show(value: object) -> str:

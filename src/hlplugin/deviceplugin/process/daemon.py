@@ -38,9 +38,11 @@ RootTasks = Mapping[str, Coroutine[Any, Any, None]]
 @dataclass(frozen=True)
 class Started:
     """What a daemon's setup hands back: its plugin lifecycle and its named root tasks (the
-    lifecycle's own run() among them)."""
+    lifecycle's own run() among them). A daemon whose kubelet side is no device plugin (the DRA
+    driver) has no lifecycle: its DaemonSpec's ``kubelet_conditions`` say how it stands, and the
+    self-check has no socket of ours to ask (an HTTP answer proves the event loop turns)."""
 
-    lifecycle: PluginLifecycle
+    lifecycle: PluginLifecycle | None
     tasks: RootTasks
 
 
@@ -72,6 +74,10 @@ class DaemonSpec(Generic[T]):
     setup: Callable[[T], Awaitable[Started]]
     pending: Mapping[str, str] = field(default_factory=dict)
     launch: Launch = field(default_factory=Launch)
+    # /readyz's kubelet conditions in place of plugin_readiness's registered and listandwatch.
+    kubelet_conditions: Callable[[], dict[str, tuple[bool, str]]] | None = None
+    # /healthz's check for a daemon with no lifecycle: one call proving its gRPC server answers.
+    self_check: Callable[[float], Awaitable[bool]] | None = None
 
 
 def await_chain(task: asyncio.Task[Any]) -> list[str]:
@@ -146,8 +152,11 @@ class SelfCheck:
     """
 
     def __init__(self, lifecycle: Callable[[], PluginLifecycle | None], fresh_for: float = 9.0,
-                 timeout: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 timeout: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 answers: Callable[[float], Awaitable[bool]] | None = None) -> None:
+        """``answers(timeout)``: the check while there is no lifecycle (DaemonSpec.self_check)."""
         self.lifecycle = lifecycle
+        self._answers = answers
         self.fresh_for = fresh_for
         self.timeout = timeout
         self.limit = 2 * timeout + 0.5  # the call, then the second opinion's
@@ -173,7 +182,10 @@ class SelfCheck:
         current = self.lifecycle()
         try:
             async with asyncio.timeout(self.limit):
-                ok = current is None or await self._ask(current) or await current.alive(self.timeout)
+                if current is None:
+                    ok = self._answers is None or await self._answers(self.timeout)
+                else:
+                    ok = await self._ask(current) or await current.alive(self.timeout)
             reason = "" if ok else "the gRPC server did not answer on its socket"
         except TimeoutError:
             ok, reason = False, f"the gRPC self-check did not end within {self.limit:g} s"
@@ -233,7 +245,12 @@ class Daemon(Generic[T]):
     def readiness(self) -> dict[str, tuple[bool, str]]:
         """/readyz's conditions: the plugin's (see plugin_readiness), and while wait() has not
         returned, the spec's ``pending`` ones, failing."""
-        conditions = plugin_readiness(self.lifecycle, self.spec.tracker)()
+        if self.spec.kubelet_conditions is None:
+            conditions = plugin_readiness(self.lifecycle, self.spec.tracker)()
+        else:
+            conditions = self.spec.kubelet_conditions()
+            conditions.update((name, (c.ok, c.reason))
+                              for name, c in sorted(self.spec.tracker.state.conditions.items()))
         if self._waiting:
             conditions.update((name, (False, reason)) for name, reason in self.spec.pending.items())
         return conditions
@@ -283,7 +300,7 @@ class Daemon(Generic[T]):
         spec.metrics.ready.set_function(
             lambda: float(all(ok for ok, _ in self.readiness().values())))
         checker = SelfCheck(self.lifecycle, spec.http.self_check_fresh_for,
-                            spec.http.self_check_timeout)
+                            spec.http.self_check_timeout, answers=spec.self_check)
         http = HttpServer(self.readiness, checker.liveness, spec.metrics.registry,
                           details={"ignored_settings": sorted(spec.launch.ignored_settings)})
         try:

@@ -1,0 +1,166 @@
+"""The DRA plugin service a driver serves the kubelet, in both API versions (dra.v1 and
+dra.v1beta1: the same messages under two packages), turned into calls of one ``Preparer``.
+
+The wire rules are the kubelet's (pkg/kubelet/cm/dra): every claim of a request gets an entry in
+the answer, keyed by its UID; a claim that cannot be prepared gets an entry with an error, which
+the kubelet reports in the pod's events and retries; a gRPC error fails every claim of the call.
+So a Preparer's refusal is an entry's error, and only a bug of ours is a gRPC error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol
+
+import grpc
+
+from hlplugin.api import (
+    dra_health_v1alpha1_pb2_grpc,
+    dra_v1_pb2,
+    dra_v1_pb2_grpc,
+    dra_v1beta1_pb2,
+    dra_v1beta1_pb2_grpc,
+)
+from hlplugin.deviceplugin.kubelet.grpcserver import (
+    MAX_CONNECTIONS,
+    MAX_DEALLOCATING_STREAMS,
+    MAX_STREAMS_PER_CONNECTION,
+)
+from hlplugin.deviceplugin.kubelet.interfaces import Context
+
+log = logging.getLogger(__name__)
+
+# The services a plugin lists in its registration's supported versions, the preferred first: the
+# kubelet takes the first it knows (1.34 and later know both; 1.32 and 1.33 only v1beta1).
+SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+# A request names the claims of one pod: 4 MiB (gRPC's default) is thousands of them.
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    """A ResourceClaim as the kubelet names it."""
+
+    namespace: str
+    uid: str
+    name: str
+
+    def describe(self) -> str:
+        return f"{self.namespace}/{self.name} ({self.uid})"
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    """One device of a prepared claim: the requests it serves (empty: all), where it is published
+    (pool, device), the IDs the container runtime resolves for it, and for a device shared with
+    consumable capacity the claim's share (its allocation result's share ID; v1 carries it,
+    v1beta1 has no such field)."""
+
+    requests: tuple[str, ...]
+    pool: str
+    device: str
+    ids: tuple[str, ...]
+    share: str = ""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A claim's answer: its devices, or why it could not be prepared."""
+
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str = ""
+
+
+class Preparer(Protocol):
+    """What a driver does with the kubelet's calls; every claim it is given must be answered."""
+
+    async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Prepared]: ...
+
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
+        """By claim UID: "" when done (a claim it never prepared included), else the error."""
+        ...
+
+
+def _claims(request: Any) -> list[ClaimRef]:
+    return [ClaimRef(c.namespace, c.uid, c.name) for c in request.claims]
+
+
+def _missing(claims: Sequence[ClaimRef], answered: dict[str, Any]) -> list[str]:
+    return [c.uid for c in claims if c.uid not in answered]
+
+
+class DraServicer:
+    """One API version's DRAPlugin servicer over a shared Preparer (``api``: its messages)."""
+
+    def __init__(self, api: ModuleType, preparer: Preparer) -> None:
+        self.api = api
+        self.preparer = preparer
+        self.version = api.DESCRIPTOR.package.rsplit(".", 1)[-1]
+        self._shares = "share_id" in api.Device.DESCRIPTOR.fields_by_name
+
+    async def NodePrepareResources(self, request: Any, context: Context) -> Any:
+        claims = _claims(request)
+        answers = await self.preparer.prepare(claims) if claims else {}
+        response = self.api.NodePrepareResourcesResponse()
+        for uid in _missing(claims, answers):  # never leave a claim out: the kubelet would wait
+            answers[uid] = Prepared(error="the driver gave no answer for this claim")
+        for uid, prepared in answers.items():
+            entry = response.claims[uid]
+            if prepared.error:
+                entry.error = prepared.error
+                continue
+            for device in prepared.devices:
+                added = entry.devices.add(request_names=device.requests, pool_name=device.pool,
+                                          device_name=device.device, cdi_device_ids=device.ids)
+                if device.share and self._shares:
+                    added.share_id = device.share
+        return response
+
+    async def NodeUnprepareResources(self, request: Any, context: Context) -> Any:
+        claims = _claims(request)
+        # No claims, nothing to wait for: the self-check's call, never queued behind a Prepare.
+        errors = await self.preparer.unprepare(claims) if claims else {}
+        response = self.api.NodeUnprepareResourcesResponse()
+        for uid in _missing(claims, errors):
+            errors[uid] = "the driver gave no answer for this claim"
+        for uid, error in errors.items():
+            response.claims[uid].error = error
+        return response
+
+
+_VERSIONS = ((dra_v1_pb2, dra_v1_pb2_grpc), (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc))
+
+
+async def answers(endpoint: Path, timeout: float) -> bool:
+    """The DRA service at ``endpoint`` answers a call (an Unprepare of no claims, which runs our
+    handler on the event loop and waits for no other call): the driver's liveness check."""
+    async with grpc.aio.insecure_channel(f"unix://{endpoint}") as channel:
+        try:
+            await dra_v1_pb2_grpc.DRAPluginStub(channel).NodeUnprepareResources(
+                dra_v1_pb2.NodeUnprepareResourcesRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+    return True
+
+
+def new_dra_server(preparer: Preparer,
+                   health: dra_health_v1alpha1_pb2_grpc.DRAResourceHealthServicer | None = None
+                   ) -> grpc.aio.Server:
+    """A gRPC server serving DRAPlugin v1 and v1beta1 over ``preparer``, and with ``health`` (a
+    drahealth.HealthStream) the resource-health stream, within the bounds of grpcserver.py (a
+    request over MAX_REQUEST_BYTES is refused before it is parsed)."""
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+        ("grpc.http2.max_deallocating_streams", MAX_DEALLOCATING_STREAMS),
+        ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
+    ])
+    for api, api_grpc in _VERSIONS:
+        api_grpc.add_DRAPluginServicer_to_server(DraServicer(api, preparer), server)
+    if health is not None:
+        dra_health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(health, server)
+    return server

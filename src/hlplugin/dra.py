@@ -1,0 +1,135 @@
+"""The DRA driver hyperlight.dev (`hlplugin dra`): a third daemon, opt-in, in place of the main
+daemon on a node (docs/dra.md). Its kubelet side is a plugin-watcher registration and the DRA
+service in both API versions (deviceplugin.kubelet.pluginwatcher, draservice); its proofs are the
+main daemon's: the CDI reconciler keeps the node's one hyperlight.json (taken over, never a
+second spec declaring the device) and the device monitor checks the device before every Prepare.
+
+Not yet here: the control-plane side (ResourceSlices, reading a claim's allocation): until it
+lands a claim is answered with the node's one device (dra_claims.node_device).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import socket
+from collections.abc import Callable
+
+from hlplugin import cdi, cdi_spec
+from hlplugin.detect import wait_for_hypervisor
+from hlplugin.deviceplugin.checkpoint import Checkpoint
+from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.health.producer import Trigger
+from hlplugin.deviceplugin.kubelet.drahealth import HealthStream
+from hlplugin.deviceplugin.kubelet.draservice import SERVICES, answers, new_dra_server
+from hlplugin.deviceplugin.kubelet.pluginwatcher import DRA_PLUGIN, WatcherPlugin
+from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Launch, Started
+from hlplugin.dra_claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, node_device
+from hlplugin.health import DeviceMonitor
+from hlplugin.metrics import DraMetrics
+from hlplugin.names import DRA_DRIVER, REGISTRY_DIR_FLAG, dra_socket_names
+from hlplugin.settings import DraSettings, show
+
+log = logging.getLogger(__name__)
+
+
+def node_name(settings: DraSettings) -> str:
+    """The pool every answer names: the node's name, else (run by hand) the host's."""
+    if settings.dra.node_name:
+        return settings.dra.node_name
+    name = socket.gethostname().lower()
+    log.warning("HYPERLIGHT_NODE_NAME is empty: naming the device pool %r after the host (set it "
+                "from the downward API's spec.nodeName)", name)
+    return name
+
+
+class DraDriver:
+    """The driver's parts once the hypervisor is known: built by setup(), run by the Daemon."""
+
+    def __init__(self, settings: DraSettings, hypervisor: str, tracker: HealthTracker,
+                 metrics: DraMetrics) -> None:
+        cdi_settings = settings.cdi
+        self.reconciler = cdi.CdiReconciler(
+            cdi_settings, cdi_spec.render_spec(hypervisor, cdi_settings.device_uid,
+                                               cdi_settings.device_gid),
+            tracker=tracker, metrics=metrics)
+        self.monitor = DeviceMonitor(tracker, hypervisor, settings.health, metrics=metrics)
+        plugin_dir = settings.dra.plugin_dir
+        pool = node_name(settings)
+        self.claims = ClaimPreparer(
+            Checkpoint(plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND), self.gate,
+            node_device(pool, hypervisor, cdi_spec.qualified_name(hypervisor)),
+            on_change=metrics.dra_prepared_claims.set, on_result=metrics.claim_result)
+        registration, service = dra_socket_names(settings.dra.pod_uid)
+        self.health = HealthStream(tracker, lambda: [(pool, hypervisor)],
+                                   refresh=settings.health.interval)
+
+        def status(registered: bool) -> None:
+            metrics.registrations.labels(result="success" if registered else "failure").inc()
+
+        self.plugin = WatcherPlugin(
+            settings.dra.registry_dir, registration, plugin_dir / service, DRA_PLUGIN, DRA_DRIVER,
+            SERVICES, functools.partial(new_dra_server, self.claims, self.health), on_status=status,
+            dir_setting=REGISTRY_DIR_FLAG)
+
+    async def gate(self) -> HealthState:
+        """The main daemon's Allocate gate: the inotify-vouched CDI read, then a device check
+        that began after the call."""
+        await self.reconciler.ensure()
+        return await self.monitor.for_allocate()
+
+    async def start(self) -> None:
+        """The first passes (CDI, device) and the checkpoint's read, before the kubelet can call."""
+        await asyncio.gather(self.reconciler.reconcile(Trigger.START), self.monitor.check(),
+                             self.claims.load())
+        await self.claims.runner.run(self.claims.checkpoint.cleanup_leftovers)
+        if self.claims.condition()[0]:
+            log.info("%d prepared claims in %s", len(self.claims.prepared),
+                     self.claims.checkpoint.path)
+
+    async def alive(self, timeout: float) -> bool:
+        """/healthz: the DRA service answers on its socket (nothing to ask between servers)."""
+        return not self.plugin.serving or await answers(self.plugin.endpoint_path, timeout)
+
+    def conditions(self) -> dict[str, tuple[bool, str]]:
+        return {"registered": (self.plugin.registered, self.plugin.status),
+                "checkpoint": self.claims.condition()}
+
+
+def kubelet_conditions(driver: Callable[[], DraDriver | None]) -> Callable[
+        [], dict[str, tuple[bool, str]]]:
+    def conditions() -> dict[str, tuple[bool, str]]:
+        current = driver()
+        if current is None:
+            return {"registered": (False, "not registered with the kubelet (no hypervisor yet)")}
+        return current.conditions()
+
+    return conditions
+
+
+async def dra(settings: DraSettings, launch: Launch | None = None) -> None:
+    """`hlplugin dra`: the CDI reconciler, the device monitor and the DRA kubelet plugin."""
+    metrics = DraMetrics()
+    tracker = HealthTracker(required=(*cdi.CdiReconciler.CONDITIONS, *DeviceMonitor.CONDITIONS))
+    built: list[DraDriver] = []
+
+    async def setup(hv: str) -> Started:
+        driver = DraDriver(settings, hv, tracker, metrics)
+        await driver.start()
+        built.append(driver)
+        return Started(None, {"cdi": driver.reconciler.run(),
+                              "device-health": driver.monitor.run(),
+                              "kubelet-plugin": driver.plugin.run()})
+
+    await Daemon(DaemonSpec(
+        "hlplugin dra", settings.http, tracker, metrics,
+        functools.partial(wait_for_hypervisor, settings.health), setup,
+        pending={"hypervisor": f"no mshv or kvm device under {show(settings.health.dev_dir)}"},
+        launch=launch or Launch(),
+        kubelet_conditions=kubelet_conditions(lambda: built[0] if built else None),
+        self_check=lambda timeout: built[0].alive(timeout) if built else _answered())).run()
+
+
+async def _answered() -> bool:
+    return True  # before the driver is built: the HTTP answer itself proves the loop turns

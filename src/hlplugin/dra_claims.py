@@ -1,0 +1,288 @@
+"""The DRA driver's answers to the kubelet: which CDI devices a claim gets, gated on the same proofs
+as the main daemon's Allocate, and remembered in a checkpoint across restarts.
+
+Preparing a claim changes nothing on the node: the CDI spec is the node's one hyperlight.json,
+kept by the CDI reconciler whether or not any claim is prepared (docs/dra.md: the driver takes the
+device plugin's spec over, and declares the device in no second spec). What a claim was answered
+is what the checkpoint keeps, so that a repeated Prepare (the kubelet retries, and calls again
+after its own restart) gets the same devices, and an Unprepare knows what it undoes.
+
+- Prepare: every call first asks the gate (CDI read, device check begun after the call); an
+  unusable device refuses every claim of the call, with the reason, and records nothing. A claim
+  already prepared gets its recorded answer; a new one is recorded before it is answered.
+- Unprepare: forgets the claims it knows and accepts those it does not (the kubelet retries an
+  Unprepare until it succeeds, and a pod's end must never wait on us for a claim we never had).
+- The checkpoint: a corrupt file is refused loudly (Prepare answers why, /readyz says it) and
+  left as it is for the operator; it is read again at every call, so moving it aside mends the
+  driver without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hlplugin.deviceplugin.checkpoint import Checkpoint, Corrupt, InstanceLock
+from hlplugin.deviceplugin.health.bounded import BoundedRunner, CheckFailed
+from hlplugin.deviceplugin.health.conditions import HealthState
+from hlplugin.deviceplugin.kubelet.draservice import ClaimRef, Prepared, PreparedDevice
+from hlplugin.deviceplugin.ownedfile import NotRegular
+from hlplugin.names import DRA_DRIVER
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "checkpoint.json"
+LOCK_FILE = "checkpoint.lock"  # every instance's (a surge runs two): see checkpoint.InstanceLock
+_LOCK_POLL = 0.01  # seconds between tries while another instance holds the lock
+CHECKPOINT_KIND = f"{DRA_DRIVER}/prepared-claims"
+CHECKPOINT_BUDGET = 5.0  # seconds one read or write of the checkpoint may take: hung storage
+
+Gate = Callable[[], Awaitable[HealthState]]
+# The devices of ours a claim was allocated: the control plane's answer (issue 31, item 3).
+Allocation = Callable[[ClaimRef], Awaitable[tuple[PreparedDevice, ...]]]
+
+
+class NotAllocated(Exception):
+    """The claim has no device of ours to prepare; ``str()`` says why (the kubelet shows it)."""
+
+
+def node_device(pool: str, hypervisor: str, cdi_name: str) -> Allocation:
+    """The one device this node publishes (pool = node name, device = the hypervisor), serving all
+    of the claim's requests: right while the node's slice holds that one shareable device. Reading
+    the claim's allocation from the API server replaces it (docs/dra.md)."""
+    device = PreparedDevice((), pool, hypervisor, (cdi_name,))
+
+    async def allocation(claim: ClaimRef) -> tuple[PreparedDevice, ...]:
+        return (device,)
+
+    return allocation
+
+
+@dataclass(frozen=True)
+class _Entry:
+    claim: ClaimRef
+    devices: tuple[PreparedDevice, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"namespace": self.claim.namespace, "name": self.claim.name,
+                "devices": [{"requests": list(d.requests), "pool": d.pool, "device": d.device,
+                             "ids": list(d.ids), "share": d.share} for d in self.devices]}
+
+
+def _strings(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError("not a list of strings")
+    return tuple(value)
+
+
+def _entry(uid: str, value: Any) -> _Entry:
+    """One checkpoint entry, checked field by field: a checksum proves the bytes are the ones we
+    wrote, not that a future or past version wrote the same shape."""
+    if not isinstance(value, dict):
+        raise ValueError("not an object")
+    devices = []
+    for device in value["devices"]:
+        pool, name, share = device["pool"], device["device"], device["share"]
+        if not all(isinstance(v, str) for v in (pool, name, share)):
+            raise ValueError("pool, device and share must be strings")
+        devices.append(PreparedDevice(_strings(device["requests"]), pool, name,
+                                      _strings(device["ids"]), share))
+    namespace, name = value["namespace"], value["name"]
+    if not isinstance(namespace, str) or not isinstance(name, str):
+        raise ValueError("namespace and name must be strings")
+    return _Entry(ClaimRef(namespace, uid, name), tuple(devices))
+
+
+class ClaimPreparer:
+    """The driver's Preparer (deviceplugin.kubelet.draservice): one call at a time, so the
+    checkpoint on disk is always the record of every answer given."""
+
+    def __init__(self, checkpoint: Checkpoint, gate: Gate, allocation: Allocation, *,
+                 budget: float = CHECKPOINT_BUDGET, lock_wait: float | None = None,
+                 on_change: Callable[[int], None] | None = None,
+                 on_result: Callable[[str, str], None] | None = None) -> None:
+        """``budget``: of each read or write of the record; ``lock_wait``: how long a call waits
+        for another instance's change (default: the budget); ``on_change(count)``: the number
+        of prepared claims, after each change;
+        ``on_result(call, result)``: each claim's outcome (prepare: success, refused, error;
+        unprepare: success, error), for the metrics."""
+        self.checkpoint = checkpoint
+        self._gate = gate
+        self._allocation = allocation
+        self.runner = BoundedRunner(budget, name="dra-checkpoint")
+        self._instances = InstanceLock(checkpoint.file.directory, LOCK_FILE)
+        self._lock_wait = budget if lock_wait is None else lock_wait
+        self._claims: dict[str, _Entry] | None = None  # None: not loaded, or refused
+        self.problem = "the checkpoint is not read yet"
+        self._refused = False
+        self._lock = asyncio.Lock()
+        self._on_change = on_change
+        self._on_result = on_result
+
+    @property
+    def prepared(self) -> dict[str, _Entry]:
+        return dict(self._claims or {})
+
+    def condition(self) -> tuple[bool, str]:
+        """/readyz's "checkpoint": the record is read and trusted."""
+        return self._claims is not None, self.problem
+
+    async def load(self) -> bool:
+        """Read the checkpoint; False (and ``problem`` says why, loudly) when it is refused."""
+        path = self.checkpoint.path
+        try:
+            entries = await self.runner.run(self.checkpoint.load)
+            claims = {uid: _entry(uid, value) for uid, value in entries.items()}
+        except Corrupt as exc:
+            return self._refuse(f"{exc}")
+        except (KeyError, TypeError, ValueError) as exc:
+            return self._refuse(f"{path} holds an entry of another shape ({type(exc).__name__}: "
+                                f"{str(exc)[:80]})")
+        except (OSError, CheckFailed) as exc:
+            return self._refuse(f"cannot read {path}: {exc}")
+        if self._refused:
+            log.info("the checkpoint %s is trusted again", path)
+        self._claims, self.problem, self._refused = claims, "", False
+        self._changed()
+        log.debug("%d prepared claims in %s", len(claims), path)
+        return True
+
+    def _refuse(self, problem: str) -> bool:
+        if problem != self.problem:
+            log.error("refusing the checkpoint of prepared claims: %s; claims are not prepared "
+                      "until it is mended or moved aside", problem)
+        self._claims, self.problem, self._refused = None, problem, True
+        return False
+
+    async def _acquire(self) -> tuple[int | None, str]:
+        """The instance lock's descriptor, or None and why not: another instance holding it
+        past the budget, or something not ours at its path."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._lock_wait
+        path = self._instances.path
+        while True:
+            try:
+                fd = await self.runner.run(self._instances.try_acquire)
+            except NotRegular as exc:
+                return None, f"{path} is {exc}; refusing to use what we do not own"
+            except (OSError, CheckFailed) as exc:
+                return None, f"cannot lock {path}: {exc}"
+            if fd is not None:
+                return fd, ""
+            if loop.time() >= deadline:
+                return None, (f"another instance of the driver has held {path} for more than "
+                              f"{self._lock_wait:g} s")
+            await asyncio.sleep(_LOCK_POLL)
+
+    async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Prepared]:
+        async with self._lock:
+            fd, problem = await self._acquire()
+            if fd is None:
+                return self._all(claims, f"cannot prepare now: {problem}", "error")
+            try:
+                return await self._prepare(claims)
+            finally:
+                os.close(fd)
+
+    async def _prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Prepared]:
+        """Under both locks: read the record anew (another instance may have changed it), then
+        answer, recording the new claims."""
+        if not await self.load():
+            return self._all(claims, f"refusing to prepare: {self.problem}", "error")
+        state = await self._gate()
+        if not state.healthy:
+            return self._all(claims, f"{DRA_DRIVER}: the hypervisor device is not usable on "
+                             f"this node: {state.describe()}", "refused")
+        assert self._claims is not None
+        answers: dict[str, Prepared] = {}
+        new: dict[str, _Entry] = {}
+        for claim in claims:
+            known = self._claims.get(claim.uid) or new.get(claim.uid)
+            if known is not None:
+                answers[claim.uid] = Prepared(known.devices)
+                continue
+            try:
+                devices = await self._allocation(claim)
+            except NotAllocated as exc:
+                answers[claim.uid] = Prepared(error=str(exc))
+                continue
+            new[claim.uid] = _Entry(claim, devices)
+        if new:
+            error = await self._save({**self._claims, **new})
+            if error:
+                answers.update({uid: Prepared(error=error) for uid in new})
+            else:
+                self._claims.update(new)
+                self._changed()
+                answers.update({uid: Prepared(entry.devices) for uid, entry in new.items()})
+                for entry in new.values():
+                    log.info("prepared claim %s", entry.claim.describe())
+        for prepared in answers.values():
+            self._result("prepare", "error" if prepared.error else "success")
+        return answers
+
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
+        async with self._lock:
+            fd, problem = await self._acquire()
+            if fd is None:  # transient: the kubelet retries an Unprepare until it succeeds
+                return self._done(claims, f"cannot unprepare now: {problem}")
+            try:
+                return await self._unprepare(claims)
+            finally:
+                os.close(fd)
+
+    async def _unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
+        if not await self.load():
+            log.warning("unprepared %d claims without recording it: %s", len(claims), self.problem)
+            return self._done(claims, "")
+        assert self._claims is not None
+        gone = {c.uid for c in claims if c.uid in self._claims}
+        if not gone:
+            return self._done(claims, "")
+        error = await self._save({k: v for k, v in self._claims.items() if k not in gone})
+        if error:
+            answers = {c.uid: error if c.uid in gone else "" for c in claims}
+            for answer in answers.values():
+                self._result("unprepare", "error" if answer else "success")
+            return answers
+        for uid in gone:
+            log.info("unprepared claim %s", self._claims.pop(uid).claim.describe())
+        self._changed()
+        return self._done(claims, "")
+
+    async def _save(self, claims: dict[str, _Entry]) -> str:
+        """Write the record; "" when done, else the error every affected claim answers."""
+        entries = {uid: entry.to_json() for uid, entry in claims.items()}
+        try:
+            await self.runner.run(functools.partial(self.checkpoint.save, entries))
+        except NotRegular as exc:
+            problem = f"{self.checkpoint.path} is {exc}; refusing to replace what we do not own"
+        except (OSError, CheckFailed) as exc:
+            problem = f"cannot write {self.checkpoint.path}: {exc}"
+        else:
+            return ""
+        log.error("%s", problem)
+        return f"cannot record the claim: {problem}"
+
+    def _all(self, claims: Sequence[ClaimRef], error: str, result: str) -> dict[str, Prepared]:
+        for _ in claims:
+            self._result("prepare", result)
+        return {c.uid: Prepared(error=error) for c in claims}
+
+    def _done(self, claims: Sequence[ClaimRef], error: str) -> dict[str, str]:
+        for _ in claims:
+            self._result("unprepare", "error" if error else "success")
+        return {c.uid: error for c in claims}
+
+    def _result(self, call: str, result: str) -> None:
+        if self._on_result is not None:
+            self._on_result(call, result)
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(len(self._claims or {}))

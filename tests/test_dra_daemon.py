@@ -1,0 +1,184 @@
+"""`hlplugin dra` as a process, against the fake kubelet plugin watcher: the main daemon's proofs
+gate its Prepare (a device that fails its check is refused, naming why), /readyz says how it
+stands with the kubelet and its checkpoint, the CDI device it answers is declared by the node's
+one spec, and SIGTERM removes its sockets and nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness import daemon, needs_kvm, short_dir, wait_until
+from support.pluginwatcher import FakePluginWatcher
+from support.waits import quiet
+
+from hlplugin import config
+from hlplugin.api import dra_health_v1alpha1_pb2 as health_pb
+from hlplugin.dra_claims import CHECKPOINT_FILE, LOCK_FILE
+from hlplugin.names import DRA_DRIVER
+
+UID = "5b8e0c6a-1f2d-4e3b-8a9c-0d1e2f3a4b5c"
+CLAIM = ("team-a", "claim-uid-1", "vm-claim")
+
+
+class Node:
+    def __init__(self, dev_dir: Path | None = None) -> None:
+        root = short_dir()
+        self.registry = root / "plugins_registry"
+        self.plugin_dir = root / "plugins" / DRA_DRIVER
+        self.cdi_dir = root / "cdi"
+        self.dev_dir = dev_dir or root / "dev"
+        for directory in (self.registry, self.cdi_dir, root / "dev"):
+            directory.mkdir()
+
+    def args(self) -> list[str]:
+        return ["dra", "--registry-dir", str(self.registry), "--dra-dir", str(self.plugin_dir),
+                "--pod-uid", UID, "--node-name", "node-a", "--cdi-dir", str(self.cdi_dir),
+                "--dev-dir", str(self.dev_dir), "--host-dev-dir", "", "--hypervisor", "kvm"]
+
+
+async def registered(watcher: FakePluginWatcher) -> None:
+    async def done() -> bool:
+        await watcher.sync()
+        return bool(watcher.plugins)
+
+    await wait_until(done, 30, "the plugin watcher registered the driver")
+
+
+def readiness(body: bytes) -> dict[str, tuple[bool, str]]:
+    return {name: (c["ok"], c["reason"]) for name, c in json.loads(body)["conditions"].items()}
+
+
+async def test_a_device_that_fails_its_check_refuses_prepare_naming_why() -> None:
+    node = Node()  # --hypervisor kvm, and no kvm node under --dev-dir: the device check fails
+    watcher = FakePluginWatcher(node.registry)
+    async with daemon(node.args(), graceful=True) as proc:
+        await registered(watcher)
+        response = await watcher.prepare(DRA_DRIVER, CLAIM)
+        error = response.claims[CLAIM[1]].error
+        assert "hyperlight.dev: the hypervisor device is not usable on this node" in error
+        assert "device" in error and not response.claims[CLAIM[1]].devices
+        conditions = readiness(await proc.wait_http("/readyz", 503))
+        assert conditions["registered"] == (True, "")
+        assert conditions["checkpoint"] == (True, "")
+        assert not conditions["device"][0]
+        assert sorted(os.listdir(node.cdi_dir)) == ["hyperlight.json"]  # the spec is kept anyway
+        stream = watcher.watch_health(DRA_DRIVER)
+        async with contextlib.aclosing(stream):
+            (device,) = (await anext(stream)).devices  # what the kubelet shows in pod status
+        assert (device.device.pool_name, device.device.device_name) == ("node-a", "kvm")
+        assert device.health == health_pb.HealthStatus.UNHEALTHY and "device: " in device.message
+        code, metrics = await proc.http("/metrics")
+        assert code == 200
+        assert b'hyperlight_dra_prepares_total{result="refused"} 1.0' in metrics
+    assert proc.exited() == 0
+    assert os.listdir(node.registry) == []
+    # Its socket gone; no claim recorded, so no checkpoint (the instances' lock file stays).
+    assert os.listdir(node.plugin_dir) == [LOCK_FILE]
+    assert os.listdir(node.cdi_dir) == ["hyperlight.json"]  # stays, for running containers
+
+
+@pytest.mark.slow  # the passing check stands 9 s (HttpSettings.self_check_fresh_for)
+async def test_healthz_fails_when_the_dra_service_stops_answering_on_its_socket() -> None:
+    """The self-check is a call to the DRA service: with something mute at its socket (the
+    kubelet could not reach the driver either), /healthz fails and the kubelet restarts it."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with daemon(node.args(), graceful=True) as proc:
+        await registered(watcher)
+        endpoint = watcher.newest(DRA_DRIVER).info.endpoint
+        assert json.loads(await proc.wait_http("/healthz", 200))["status"] == "ok"
+        # The first probe answered from no check yet and started one, which /healthz does not
+        # show ending: a bounded window for it, then its verdict (a call that was answered).
+        await quiet(1.0, "the self-check the first probe started ends")
+        assert json.loads(await proc.wait_http("/healthz", 200))["status"] == "ok"
+        os.unlink(endpoint)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as mute:
+            mute.bind(endpoint)
+            mute.listen(8)
+            body = json.loads(await proc.wait_http("/healthz", 503, timeout=40))
+            assert body["reason"] == "the gRPC server did not answer on its socket"
+
+
+@needs_kvm
+async def test_prepare_answers_the_cdi_device_the_nodes_one_spec_declares() -> None:
+    node = Node(dev_dir=Path("/dev"))
+    watcher = FakePluginWatcher(node.registry)
+    async with daemon(node.args(), graceful=True) as proc:
+        await registered(watcher)
+        response = await watcher.prepare(DRA_DRIVER, CLAIM)
+        entry = response.claims[CLAIM[1]]
+        assert not entry.error, entry.error
+        ((device,),) = [entry.devices]
+        assert (device.pool_name, device.device_name) == ("node-a", "kvm")
+        assert list(device.cdi_device_ids) == ["hyperlight.dev/hypervisor=kvm"]
+        declared = [f"{spec['kind']}={d['name']}" for name in os.listdir(node.cdi_dir)
+                    for spec in [json.loads((node.cdi_dir / name).read_bytes())]
+                    for d in spec["devices"]]
+        assert declared == ["hyperlight.dev/hypervisor=kvm"]  # one spec declares it, once
+        conditions = readiness(await proc.wait_http("/readyz", 200))
+        # /healthz asks the DRA service itself (an Unprepare of no claims): it answers.
+
+        async def live() -> bool:
+            code, body = await proc.http("/healthz")
+            return code == 200 and json.loads(body)["status"] == "ok"
+
+        await wait_until(live, 30, "/healthz after a self-check of the DRA service")
+        assert {"registered", "checkpoint", "cdi", "device"} <= set(conditions)
+        assert CLAIM[1] in json.loads((node.plugin_dir / CHECKPOINT_FILE).read_bytes())["entries"]
+    assert sorted(os.listdir(node.plugin_dir)) == [CHECKPOINT_FILE, LOCK_FILE]
+
+
+async def test_a_corrupt_checkpoint_is_said_in_readyz_and_the_log_and_left_alone() -> None:
+    node = Node()
+    node.plugin_dir.mkdir(parents=True)
+    checkpoint = node.plugin_dir / CHECKPOINT_FILE
+    checkpoint.write_bytes(b"\0" * 64)  # a torn write of the kind a crashed filesystem leaves
+    watcher = FakePluginWatcher(node.registry)
+    async with daemon(node.args(), graceful=True) as proc:
+        await registered(watcher)  # it still serves, and tells the kubelet why per claim
+        ok, reason = readiness(await proc.wait_http("/readyz", 503))["checkpoint"]
+        assert not ok and str(checkpoint) in reason and "is not JSON" in reason
+        errors = [line["message"] for line in proc.lines if line.get("levelname") == "ERROR"
+                  or line.get("level") == "error"]
+        assert any("refusing the checkpoint of prepared claims" in m for m in errors), proc.raw
+        response = await watcher.prepare(DRA_DRIVER, CLAIM)
+        assert "refusing to prepare" in response.claims[CLAIM[1]].error
+    assert checkpoint.read_bytes() == b"\0" * 64
+
+
+def test_a_registry_dir_too_long_for_its_socket_exits_2_naming_the_flag(tmp_path: Path) -> None:
+    long_dir = "/tmp/" + "d" * 80
+    result = subprocess.run(
+        [sys.executable, "-m", "hlplugin", "dra", "--registry-dir", long_dir, "--pod-uid", UID,
+         "--dra-dir", str(tmp_path), "--cdi-dir", str(tmp_path), "--http-address", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "argument --registry-dir (or HYPERLIGHT_REGISTRY_DIR): " in result.stderr
+    assert "too long for a unix socket path" in result.stderr
+
+
+@pytest.mark.parametrize(("variable", "value"), [
+    ("HYPERLIGHT_POD_UID", "../../etc"), ("HYPERLIGHT_NODE_NAME", "Node_A")])
+def test_an_invalid_pod_uid_or_node_name_from_the_environment_falls_back_with_a_warning(
+        variable: str, value: str) -> None:
+    no_flags = argparse.Namespace()
+    resolution = config.resolve_sources(no_flags, config.DRA_OPTIONS, "dra", {variable: value})
+    assert resolution.settings.dra.pod_uid == "" and resolution.settings.dra.node_name == ""
+    (warning,) = [w for w in resolution.warnings if variable in w]
+    assert "using the default ''" in warning
+
+
+def test_the_driver_loads_no_tooling_or_exposition_before_it_serves() -> None:
+    from test_lean_imports import EXPOSITION, loaded_after, offenders
+
+    modules = loaded_after("import hlplugin.cli, hlplugin.dra")
+    assert {"hlplugin.dra", "hlplugin.cdi", "hlplugin.health", "hlplugin.api.dra_v1_pb2"} <= modules
+    assert not offenders(modules, EXPOSITION)
