@@ -174,11 +174,3 @@ def test_an_invalid_pod_uid_or_node_name_from_the_environment_falls_back_with_a_
     assert resolution.settings.dra.pod_uid == "" and resolution.settings.dra.node_name == ""
     (warning,) = [w for w in resolution.warnings if variable in w]
     assert "using the default ''" in warning
-
-
-def test_the_driver_loads_no_tooling_or_exposition_before_it_serves() -> None:
-    from test_lean_imports import EXPOSITION, loaded_after, offenders
-
-    modules = loaded_after("import hlplugin.cli, hlplugin.dra")
-    assert {"hlplugin.dra", "hlplugin.cdi", "hlplugin.health", "hlplugin.api.dra_v1_pb2"} <= modules
-    assert not offenders(modules, EXPOSITION)

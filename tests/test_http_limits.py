@@ -22,7 +22,7 @@ from harness import Daemon, Node, wait_until
 from prometheus_client import CollectorRegistry
 from support.observers import held_connections
 
-from hlplugin import config
+from hlplugin import parsers
 from hlplugin.deviceplugin.process.http import HttpServer, Limits, connection_cap
 from hlplugin.tools.process import free_port
 
@@ -258,7 +258,7 @@ async def test_an_ip_address_binds_without_a_lookup_thread_a_name_is_looked_up_o
     ("node-1.example.com:9090", ("node-1.example.com", 9090)),
 ])
 def test_http_address_forms(text: str, address: tuple[str, int]) -> None:
-    assert config._address(text) == address
+    assert parsers.address(text) == address
 
 
 @pytest.mark.parametrize(("text", "why"), [
@@ -272,7 +272,7 @@ def test_http_address_forms(text: str, address: tuple[str, int]) -> None:
 ])
 def test_http_address_refusals_say_why(text: str, why: str) -> None:
     with pytest.raises(ValueError, match=re.escape(why)):
-        config._address(text)
+        parsers.address(text)
 
 
 # -- binding, through the real command line -------------------------------------------------------

@@ -146,3 +146,9 @@ def test_the_check_sees_tooling_by_name() -> None:
     """The name check above cannot pass by missing a tool moved into a subpackage."""
     assert offenders({"hlplugin.tools.emulator", "hlplugin.demo", "hlplugin.config"}, ()) == [
         "hlplugin.demo", "hlplugin.tools.emulator"]
+
+
+def test_the_driver_loads_no_tooling_or_exposition_before_it_serves() -> None:
+    modules = loaded_after("import hlplugin.cli, hlplugin.dra")
+    assert {"hlplugin.dra", "hlplugin.cdi", "hlplugin.health", "hlplugin.api.dra_v1_pb2"} <= modules
+    assert not offenders(modules, EXPOSITION)

@@ -13,20 +13,17 @@ import argparse
 import ast
 import functools
 import inspect
-import ipaddress
 import itertools
 import logging
 import os
-import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hlplugin import aliases, durations
+from hlplugin import aliases, durations, parsers
 from hlplugin.deviceplugin import files
-from hlplugin.deviceplugin.quoting import quote
 from hlplugin.names import LONGEST_SOCKET
 from hlplugin.settings import (
     HYPERVISORS,
@@ -34,7 +31,6 @@ from hlplugin.settings import (
     LOG_FORMATS,
     LOG_LEVELS,
     MAX_DEVICE_COUNT,
-    MAX_POD_UID,
     TIMEOUT_RANGE,
     UINT32_MAX,
     BootstrapSettings,
@@ -46,117 +42,10 @@ from hlplugin.settings import (
 
 __all__ = ["HYPERVISORS", "INTERVAL_RANGE", "MAX_DEVICE_COUNT", "TIMEOUT_RANGE", "UINT32_MAX", "show"]
 
-# ASCII only: int() also takes Arabic-Indic and full-width digits, and "1_000".
-_DIGITS = re.compile(r"[0-9]{1,20}")
-
-
-def _ascii_int(text: str) -> int:
-    stripped = text.strip()
-    if not _DIGITS.fullmatch(stripped):
-        raise ValueError(f"must be a whole number in ASCII digits, got {text[:40]!r}")
-    return int(stripped, 10)
-
-
-def _int_range(low: int, high: int, why: str = "") -> Callable[[str], int]:
-    return durations.within(_ascii_int, low, high, f"a whole number from {low} to {high}{why}")
-
-
-_device_count = _int_range(1, MAX_DEVICE_COUNT,
-                           " (a longer device list nears the kubelet's 4 MiB message limit)")
-_uint32 = _int_range(0, UINT32_MAX, " (the CDI uint32 range)")
-
-
 DURATION = "DURATION"  # the metavar of every duration; --help explains it (DURATION_HELP)
 DURATION_HELP = f"DURATION is {durations.SYNTAX}."
-_interval = durations.seconds_range(*INTERVAL_RANGE)
-_timeout = durations.seconds_range(*TIMEOUT_RANGE)
 _INTERVALS = f"{durations.show(INTERVAL_RANGE[0])}-{durations.show(INTERVAL_RANGE[1])}"
 _TIMEOUTS = f"{durations.show(TIMEOUT_RANGE[0])}-{durations.show(TIMEOUT_RANGE[1])}"
-
-
-def _choice(*choices: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        value = text.strip().lower()
-        if value not in choices:
-            raise ValueError(f"must be one of {', '.join(choices)}, got {quote(text)}")
-        return value
-
-    return parse
-
-
-def _path(text: str) -> Path:
-    """An absolute path the kernel takes (PATH_MAX, NAME_MAX): one it would refuse with
-    ENAMETOOLONG is refused here, not met as an OSError wherever it is first used."""
-    if not text:
-        raise ValueError("must not be empty")
-    problem = files.path_problem(text)
-    absolute = os.path.abspath(text)  # a unix:// socket address needs an absolute path
-    if not problem and absolute != text:  # the working directory counts too
-        problem = files.path_problem(absolute)
-    if problem:
-        raise ValueError(problem)
-    return Path(absolute)
-
-
-def _optional_path(text: str) -> Path | None:
-    return _path(text) if text else None
-
-
-def _address(text: str) -> tuple[str, int]:
-    """HOST:PORT, [IPV6]:PORT (``[::]`` is every address, IPv4 too where the kernel allows) or
-    :PORT (every IPv4 address). A host that is neither an IP address nor a DNS name is refused
-    here; one that does not resolve is found when the daemon binds, which then exits 1."""
-    text = text.strip()
-    if text.startswith("["):
-        host, sep, port = text[1:].partition("]:")
-        if not sep:
-            raise ValueError(f"must be [IPV6]:PORT, got {text[:60]!r}")
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ValueError(f"{host[:60]!r} is not an IPv6 address") from None
-    else:
-        host, sep, port = text.rpartition(":")
-        if not sep:
-            raise ValueError(f"must be HOST:PORT, got {text[:60]!r}")
-        if ":" in host:
-            raise ValueError(f"an IPv6 address goes in brackets, as in [::]:8080, got {text[:60]!r}")
-        host = host or "0.0.0.0"
-        # A DNS name (letters, digits, hyphens; labels of 1-63) or a dotted IPv4 address.
-        label = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
-        if len(host) > 253 or not re.fullmatch(rf"{label}(\.{label})*\.?", host):
-            raise ValueError(f"{host[:60]!r} is not an IP address or a host name")
-    number = int(port, 10) if _DIGITS.fullmatch(port) else -1
-    if not 0 <= number <= 65535:
-        raise ValueError(f"port must be 0-65535, got {port[:40]!r}")
-    return host, number
-
-
-def _pod_uid(text: str) -> str:
-    """Letters, digits and hyphens: the UID goes into socket names."""
-    value = text.strip()
-    if not re.fullmatch(rf"[A-Za-z0-9-]{{0,{MAX_POD_UID}}}", value):
-        raise ValueError(f"must be a pod UID (letters, digits, hyphens, at most {MAX_POD_UID}), "
-                         f"got {quote(text)}")
-    return value
-
-
-def _node_name(text: str) -> str:
-    """A DNS subdomain (a node's name), or empty."""
-    value = text.strip()
-    label = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
-    if value and (len(value) > 253 or not re.fullmatch(rf"{label}(\.{label})*", value)):
-        raise ValueError(f"must be a node name (a lowercase DNS subdomain), got {quote(text)}")
-    return value
-
-
-def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"must be true or false, got {quote(text)}")
 
 
 _UNSET: Any = object()
@@ -251,36 +140,36 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 OPTIONS: dict[str, Option] = {o.dest: o for o in (
-    Option("kubelet.plugin_dir", "--plugin-dir", "HYPERLIGHT_PLUGIN_DIR", _path, "DIR"),
-    Option("cdi.dir", "--cdi-dir", "HYPERLIGHT_CDI_DIR", _path, "DIR"),
-    Option("health.dev_dir", "--dev-dir", "HYPERLIGHT_DEV_DIR", _path, "DIR"),
-    Option("health.host_dev_dir", "--host-dev-dir", "HYPERLIGHT_HOST_DEV_DIR", _optional_path, "DIR"),
+    Option("kubelet.plugin_dir", "--plugin-dir", "HYPERLIGHT_PLUGIN_DIR", parsers.path, "DIR"),
+    Option("cdi.dir", "--cdi-dir", "HYPERLIGHT_CDI_DIR", parsers.path, "DIR"),
+    Option("health.dev_dir", "--dev-dir", "HYPERLIGHT_DEV_DIR", parsers.path, "DIR"),
+    Option("health.host_dev_dir", "--host-dev-dir", "HYPERLIGHT_HOST_DEV_DIR", parsers.optional_path, "DIR"),
     Option("health.hypervisor", "--hypervisor", "HYPERLIGHT_HYPERVISOR",
-           _choice("auto", *HYPERVISORS), "auto|kvm|mshv"),
-    Option("device_count", "--device-count", "DEVICE_COUNT", _device_count, "N",
+           parsers.choice("auto", *HYPERVISORS), "auto|kvm|mshv"),
+    Option("device_count", "--device-count", "DEVICE_COUNT", parsers.device_count, "N",
            bounds=f"1-{MAX_DEVICE_COUNT}"),
-    Option("cdi.device_uid", "--device-uid", "DEVICE_UID", _uint32, "N"),
-    Option("cdi.device_gid", "--device-gid", "DEVICE_GID", _uint32, "N"),
-    Option("http.address", "--http-address", "HYPERLIGHT_HTTP_ADDRESS", _address, "HOST:PORT"),
-    Option("logging.format", "--log-format", "HYPERLIGHT_LOG_FORMAT", _choice(*LOG_FORMATS),
+    Option("cdi.device_uid", "--device-uid", "DEVICE_UID", parsers.uint32, "N"),
+    Option("cdi.device_gid", "--device-gid", "DEVICE_GID", parsers.uint32, "N"),
+    Option("http.address", "--http-address", "HYPERLIGHT_HTTP_ADDRESS", parsers.address, "HOST:PORT"),
+    Option("logging.format", "--log-format", "HYPERLIGHT_LOG_FORMAT", parsers.choice(*LOG_FORMATS),
            "text|json"),
-    Option("logging.level", "--log-level", "HYPERLIGHT_LOG_LEVEL", _choice(*LOG_LEVELS),
+    Option("logging.level", "--log-level", "HYPERLIGHT_LOG_LEVEL", parsers.choice(*LOG_LEVELS),
            "LEVEL"),
-    Option("cdi.annotations", "--cdi-annotations", "HYPERLIGHT_CDI_ANNOTATIONS", _bool,
+    Option("cdi.annotations", "--cdi-annotations", "HYPERLIGHT_CDI_ANNOTATIONS", parsers.boolean,
            is_switch=True),
-    Option("cdi.interval", "--cdi-interval", "HYPERLIGHT_CDI_INTERVAL", _interval, DURATION,
+    Option("cdi.interval", "--cdi-interval", "HYPERLIGHT_CDI_INTERVAL", parsers.interval, DURATION,
            bounds=_INTERVALS),
-    Option("health.interval", "--health-interval", "HYPERLIGHT_HEALTH_INTERVAL", _interval,
+    Option("health.interval", "--health-interval", "HYPERLIGHT_HEALTH_INTERVAL", parsers.interval,
            DURATION, bounds=_INTERVALS),
-    Option("health.probe_timeout", "--probe-timeout", "HYPERLIGHT_PROBE_TIMEOUT", _timeout,
+    Option("health.probe_timeout", "--probe-timeout", "HYPERLIGHT_PROBE_TIMEOUT", parsers.timeout,
            DURATION, bounds=_TIMEOUTS),
-    Option("health.guest_check", "--guest-check", "HYPERLIGHT_GUEST_CHECK", _bool, "true|false"),
+    Option("health.guest_check", "--guest-check", "HYPERLIGHT_GUEST_CHECK", parsers.boolean, "true|false"),
     Option("kubelet.register_timeout", "--register-timeout", "HYPERLIGHT_REGISTER_TIMEOUT",
-           _timeout, DURATION, bounds=_TIMEOUTS),
-    Option("dra.registry_dir", "--registry-dir", "HYPERLIGHT_REGISTRY_DIR", _path, "DIR"),
-    Option("dra.plugin_dir", "--dra-dir", "HYPERLIGHT_DRA_DIR", _path, "DIR"),
-    Option("dra.pod_uid", "--pod-uid", "HYPERLIGHT_POD_UID", _pod_uid, "UID"),
-    Option("dra.node_name", "--node-name", "HYPERLIGHT_NODE_NAME", _node_name, "NAME"),
+           parsers.timeout, DURATION, bounds=_TIMEOUTS),
+    Option("dra.registry_dir", "--registry-dir", "HYPERLIGHT_REGISTRY_DIR", parsers.path, "DIR"),
+    Option("dra.plugin_dir", "--dra-dir", "HYPERLIGHT_DRA_DIR", parsers.path, "DIR"),
+    Option("dra.pod_uid", "--pod-uid", "HYPERLIGHT_POD_UID", parsers.pod_uid, "UID"),
+    Option("dra.node_name", "--node-name", "HYPERLIGHT_NODE_NAME", parsers.node_name, "NAME"),
 )}
 
 SERVE_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor", "device_count",
