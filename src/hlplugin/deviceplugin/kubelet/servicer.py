@@ -1,7 +1,9 @@
 """The servicer base: streams a HealthTracker as a device list, and bounds what a client may ask.
 
 It holds everything a device plugin's server shares (ListAndWatch, stream bookkeeping, the empty
-options and answers, request checks); a concrete plugin adds only its device IDs and Allocate.
+options and answers, and Allocate's skeleton: check the request, gate, refuse, one answer per
+container, count); a concrete plugin adds only its device IDs, its gate and its grant per container,
+as the kubelet's own stub takes an allocFunc.
 """
 
 from __future__ import annotations
@@ -65,6 +67,33 @@ class TrackedDevicePlugin(PluginServicer):
         self._wake = asyncio.Event()
         self._follower: asyncio.Task[None] | None = None
         self._first = first
+
+    # What a refusal of an unknown ID adds after the IDs it names (e.g. which IDs we advertise).
+    advertised_hint = ""
+
+    async def gate(self) -> str | None:
+        """Whether Allocate may grant now: None, or why not (the refusal's message). Called after
+        the request passed its checks; the default grants always."""
+        return None
+
+    def grant(self, container: pb.ContainerAllocateRequest,
+              answer: pb.ContainerAllocateResponse) -> None:
+        """Fill ``answer``, the response to ``container`` (a request that passed the checks and
+        the gate)."""
+        raise NotImplementedError
+
+    async def Allocate(self, request: pb.AllocateRequest,
+                       context: Context) -> pb.AllocateResponse:
+        await self.check_request(request, context, self.advertised_hint)
+        problem = await self.gate()
+        if problem is not None:
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, problem, "refused")
+        response = pb.AllocateResponse()
+        for container in request.container_requests:
+            self.grant(container, response.container_responses.add())
+        if self.metrics is not None:
+            self.metrics.allocations.labels(result="success").inc()
+        return response
 
     def close_streams(self) -> None:
         self._closed = True
