@@ -270,13 +270,16 @@ class Daemon(Generic[T]):
         if signals is None:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, self.stop)
-        else:  # the process's handlers, which outlive this loop (see signals.py)
-            def request_stop() -> None:
-                if not loop.is_closed():
-                    loop.call_soon_threadsafe(self.stop)
+            loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
+        else:  # the process's signals, which outlive this loop (see signals.py)
+            def on_loop(function: Callable[[], None]) -> Callable[[], None]:
+                def call() -> None:
+                    if not loop.is_closed():
+                        loop.call_soon_threadsafe(function)
 
-            signals.connect(request_stop)
-        loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
+                return call
+
+            signals.connect(on_loop(self.stop), dump=on_loop(dump_tasks))
         for setting in spec.launch.ignored_settings:
             spec.metrics.settings_ignored.labels(setting=setting).set(1)
 
