@@ -18,13 +18,14 @@ inherits the mask, gRPC's included), and one thread takes them with ``sigwaitinf
 runs asynchronously: a Python handler runs on the main thread between the event loop's steps (a
 flood delays its work), C-level handlers of different signals nest on faulthandler's small
 alternate stack (with a handler per signal, 31 real-time signals at once crashed a daemon with
-SIGSEGV), and asyncio's wakeup pipe closes with its loop before its handlers are unset. A blocked signal is never discarded by the
-kernel, also where the daemon is PID 1 of a pod (there the kernel drops a signal whose action is
-the default). After the first stop signal the thread stops taking stop signals: they stay blocked,
-and every later one merges into the one pending (a standard signal is one bit), so a flood costs
-the daemon nothing while it stops, and after it has stopped nothing can kill it with them: a
-process waiting in the kernel for a helper stuck on a hung filesystem exits once it can. A stop
-signal that comes before the daemon runs makes it stop as soon as it starts.
+SIGSEGV), and asyncio's wakeup pipe closes with its loop before its handlers are unset. A blocked
+signal is never discarded by the kernel, also where the daemon is PID 1 of a pod (there the kernel
+drops a signal whose action is the default). After the first stop signal the thread stops taking
+stop signals: they stay blocked, and every later one merges into the one pending (a standard signal
+is one bit), so a flood costs the daemon nothing while it stops, and after it has stopped nothing
+can kill it with them: a process waiting in the kernel for a helper stuck on a hung filesystem
+exits once it can. A stop signal that comes before the daemon runs makes it stop as soon as it
+starts.
 """
 
 from __future__ import annotations
