@@ -274,7 +274,7 @@ class Daemon(Generic[T]):
         else:  # the process's signals, which outlive this loop (see signals.py)
             def on_loop(function: Callable[[], None]) -> Callable[[], None]:
                 def call() -> None:
-                    if not loop.is_closed():
+                    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                         loop.call_soon_threadsafe(function)
 
                 return call
