@@ -80,12 +80,13 @@ async def serve(settings: ServeSettings, launch: Launch | None = None) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL)
     metrics = Metrics()
     tracker = HealthTracker(required=(*cdi.CdiReconciler.CONDITIONS, *DeviceMonitor.CONDITIONS))
+    warnings: list[str] = []  # /readyz's: how the CDI directory is exposed, if it is
 
     async def setup(hv: str) -> Started:
         cdi_settings = settings.cdi
         reconciler = cdi.CdiReconciler(
             cdi_settings, cdi_spec.render_spec(hv, cdi_settings.device_uid, cdi_settings.device_gid),
-            tracker=tracker, metrics=metrics)
+            tracker=tracker, metrics=metrics, warnings=warnings)
         monitor = DeviceMonitor(tracker, hv, settings.health, metrics=metrics)
         # The first pass of each: independent, in helper threads of their own, at once, while
         # the plugin starts serving and registers; its first list waits for both, so the
@@ -116,4 +117,4 @@ async def serve(settings: ServeSettings, launch: Launch | None = None) -> None:
         "hlplugin serve", settings.http, tracker, metrics,
         functools.partial(wait_for_hypervisor, settings.health), setup,
         pending={"hypervisor": f"no mshv or kvm device under {show(settings.health.dev_dir)}"},
-        launch=launch or Launch())).run()
+        launch=launch or Launch(), warnings=warnings)).run()

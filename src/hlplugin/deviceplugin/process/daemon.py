@@ -72,6 +72,9 @@ class DaemonSpec(Generic[T]):
     setup: Callable[[T], Awaitable[Started]]
     pending: Mapping[str, str] = field(default_factory=dict)
     launch: Launch = field(default_factory=Launch)
+    # Listed under ``warnings`` in every /readyz answer, without failing readiness: what an
+    # operator should fix though the daemon serves. The daemon's parts keep it up to date in place.
+    warnings: list[str] = field(default_factory=list)
 
 
 def await_chain(task: asyncio.Task[Any]) -> list[str]:
@@ -290,7 +293,8 @@ class Daemon(Generic[T]):
         checker = SelfCheck(self.lifecycle, spec.http.self_check_fresh_for,
                             spec.http.self_check_timeout)
         http = HttpServer(self.readiness, checker.liveness, spec.metrics.registry,
-                          details={"ignored_settings": sorted(spec.launch.ignored_settings)})
+                          details={"ignored_settings": sorted(spec.launch.ignored_settings),
+                                   "warnings": spec.warnings})  # the list itself: kept current
         try:
             try:
                 await http.start(spec.http.address)
