@@ -6,11 +6,12 @@ in a container (in a pod the daemon is PID 1, docs/security.md)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
-from harness import Daemon, Node, emulator, needs_kvm, wait_until
+from harness import Daemon, Node, emulator, needs_kvm, needs_root, wait_until
 
 from hlplugin.deviceplugin.process.signals import (
     DUMP_SIGNAL,
@@ -138,3 +139,41 @@ async def test_every_stray_signal_at_once_changes_nothing_and_sigterm_still_stop
         code = await proc.signal(signal.SIGTERM)
     assert code == 0, "\n".join(proc.raw[-20:])
     assert not (node.plugin_dir / socket).exists()
+
+
+UNSHARE = shutil.which("unshare")
+
+
+def pid_1_under(unshare: int) -> int:
+    """The pid (ours) of unshare's one child, which is PID 1 of its namespace."""
+    [child] = Path(f"/proc/{unshare}/task/{unshare}/children").read_text().split()
+    nspid = next(line for line in Path(f"/proc/{child}/status").read_text().splitlines()
+                 if line.startswith("NSpid:"))
+    assert nspid.split()[-1] == "1", nspid
+    return int(child)
+
+
+@needs_root
+@pytest.mark.skipif(UNSHARE is None, reason="needs unshare (util-linux) for a PID namespace")
+@pytest.mark.parametrize("daemon", DAEMONS)
+async def test_as_pid_1_it_sees_every_signal_as_outside(tmp_path: Path, daemon: str) -> None:
+    """As a pod's PID 1, where the kernel drops a signal whose action is the default (from the
+    host too, but SIGKILL and SIGSTOP): the daemon, which blocks and takes them, still ignores a
+    stray one with its line and stops gracefully on SIGHUP."""
+    (tmp_path / "dev").mkdir()
+    proc = Daemon(args(daemon, Node.make(tmp_path, dev_dir=tmp_path / "dev")))
+    assert UNSHARE is not None
+    proc.args = [UNSHARE, "--pid", "--fork", "--kill-child", *proc.args]
+    await proc.start()
+    try:
+        await proc.wait_http("/healthz", 200)
+        pid = pid_1_under(proc.pid)
+        os.kill(pid, signal.SIGUSR2)
+        await wait_until(lambda: len(lines_of(proc, signal.SIGUSR2)) == 1, what="SIGUSR2's line")
+        os.kill(pid, signal.SIGHUP)
+        code = await proc.signal(0)  # only waits: SIGHUP stops it, and unshare exits with its code
+    finally:
+        if proc.exited() is None:
+            await proc.signal(signal.SIGKILL)
+    assert code == 0, "\n".join(proc.raw[-20:])
+    assert "received SIGHUP: stopping" in proc.messages()
