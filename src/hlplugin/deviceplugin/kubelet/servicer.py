@@ -36,7 +36,7 @@ MAX_ID_BYTES = 128
 REQUEST_SLACK_BYTES = 64 * 1024
 
 
-class Refusal(StrEnum):
+class RefusalKind(StrEnum):
     """What kind of refusal an Allocate got: the log aggregates refusals by kind (field ``kind``).
 
     A malformed or unknown-ID refusal quotes what the request said, which a client can vary at
@@ -59,6 +59,9 @@ class TrackedDevicePlugin(PluginServicer):
     The streams share one waiter on the tracker, which exists only while a stream is open.
     """
 
+    # What a refusal of an unknown ID adds after the IDs it names (e.g. which IDs we advertise).
+    advertised_hint = ""
+
     def __init__(self, device_ids: Collection[str] | DeviceList, tracker: HealthTracker,
                  metrics: DevicePluginMetrics | None = None, *,
                  first: asyncio.Future[Any] | None = None) -> None:
@@ -78,14 +81,11 @@ class TrackedDevicePlugin(PluginServicer):
         self._closed = False
         self._refusing = False
         # A kubelet retrying a pod on an unhealthy node, or a client in a loop: one line per
-        # kind of refusal (see Refusal) and interval; the allocations counter counts each.
+        # kind of refusal (see RefusalKind) and interval; the allocations counter counts each.
         self.refusals = repeats.RepeatedLines(log)
         self._wake = asyncio.Event()
         self._follower: asyncio.Task[None] | None = None
         self._first = first
-
-    # What a refusal of an unknown ID adds after the IDs it names (e.g. which IDs we advertise).
-    advertised_hint = ""
 
     async def gate(self) -> str | None:
         """Whether Allocate may grant now: None, or why not (the refusal's message). Called after
@@ -104,7 +104,7 @@ class TrackedDevicePlugin(PluginServicer):
         problem = await self.gate()
         if problem is not None:
             await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, problem, "refused",
-                               Refusal.UNUSABLE)
+                               RefusalKind.UNUSABLE)
         response = pb.AllocateResponse()
         for container in request.container_requests:
             self.grant(container, response.container_responses.add())
@@ -175,7 +175,7 @@ class TrackedDevicePlugin(PluginServicer):
 
         async def malformed(message: str) -> NoReturn:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, message, "invalid",
-                               Refusal.MALFORMED)
+                               RefusalKind.MALFORMED)
 
         if not containers:
             await malformed("no container requests in the Allocate (the kubelet sends one)")
@@ -200,7 +200,7 @@ class TrackedDevicePlugin(PluginServicer):
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                                f"unknown device IDs {', '.join(quote(i) for i in unknown[:5])}"
-                               f"{more}{advertised}", "invalid", Refusal.UNKNOWN_IDS)
+                               f"{more}{advertised}", "invalid", RefusalKind.UNKNOWN_IDS)
 
     def _stream_opened(self, delta: int) -> None:
         self.open_streams += delta
@@ -237,11 +237,11 @@ class TrackedDevicePlugin(PluginServicer):
             self.metrics.devices_healthy.set(len(self.device_ids) if state.healthy else 0)
 
     async def _refuse(self, context: Context, code: grpc.StatusCode, message: str,
-                      result: str, kind: Refusal) -> NoReturn:
+                      result: str, kind: RefusalKind) -> NoReturn:
         if self.metrics is not None:
             self.metrics.allocations.labels(result=result).inc()
-        # The log's cause: the kind alone where the request shapes the message (see Refusal).
-        cause: Hashable = (kind, message) if kind is Refusal.UNUSABLE else kind
+        # The log's cause: the kind alone where the request shapes the message (see RefusalKind).
+        cause: Hashable = (kind, message) if kind is RefusalKind.UNUSABLE else kind
         self.refusals.log(cause, logging.WARNING, "refused Allocate: %s", message,
                           extra={"result": result, "kind": str(kind)})
         await context.abort(code, message)
