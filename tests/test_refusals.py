@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import healthy_tracker
+from harness import Node, healthy_tracker, needs_kvm, on_kubelet, scrape, value
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
@@ -26,6 +26,12 @@ from hlplugin.deviceplugin.kubelet import servicer
 from hlplugin.deviceplugin.kubelet.lifecycle import new_server
 from hlplugin.deviceplugin.kubelet.servicer import MAX_CONTAINERS, MAX_ID_BYTES, TrackedDevicePlugin
 from hlplugin.metrics import Metrics
+from hlplugin.names import (
+    DEVICE_ACCESS_RESOURCE,
+    DEVICE_ACCESS_SOCKET,
+    HYPERVISOR_RESOURCE,
+    HYPERVISOR_SOCKET,
+)
 from hlplugin.plugin import HypervisorPlugin, slots
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -199,3 +205,28 @@ async def test_a_request_the_kubelet_never_sends_is_refused_as_malformed(
     samples = {result: plugin.metrics.registry.get_sample_value(  # type: ignore[union-attr]
         "hyperlight_allocations_total", {"result": result}) for result in ("invalid", "success")}
     assert samples == {"invalid": 1, "success": 1}
+
+
+@needs_kvm
+@pytest.mark.parametrize("daemon", DAEMONS)
+async def test_the_running_daemon_logs_a_flood_of_varied_refusals_in_two_lines(
+        tmp_path: Path, daemon: str) -> None:
+    """The real process, beside the kubelet emulator: hundreds of refusals, each request unlike
+    the others, are two JSON lines (one per kind, field ``kind``) and all counted."""
+    node = Node.make(tmp_path)
+    resource, socket = {"serve": (HYPERVISOR_RESOURCE, HYPERVISOR_SOCKET),
+                        "bootstrap": (DEVICE_ACCESS_RESOURCE, DEVICE_ACCESS_SOCKET)}[daemon]
+    args = (node.serve_args("--device-count", "4") if daemon == "serve" else
+            ["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", str(node.dev_dir)])
+    good = "kvm-0" if daemon == "serve" else "device-access-kvm"
+    rng, sent = random.Random(29917), 240
+    async with on_kubelet(node, args) as (kubelet, proc):
+        await kubelet.wait_for(lambda: kubelet.allocatable(resource) > 0)
+        async with grpc.aio.insecure_channel(f"unix://{node.plugin_dir / socket}") as channel:
+            stub = pb_grpc.DevicePluginStub(channel)
+            for n in range(sent):
+                await refused(stub, hostile(rng, n, good))
+        samples = await scrape(proc)
+        lines = [line for line in proc.lines if "refused Allocate" in str(line.get("message"))]
+    assert value(samples, "hyperlight_allocations_total", result="invalid") == sent
+    assert sorted(line["fields"]["kind"] for line in lines) == ["malformed", "unknown_ids"], lines
