@@ -25,7 +25,8 @@ stop signals: they stay blocked, and every later one merges into the one pending
 is one bit), so a flood costs the daemon nothing while it stops, and after it has stopped nothing
 can kill it with them: a process waiting in the kernel for a helper stuck on a hung filesystem
 exits once it can. A stop signal that comes before the daemon runs makes it stop as soon as it
-starts.
+starts. A child process would inherit the mask: a daemon that ever starts one must unblock them in
+it (posix_spawn's setsigmask); none does today.
 """
 
 from __future__ import annotations
