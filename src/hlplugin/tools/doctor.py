@@ -40,14 +40,12 @@ from hlplugin.deviceplugin.kubelet.kubeletsock import (
     socket_identity,
 )
 from hlplugin.deviceplugin.kubelet.lifecycle import KUBELET_SOCKET
-from hlplugin.dirs import exposure
 from hlplugin.names import NO_HYPERVISOR_HINT, PLUGIN_DIR_FLAG
 from hlplugin.settings import HealthSettings, ServeSettings
+from hlplugin.tools import cdi_access
 from hlplugin.tools.cdi_resolve import resolves_to
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
-# containerd reads CDI specs here too (and in /var/run/cdi, the daemon's default --cdi-dir).
-ETC_CDI = Path("/etc/cdi")
 
 
 @dataclass
@@ -143,6 +141,8 @@ async def diagnose(settings: ServeSettings, *, device_only: bool = False) -> Rep
             check = Check(name, FAIL, _with_hint(exc))
         except _Verdict as exc:
             check = Check(name, exc.status, exc.detail)
+        except cdi_access.Exposed as exc:
+            check = Check(name, WARN, str(exc))
         except OSError as exc:
             check = Check(name, FAIL, _os_error(exc))
         check.seconds = round(time.monotonic() - started, 6)
@@ -199,10 +199,7 @@ async def diagnose(settings: ServeSettings, *, device_only: bool = False) -> Rep
             check.detail = f"{check.detail} ({chosen})"
 
     await step("CDI dir", lambda: _cdi_dir_writable(settings.cdi.dir))
-    # In the daemon's pod (its /host-dev mount is there) /etc is the image's, not the node's.
-    in_pod = HealthSettings.host_dev_dir is not None and HealthSettings.host_dev_dir.exists()
-    etc_cdi = None if in_pod else ETC_CDI
-    await step("CDI dir access", lambda: _cdi_exposure(settings.cdi.dir, etc_cdi))
+    await step("CDI dir access", lambda: cdi_access.check(settings.cdi.dir))
     if hypervisor is None:
         skip("CDI spec", "no hypervisor")
     else:
@@ -317,25 +314,6 @@ def _cdi_dir_writable(directory: Path) -> str:
         with contextlib.suppress(OSError):
             os.unlink(temp)
     return f"{directory} is writable (wrote, synced and removed a 4 KiB temp file, {temp.name})"
-
-
-def _cdi_exposure(directory: Path, etc_cdi: Path | None) -> str:
-    """Whether others than root could add or replace a CDI spec a runtime reads: the daemon's
-    directory and ``etc_cdi`` (None: not this process's to see), each with its parent."""
-    looked: list[str] = []
-    problems: list[str] = []
-    for candidate in dict.fromkeys(d for d in (directory, etc_cdi) if d is not None):
-        for path, problem in exposure(candidate, os.geteuid()).items():
-            if str(path) not in looked:
-                looked.append(str(path))
-                if problem:
-                    problems.append(problem)
-    unseen = "" if etc_cdi is not None else f"; {ETC_CDI} not looked at: in the daemon's pod it is " \
-        "the image's, not the node's (run doctor on the node for it)"
-    if problems:
-        raise _Verdict(WARN, "; ".join(problems) + unseen)
-    return f"{', '.join(looked) or 'nothing there yet'}: owned by root, not writable by group " \
-        f"or others{unseen}"
 
 
 def _cdi_device(settings: ServeSettings, hypervisor: str) -> str:
