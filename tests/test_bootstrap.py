@@ -62,7 +62,7 @@ async def test_grants_exactly_the_device_refuses_without_it_and_every_family_mov
         assert resource.endpoint == "hyperlight-device-access.sock"
         assert list(resource.devices) == ["device-access-kvm"]
         ready = json.loads(await proc.wait_http("/readyz", 200))
-        assert ready == {"status": "ready", "ignored_settings": [],
+        assert ready == {"status": "ready", "ignored_settings": [], "warnings": [],
                          "conditions": {name: {"ok": True, "reason": ""} for name in (
             "registered", "listandwatch", "device")}}
         m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)

@@ -21,6 +21,8 @@ from harness import Daemon, Node, daemon, needs_root, scrape, value, wait_metric
 from support.waits import quiet
 
 from hlplugin import __version__, config, logs
+from hlplugin.deviceplugin.health.producer import Trigger
+from hlplugin.metrics import RepairCause
 
 TEXT_LINE = re.compile(
     r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) +[\w.-]+: ")
@@ -231,6 +233,20 @@ async def test_the_longest_path_setting_is_shown_bounded_and_crashes_nothing(tmp
         assert reason.endswith("... (4095 bytes)") and len(reason) < 400, reason
     assert not any("uncaught" in m or "Traceback" in m for m in proc.raw)
     assert max(len(line) for line in proc.raw) < 3000, max(proc.raw, key=len)[:300]
+
+
+def test_enum_fields_print_as_their_values_in_either_format(
+        captured: tuple[logging.Logger, io.StringIO]) -> None:
+    """The CDI repair line's fields are enum members: text printed their repr
+    (``cause=<RepairCause.MISSING: 'missing'>``); both formats print the value."""
+    logger, stream = captured
+    for formatter in (logs.TextFormatter(), logs.JsonFormatter()):
+        logger.handlers[0].setFormatter(formatter)
+        logger.info("repaired CDI spec", extra={"cause": RepairCause.MISSING,
+                                                "trigger": Trigger.WATCH, "signal": signal.SIGHUP})
+    text, entry = stream.getvalue().splitlines()
+    assert text.endswith("repaired CDI spec cause='missing' signal=1 trigger='watch'"), text
+    assert json.loads(entry)["fields"] == {"cause": "missing", "trigger": "watch", "signal": 1}
 
 
 async def test_text_is_the_default_one_line_per_event(tmp_path: Path) -> None:

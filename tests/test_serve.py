@@ -39,7 +39,7 @@ async def test_registers_allocates_and_re_registers_when_its_socket_goes(tmp_pat
         device_node = spec["devices"][0]["containerEdits"]["deviceNodes"][0]
         assert (device_node["uid"], device_node["gid"]) == (1000, 2002)
         ready = json.loads(await proc.wait_http("/readyz", 200))
-        assert ready == {"status": "ready", "ignored_settings": [],
+        assert ready == {"status": "ready", "ignored_settings": [], "warnings": [],
                          "conditions": {name: {"ok": True, "reason": ""} for name in (
             "registered", "listandwatch", "cdi", "device", "host_identity")}}
         one = await kubelet.admit(RESOURCE)

@@ -12,8 +12,6 @@ import operator
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import grpc
-
 from hlplugin import hvnode
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.detect import wait_for_hypervisor
@@ -22,7 +20,6 @@ from hlplugin.deviceplugin.health.conditions import HealthTracker
 from hlplugin.deviceplugin.health.fresh import Fresh
 from hlplugin.deviceplugin.health.producer import Producer, Trigger
 from hlplugin.deviceplugin.health.watch import DirWatcher
-from hlplugin.deviceplugin.kubelet.interfaces import Context
 from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
@@ -45,20 +42,15 @@ class DeviceAccessPlugin(TrackedDevicePlugin):
         self.device_path = f"/dev/{hypervisor}"
         self._recheck = recheck
 
-    async def Allocate(self, request: pb.AllocateRequest,
-                       context: Context) -> pb.AllocateResponse:
-        await self.check_request(request, context)
-        if not await self._recheck():
-            problem = self.tracker.state.describe()
-            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION,
-                               f"cannot grant {self.device_path}: {problem}", "refused")
-        response = pb.AllocateResponse()
-        for _ in request.container_requests:
-            response.container_responses.add().devices.add(
-                container_path=self.device_path, host_path=self.device_path, permissions="rw")
-        if self.metrics is not None:
-            self.metrics.allocations.labels(result="success").inc()
-        return response
+    async def gate(self) -> str | None:
+        if await self._recheck():
+            return None
+        return f"cannot grant {self.device_path}: {self.tracker.state.describe()}"
+
+    def grant(self, container: pb.ContainerAllocateRequest,
+              answer: pb.ContainerAllocateResponse) -> None:
+        answer.devices.add(container_path=self.device_path, host_path=self.device_path,
+                           permissions="rw")
 
 
 NODE_WATCH_CONDITIONS = (ConditionName.DEVICE,)  # what node_watch keeps

@@ -15,9 +15,11 @@ import contextlib
 import errno
 import logging
 import operator
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from hlplugin.cdi_spec import MAX_READ, MODE, SPEC_FILE, well_formed
 from hlplugin.deviceplugin.health import repeats
@@ -27,7 +29,7 @@ from hlplugin.deviceplugin.health.fresh import Fresh
 from hlplugin.deviceplugin.health.producer import Producer, Trigger
 from hlplugin.deviceplugin.health.watch import FILE_EVENTS, DirWatcher
 from hlplugin.deviceplugin.ownedfile import NotRegular, OwnedFile
-from hlplugin.dirs import not_a_directory
+from hlplugin.dirs import exposure, not_a_directory
 from hlplugin.metrics import Metrics, Refusal, RepairCause
 from hlplugin.names import ConditionName
 from hlplugin.settings import CdiSettings
@@ -64,8 +66,13 @@ class CdiReconciler:
         max_backoff: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         log_interval: float = repeats.INTERVAL,
+        warnings: list[str] | None = None,
     ) -> None:
+        """``warnings``: kept, in place, the problems of the directory's exposure (see
+        ``dirs.exposure``): the daemon's /readyz lists them without failing readiness."""
         self.cdi_dir = cdi_dir = settings.dir
+        self.warnings = warnings
+        self.exposed: dict[Path, str] = {}  # the latest pass's dirs.exposure
         interval, budget = settings.interval, settings.budget
         self._trust_quiet = settings.trust_quiet
         self.lines = repeats.RepeatedLines(log, log_interval, clock=clock)
@@ -149,11 +156,14 @@ class CdiReconciler:
 
     async def _one_pass(self, trigger: Trigger) -> bool:
         began, pulse = asyncio.get_running_loop().time(), self.producer.wakeup.pulse()
+        exposed: dict[Path, str] | None = None
         try:
-            outcome = await self.producer.runner.run(self._check_and_repair)
+            outcome, exposed = await self.producer.runner.run(self._inspect)
         except CheckFailed as exc:
             outcome = self._timed_out(exc)
         self._publish(outcome, trigger)
+        if exposed is not None:
+            self._publish_exposure(exposed)
         if outcome.condition.ok:
             self._verify(began, pulse)
         return outcome.condition.ok
@@ -198,6 +208,28 @@ class CdiReconciler:
         elif not new.ok and new != self.condition:
             self.lines.log(new.reason, logging.WARNING, "CDI spec unhealthy: %s", new.reason)
         self.condition = new
+
+    def _publish_exposure(self, exposed: dict[Path, str]) -> None:
+        """On the event loop: a directory found exposed is a warning at the first pass that finds
+        it so (or so differently), and a line when that ends; the gauge and the warnings always."""
+        gone = dict.fromkeys(self.exposed.keys() - exposed.keys(), "")  # or a symlink re-pointed
+        for path, problem in {**exposed, **gone}.items():
+            before = self.exposed.get(path, "")
+            if problem and problem != before:
+                self.lines.log(("exposed", problem), logging.WARNING, "%s", problem,
+                               extra={"directory": str(path)})
+            elif before and not problem:
+                log.info("%s is no longer exposed to others than root", path,
+                         extra={"directory": str(path)})
+            if self._metrics is not None:
+                self._metrics.cdi_dir_exposed.labels(directory=str(path)).set(1 if problem else 0)
+        self.exposed = exposed
+        if self.warnings is not None:
+            self.warnings[:] = [problem for problem in exposed.values() if problem]
+
+    def _inspect(self) -> tuple[_Outcome, dict[Path, str]]:
+        """In the runner's thread: the pass, then how the directory is exposed."""
+        return self._check_and_repair(), exposure(self.cdi_dir, os.geteuid())
 
     def _check_and_repair(self) -> _Outcome:
         """In the runner's thread (one at a time): inspect, and repair if needed."""

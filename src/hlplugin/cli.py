@@ -212,9 +212,13 @@ def _unusable_dirs(command: str, settings: Any) -> list[str]:
 
 
 def _start_daemon(name: str, command: Command, resolution: config.Resolution) -> int:
-    """The start-up policy of both daemons, in its order: logging, then stderr captured before
-    gRPC is imported (its C core prints to fd 2 from its own threads), the one start line, the
-    warnings, malloc arenas, stop signals, and only then the daemon's own imports."""
+    """The start-up policy of both daemons, in its order: signals (before any thread starts),
+    logging, then stderr captured before gRPC is imported (its C core prints to fd 2 from its own
+    threads), the one start line, the warnings, malloc arenas, and only then the daemon's own
+    imports."""
+    # From here until the process exits no signal but SIGKILL ends it without its stop: before
+    # any thread starts, since each inherits the mask (deviceplugin/process/signals.py).
+    signals = StopSignals().install()
     settings = resolution.settings
     logs.configure(settings.logging.format, settings.logging.level)
     logs.capture_stderr()
@@ -228,8 +232,6 @@ def _start_daemon(name: str, command: Command, resolution: config.Resolution) ->
         log.info("hlplugin %s %s starting; %s", name, __version__, resolution.describe())
     config.log_warnings(resolution.warnings)
     _limit_malloc_arenas()
-    # From here until the process exits a stop signal never kills it (deviceplugin/process/signals.py).
-    signals = StopSignals().install()
     from hlplugin.deviceplugin.process.daemon import Launch  # imports gRPC: after capture_stderr
 
     assert command.daemon is not None

@@ -17,6 +17,7 @@ import re
 import sys
 import threading
 from datetime import UTC, datetime
+from enum import Enum
 from types import TracebackType
 from typing import IO, Any
 
@@ -46,7 +47,9 @@ def escape(text: str) -> str:
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
-    return {k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")}
+    """The record's own fields; an enum member as its value (``cause='missing'``, not its repr)."""
+    return {k: v.value if isinstance(v, Enum) else v for k, v in vars(record).items()
+            if k not in _STANDARD and not k.startswith("_")}
 
 
 class JsonFormatter(logging.Formatter):

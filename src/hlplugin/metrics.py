@@ -70,6 +70,10 @@ class Metrics(HyperlightMetrics):
             f"{PREFIX}_cdi_refusals",
             "Reconciles refused because the CDI path is not a regular file, or failed to write.",
             ["reason"], registry=r)
+        self.cdi_dir_exposed = Gauge(
+            f"{PREFIX}_cdi_dir_exposed",
+            "1 while the CDI directory or its parent is writable by group or others, or not "
+            "owned by root.", ["directory"], registry=r)
         precreate({
             self.probe_duration: PROBE_CHECKS,
             self.probe_failures: PROBE_REASONS,

@@ -13,15 +13,12 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import grpc
-
 from hlplugin import cdi, cdi_spec
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.detect import wait_for_hypervisor
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.health.producer import Trigger
 from hlplugin.deviceplugin.kubelet.devicelist import DeviceList, NumberedIds
-from hlplugin.deviceplugin.kubelet.interfaces import Context
 from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
 from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Launch, Started
@@ -61,25 +58,18 @@ class HypervisorPlugin(TrackedDevicePlugin):
         self._gate = gate
         self._cdi_name = cdi_spec.qualified_name(hypervisor)
         self._annotations = cdi_annotations
+        self.advertised_hint = (f"; this plugin advertises {hypervisor}-0.."
+                                f"{hypervisor}-{len(self.device_ids) - 1}")
 
-    async def Allocate(self, request: pb.AllocateRequest,
-                       context: Context) -> pb.AllocateResponse:
-        await self.check_request(request, context, f"; this plugin advertises {self.hypervisor}-0.."
-                                 f"{self.hypervisor}-{len(self.device_ids) - 1}")
+    async def gate(self) -> str | None:
         state = await self._gate()
-        if not state.healthy:
-            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION,
-                               f"{RESOURCE} is not usable on this node: {state.describe()}",
-                               "refused")
-        response = pb.AllocateResponse()
-        for container in request.container_requests:
-            entry = response.container_responses.add()
-            entry.cdi_devices.add(name=self._cdi_name)
-            if self._annotations and container.devices_ids:
-                entry.annotations[annotation_key(container.devices_ids[0])] = self._cdi_name
-        if self.metrics is not None:
-            self.metrics.allocations.labels(result="success").inc()
-        return response
+        return None if state.healthy else f"{RESOURCE} is not usable on this node: {state.describe()}"
+
+    def grant(self, container: pb.ContainerAllocateRequest,
+              answer: pb.ContainerAllocateResponse) -> None:
+        answer.cdi_devices.add(name=self._cdi_name)
+        if self._annotations and container.devices_ids:
+            answer.annotations[annotation_key(container.devices_ids[0])] = self._cdi_name
 
 
 async def serve(settings: ServeSettings, launch: Launch | None = None) -> None:
@@ -90,12 +80,13 @@ async def serve(settings: ServeSettings, launch: Launch | None = None) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL)
     metrics = Metrics()
     tracker = HealthTracker(required=(*cdi.CdiReconciler.CONDITIONS, *DeviceMonitor.CONDITIONS))
+    warnings: list[str] = []  # /readyz's: how the CDI directory is exposed, if it is
 
     async def setup(hv: str) -> Started:
         cdi_settings = settings.cdi
         reconciler = cdi.CdiReconciler(
             cdi_settings, cdi_spec.render_spec(hv, cdi_settings.device_uid, cdi_settings.device_gid),
-            tracker=tracker, metrics=metrics)
+            tracker=tracker, metrics=metrics, warnings=warnings)
         monitor = DeviceMonitor(tracker, hv, settings.health, metrics=metrics)
         # The first pass of each: independent, in helper threads of their own, at once, while
         # the plugin starts serving and registers; its first list waits for both, so the
@@ -126,4 +117,4 @@ async def serve(settings: ServeSettings, launch: Launch | None = None) -> None:
         "hlplugin serve", settings.http, tracker, metrics,
         functools.partial(wait_for_hypervisor, settings.health), setup,
         pending={"hypervisor": f"no mshv or kvm device under {show(settings.health.dev_dir)}"},
-        launch=launch or Launch())).run()
+        launch=launch or Launch(), warnings=warnings)).run()

@@ -42,6 +42,7 @@ from hlplugin.deviceplugin.kubelet.kubeletsock import (
 from hlplugin.deviceplugin.kubelet.lifecycle import KUBELET_SOCKET
 from hlplugin.names import NO_HYPERVISOR_HINT, PLUGIN_DIR_FLAG
 from hlplugin.settings import HealthSettings, ServeSettings
+from hlplugin.tools import cdi_access
 from hlplugin.tools.cdi_resolve import resolves_to
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
@@ -140,6 +141,8 @@ async def diagnose(settings: ServeSettings, *, device_only: bool = False) -> Rep
             check = Check(name, FAIL, _with_hint(exc))
         except _Verdict as exc:
             check = Check(name, exc.status, exc.detail)
+        except cdi_access.Exposed as exc:
+            check = Check(name, WARN, str(exc))
         except OSError as exc:
             check = Check(name, FAIL, _os_error(exc))
         check.seconds = round(time.monotonic() - started, 6)
@@ -196,6 +199,7 @@ async def diagnose(settings: ServeSettings, *, device_only: bool = False) -> Rep
             check.detail = f"{check.detail} ({chosen})"
 
     await step("CDI dir", lambda: _cdi_dir_writable(settings.cdi.dir))
+    await step("CDI dir access", lambda: cdi_access.check(settings.cdi.dir))
     if hypervisor is None:
         skip("CDI spec", "no hypervisor")
     else:

@@ -1,14 +1,17 @@
 """The servicer base: streams a HealthTracker as a device list, and bounds what a client may ask.
 
 It holds everything a device plugin's server shares (ListAndWatch, stream bookkeeping, the empty
-options and answers, request checks); a concrete plugin adds only its device IDs and Allocate.
+options and answers, and Allocate's skeleton: check the request, gate, refuse, one answer per
+container, count); a concrete plugin adds only its device IDs, its gate and its grant per container,
+as the kubelet's own stub takes an allocFunc.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Hashable
+from enum import StrEnum
 from typing import Any, NoReturn
 
 import grpc
@@ -33,6 +36,21 @@ MAX_ID_BYTES = 128
 REQUEST_SLACK_BYTES = 64 * 1024
 
 
+class RefusalKind(StrEnum):
+    """What kind of refusal an Allocate got: the log aggregates refusals by kind (field ``kind``).
+
+    A malformed or unknown-ID refusal quotes what the request said, which a client can vary at
+    will: each kind takes one cause of the log's aggregation (its latest example, and a count),
+    whatever the IDs, the container count or any other field, so a flood of them never crowds out
+    a new real fault. An unusable refusal says what our own checks found, which no request
+    changes: each different problem is a line of its own at once.
+    """
+
+    MALFORMED = "malformed"  # past a bound, no containers, a container without IDs, an empty ID
+    UNKNOWN_IDS = "unknown_ids"  # IDs this plugin does not advertise
+    UNUSABLE = "unusable"  # the gate: the device cannot be handed out now
+
+
 class TrackedDevicePlugin(PluginServicer):
     """Advertises ``device_ids``, all Healthy or all Unhealthy as the tracker says.
 
@@ -40,6 +58,9 @@ class TrackedDevicePlugin(PluginServicer):
     backlog: a reader that stops reading holds one message, whatever the number of transitions.
     The streams share one waiter on the tracker, which exists only while a stream is open.
     """
+
+    # What a refusal of an unknown ID adds after the IDs it names (e.g. which IDs we advertise).
+    advertised_hint = ""
 
     def __init__(self, device_ids: Collection[str] | DeviceList, tracker: HealthTracker,
                  metrics: DevicePluginMetrics | None = None, *,
@@ -59,11 +80,36 @@ class TrackedDevicePlugin(PluginServicer):
         self._closed = False
         self._refusing = False
         # A kubelet retrying a pod on an unhealthy node, or a client in a loop: one line per
-        # refusal (message) and interval; the allocations counter counts each.
+        # kind of refusal (see RefusalKind) and interval; the allocations counter counts each.
         self.refusals = repeats.RepeatedLines(log)
         self._wake = asyncio.Event()
         self._follower: asyncio.Task[None] | None = None
         self._first = first
+
+    async def gate(self) -> str | None:
+        """Whether Allocate may grant now: None, or why not (the refusal's message). Called after
+        the request passed its checks; the default grants always."""
+        return None
+
+    def grant(self, container: pb.ContainerAllocateRequest,
+              answer: pb.ContainerAllocateResponse) -> None:
+        """Fill ``answer``, the response to ``container`` (a request that passed the checks and
+        the gate)."""
+        raise NotImplementedError
+
+    async def Allocate(self, request: pb.AllocateRequest,
+                       context: Context) -> pb.AllocateResponse:
+        await self.check_request(request, context, self.advertised_hint)
+        problem = await self.gate()
+        if problem is not None:
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, problem, "refused",
+                               RefusalKind.UNUSABLE)
+        response = pb.AllocateResponse()
+        for container in request.container_requests:
+            self.grant(container, response.container_responses.add())
+        if self.metrics is not None:
+            self.metrics.allocations.labels(result="success").inc()
+        return response
 
     def close_streams(self) -> None:
         self._closed = True
@@ -120,31 +166,39 @@ class TrackedDevicePlugin(PluginServicer):
 
     async def check_request(self, request: pb.AllocateRequest, context: Context,
                             advertised: str = "") -> None:
-        """Refuse (INVALID_ARGUMENT) a request past the bounds or naming an ID we do not advertise;
-        the message quotes at most a short escaped prefix of what it got."""
+        """Refuse (INVALID_ARGUMENT) a request past the bounds, of a shape the kubelet never
+        sends (no containers, a container naming no ID, an empty ID), or naming an ID we do not
+        advertise; the message quotes at most a short escaped prefix of what it got."""
         containers = request.container_requests
+
+        async def malformed(message: str) -> NoReturn:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, message, "invalid",
+                               RefusalKind.MALFORMED)
+
+        if not containers:
+            await malformed("no container requests in the Allocate (the kubelet sends one)")
         if len(containers) > MAX_CONTAINERS:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{len(containers)} container requests in one Allocate; at most "
-                               f"{MAX_CONTAINERS} are served (the kubelet sends one)", "invalid")
+            await malformed(f"{len(containers)} container requests in one Allocate; at most "
+                            f"{MAX_CONTAINERS} are served (the kubelet sends one)")
         most = len(self.device_ids)
         for n, container in enumerate(containers):
+            if not container.devices_ids:
+                await malformed(f"container request {n} names no device IDs")
             if len(container.devices_ids) > most:
-                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"container request {n} names {len(container.devices_ids)} "
-                                   f"device IDs; this plugin advertises {most}", "invalid")
+                await malformed(f"container request {n} names {len(container.devices_ids)} "
+                                f"device IDs; this plugin advertises {most}")
             for i in container.devices_ids:
+                if not i:
+                    await malformed(f"container request {n} names an empty device ID")
                 if len(i.encode(errors="replace")) > MAX_ID_BYTES:
-                    await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                       f"device ID {quote(i)} is longer than {MAX_ID_BYTES} "
-                                       f"bytes", "invalid")
+                    await malformed(f"device ID {quote(i)} is longer than {MAX_ID_BYTES} bytes")
         unknown = sorted({i for c in containers for i in c.devices_ids
                           if i not in self.device_ids})
         if unknown:
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                                f"unknown device IDs {', '.join(quote(i) for i in unknown[:5])}"
-                               f"{more}{advertised}", "invalid")
+                               f"{more}{advertised}", "invalid", RefusalKind.UNKNOWN_IDS)
 
     def _stream_opened(self, delta: int) -> None:
         self.open_streams += delta
@@ -181,9 +235,11 @@ class TrackedDevicePlugin(PluginServicer):
             self.metrics.devices_healthy.set(len(self.device_ids) if state.healthy else 0)
 
     async def _refuse(self, context: Context, code: grpc.StatusCode, message: str,
-                      result: str) -> NoReturn:
+                      result: str, kind: RefusalKind) -> NoReturn:
         if self.metrics is not None:
             self.metrics.allocations.labels(result=result).inc()
-        self.refusals.log((result, message), logging.WARNING, "refused Allocate: %s", message,
-                          extra={"result": result})
+        # The log's cause: the kind alone where the request shapes the message (see RefusalKind).
+        cause: Hashable = (kind, message) if kind is RefusalKind.UNUSABLE else kind
+        self.refusals.log(cause, logging.WARNING, "refused Allocate: %s", message,
+                          extra={"result": result, "kind": str(kind)})
         await context.abort(code, message)

@@ -78,6 +78,9 @@ class DaemonSpec(Generic[T]):
     kubelet_conditions: Callable[[], dict[str, tuple[bool, str]]] | None = None
     # /healthz's check for a daemon with no lifecycle: one call proving its gRPC server answers.
     self_check: Callable[[float], Awaitable[bool]] | None = None
+    # Listed under ``warnings`` in every /readyz answer, without failing readiness: what an
+    # operator should fix though the daemon serves. The daemon's parts keep it up to date in place.
+    warnings: list[str] = field(default_factory=list)
 
 
 def await_chain(task: asyncio.Task[Any]) -> list[str]:
@@ -285,13 +288,16 @@ class Daemon(Generic[T]):
         if signals is None:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, self.stop)
-        else:  # the process's handlers, which outlive this loop (see signals.py)
-            def request_stop() -> None:
-                if not loop.is_closed():
-                    loop.call_soon_threadsafe(self.stop)
+            loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
+        else:  # the process's signals, which outlive this loop (see signals.py)
+            def on_loop(function: Callable[[], None]) -> Callable[[], None]:
+                def call() -> None:
+                    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                        loop.call_soon_threadsafe(function)
 
-            signals.connect(request_stop)
-        loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
+                return call
+
+            signals.connect(on_loop(self.stop), dump=on_loop(dump_tasks))
         for setting in spec.launch.ignored_settings:
             spec.metrics.settings_ignored.labels(setting=setting).set(1)
 
@@ -302,7 +308,8 @@ class Daemon(Generic[T]):
         checker = SelfCheck(self.lifecycle, spec.http.self_check_fresh_for,
                             spec.http.self_check_timeout, answers=spec.self_check)
         http = HttpServer(self.readiness, checker.liveness, spec.metrics.registry,
-                          details={"ignored_settings": sorted(spec.launch.ignored_settings)})
+                          details={"ignored_settings": sorted(spec.launch.ignored_settings),
+                                   "warnings": spec.warnings})  # the list itself: kept current
         try:
             try:
                 await http.start(spec.http.address)
