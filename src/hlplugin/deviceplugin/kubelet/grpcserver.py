@@ -21,7 +21,9 @@ and none failed.
   once. The kubelet keeps the one it dialled at registration, the self-check one, and at most 8
   ListAndWatch readers one each. Without it a flood spread over 200 connections grew memory
   by 7 MiB where over 4 it grew 1.3 MiB. The socket lives in the kubelet's root-only directory,
-  so whoever can fill the cap could as well remove the socket.
+  so whoever can fill the cap could as well remove the socket. Every user of it is UID 0, so
+  the kubelet cannot be told apart to be given a slot of its own; the liveness self-check needs
+  none (``transport_answers``).
 
 ``grpc.aio.server``'s ``maximum_concurrent_rpcs`` is not used: past it gRPC refuses calls
 (RESOURCE_EXHAUSTED), and a flood would then fail the kubelet's Allocate instead of delaying it.
@@ -31,7 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -71,6 +75,35 @@ async def to_completion(work: Coroutine[Any, Any, None]) -> None:
     if cancelled:
         raise asyncio.CancelledError
     task.result()
+
+
+_FRAME_HEAD = 9  # bytes of an HTTP/2 frame header: length (3), type (1), flags (1), stream (4)
+_SETTINGS = 0x4
+
+
+async def transport_answers(path: Path, timeout: float) -> bool:
+    """Does a gRPC server's transport take connections at ``path``, even one at its connection
+    bound? It needs no slot: it connects and waits, sending nothing. Under the bound the
+    server's HTTP/2 transport sends its SETTINGS frame unprompted; at the bound gRPC accepts and
+    closes the connection at once (a clean EOF). Either needs the server's own threads to have
+    accepted it, where a server that stopped accepting leaves us queued by the kernel until the
+    timeout; a reset (a listener that closed with us queued), a refusal (nothing listens) or a
+    full queue fail it."""
+    loop = asyncio.get_running_loop()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.setblocking(False)
+        try:
+            async with asyncio.timeout(timeout):
+                await loop.sock_connect(sock, str(path))
+                head = b""
+                while len(head) < _FRAME_HEAD:
+                    chunk = await loop.sock_recv(sock, _FRAME_HEAD - len(head))
+                    if not chunk:
+                        return not head  # closed by the server at its bound
+                    head += chunk
+        except (TimeoutError, OSError):
+            return False
+        return head[3] == _SETTINGS
 
 
 def new_server(servicer: PluginServicer) -> grpc.aio.Server:
