@@ -218,16 +218,17 @@ async def test_connections_held_past_the_bound_never_fail_healthz(
         gone = time.monotonic()
         code = await dial(path, RECOVERY, wait=True)
         redial = time.monotonic() - gone
-        body = await proc.wait_http("/healthz", 200, timeout=RECOVERY)
+        # Not the verdict of a check made while they were held (that was the 503 after they went).
+        status, body = await proc.get("/healthz")
         recovered = time.monotonic() - gone
         assert kubelet.registered(resource)
     print(f"{which} {case}: {holder.opened} connections opened, {holder.closed_by_server} closed "
           f"by the server, {held} held at the end; Allocates answered beside them "
           f"{sum(answered)}; /healthz while held {codes}; after: a new dial in {redial:.2f} s, "
-          f"/healthz 200 in {recovered:.2f} s")
+          f"/healthz {status} at the first probe, {recovered:.2f} s")
     assert codes and all(c == 200 for c in codes), codes
     assert code == grpc.StatusCode.OK and redial < RECOVERY, (code, redial)
-    assert b'"ok"' in body
+    assert status == 200 and b'"ok"' in body, (status, body)
 
 
 # -- transport_answers: what it tells apart, in process ---------------------------------------
