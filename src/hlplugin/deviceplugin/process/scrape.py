@@ -8,7 +8,9 @@ make 2,300 requests a second, and accepting, parsing and answering those filled 
 12-35 ms). Pacing the answers does what neither does: each scraper waits for its answer, so a
 storm slows to the pace and costs the loop next to nothing (p99 2-9 ms), /healthz and /readyz are
 answered at once, and the loop still proves it turns. Prometheus scrapes a target every 15 s or
-more, far under the pace, and a render is always fresh.
+more, far under the pace, and a render is always fresh. A scrape's wait for its turn is the
+storm's doing, so it does not count against the request's deadline (http.py): with 100 clients
+in a loop it is about 5 s, and counted it dropped most of a Prometheus' scrapes unanswered.
 """
 
 from __future__ import annotations
