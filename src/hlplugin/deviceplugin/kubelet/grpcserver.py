@@ -77,30 +77,38 @@ async def to_completion(work: Coroutine[Any, Any, None]) -> None:
     task.result()
 
 
-_FRAME_HEAD = 9  # bytes of an HTTP/2 frame header: length (3), type (1), flags (1), stream (4)
+# An HTTP/2 client's connection preface, then its (empty) SETTINGS frame; a frame header is 9
+# bytes: length (3), type (1), flags (1), stream (4).
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_FRAME_HEAD = 9
 _SETTINGS = 0x4
 
 
 async def transport_answers(path: Path, timeout: float) -> bool:
-    """Does a gRPC server's transport take connections at ``path``, even one at its connection
-    bound? It needs no slot: it connects and waits, sending nothing. Under the bound the
-    server's HTTP/2 transport sends its SETTINGS frame unprompted; at the bound gRPC accepts and
-    closes the connection at once (a clean EOF). Either needs the server's own threads to have
-    accepted it, where a server that stopped accepting leaves us queued by the kernel until the
-    timeout; a reset (a listener that closed with us queued), a refusal (nothing listens) or a
-    full queue fail it."""
+    """Does a gRPC server's transport take connections at ``path``, even one past its connection
+    bound? It needs no slot, and holds none: it connects, sends an HTTP/2 client's preface, and
+    reads. Under the bound the server answers with its SETTINGS frame; at the bound gRPC accepts
+    the connection and closes it at once (EOF, or a reset as our preface went unread). Either
+    needs the server's own threads to have accepted it (the kernel completes a unix connect
+    alone): a server that stopped accepting leaves us queued until the timeout, and a refused
+    connect (nothing listens, or its queue is full) fails at once. Only a listener that closes
+    with us queued (its process exiting) passes wrongly, for as long as it takes to exit."""
     loop = asyncio.get_running_loop()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.setblocking(False)
         try:
             async with asyncio.timeout(timeout):
                 await loop.sock_connect(sock, str(path))
-                head = b""
-                while len(head) < _FRAME_HEAD:
-                    chunk = await loop.sock_recv(sock, _FRAME_HEAD - len(head))
-                    if not chunk:
-                        return not head  # closed by the server at its bound
-                    head += chunk
+                try:
+                    await loop.sock_sendall(sock, _PREFACE)
+                    head = b""
+                    while len(head) < _FRAME_HEAD:
+                        chunk = await loop.sock_recv(sock, _FRAME_HEAD - len(head))
+                        if not chunk:
+                            return not head  # closed by the server, at its bound
+                        head += chunk
+                except (BrokenPipeError, ConnectionResetError):
+                    return True  # closed by the server, at its bound, before it read our preface
         except (TimeoutError, OSError):
             return False
         return head[3] == _SETTINGS
