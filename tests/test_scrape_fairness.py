@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import Node, needs_kvm, on_kubelet
+from harness import Node, needs_kvm, on_kubelet, wait_until
 from prometheus_client import CollectorRegistry, Gauge
 from support.waits import quiet
 
@@ -102,6 +102,31 @@ async def test_the_wait_for_the_pace_is_not_counted_against_the_deadline() -> No
         await server.stop()
     assert all(t is not None for t in took), took
     assert max(t for t in took if t is not None) >= 1.5, took  # paced: they did wait
+
+
+async def test_a_scraper_that_leaves_at_once_is_forgotten_at_once() -> None:
+    """Scrapes sent and left at once, while others wait their turn: none is kept till its turn
+    (beside a storm of 100, 49,000 such kept the main daemon's peak 64 MiB higher after 15 s)."""
+    registry = CollectorRegistry()
+    Gauge("up_here", "something to render", registry=registry).set(1)
+    server = HttpServer(lambda: {}, lambda: (True, ""), registry,
+                        Limits(scrapes_per_second=0.5))
+    await server.start(("127.0.0.1", 0))
+    waiting: list[asyncio.Task[float | None]] = []
+    try:
+        waiting += [asyncio.create_task(scrape_within(server.port, 30.0)) for _ in range(3)]
+        await wait_until(lambda: len(server.scrapes.waiting) == 1, what="one scrape waiting")
+        for _ in range(300):
+            _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            await writer.drain()
+            writer.close()
+        await wait_until(lambda: server.open_connections == 1, what="the leavers' connections closed")
+        assert len(server.scrapes.waiting) == 1  # the one still waiting; no leaver
+    finally:
+        for task in waiting:
+            task.cancel()
+        await server.stop()
 
 
 @needs_kvm

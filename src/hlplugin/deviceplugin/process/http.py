@@ -159,6 +159,8 @@ class _Connection(asyncio.Protocol):
         self.done = True
         if self.timer is not None:
             self.timer.cancel()
+        if self.paced:  # if it still waits for its turn, it holds nothing meanwhile
+            self.server.scrapes.cancel(self._answer_scrape)
         self.server._forget(self)
 
     def data_received(self, data: bytes) -> None:
