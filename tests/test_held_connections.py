@@ -223,7 +223,7 @@ async def test_connections_held_past_the_bound_never_fail_healthz(
         recovered = time.monotonic() - gone
         assert kubelet.registered(resource)
     print(f"{which} {case}: {holder.opened} connections opened, {holder.closed_by_server} closed "
-          f"by the server, {held} held at the end; Allocates answered beside them "
+          f"by the server, {held} still open on its side at the end; Allocates answered beside them "
           f"{sum(answered)}; /healthz while held {codes}; after: a new dial in {redial:.2f} s, "
           f"/healthz {status} at the first probe, {recovered:.2f} s")
     assert codes and all(c == 200 for c in codes), codes
