@@ -21,7 +21,9 @@ and none failed.
   once. The kubelet keeps the one it dialled at registration, the self-check one, and at most 8
   ListAndWatch readers one each. Without it a flood spread over 200 connections grew memory
   by 7 MiB where over 4 it grew 1.3 MiB. The socket lives in the kubelet's root-only directory,
-  so whoever can fill the cap could as well remove the socket.
+  so whoever can fill the cap could as well remove the socket. Every user of it is UID 0, so
+  the kubelet cannot be told apart to be given a slot of its own; the liveness self-check needs
+  none (``transport_answers``).
 
 ``grpc.aio.server``'s ``maximum_concurrent_rpcs`` is not used: past it gRPC refuses calls
 (RESOURCE_EXHAUSTED), and a flood would then fail the kubelet's Allocate instead of delaying it.
@@ -31,7 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -71,6 +75,43 @@ async def to_completion(work: Coroutine[Any, Any, None]) -> None:
     if cancelled:
         raise asyncio.CancelledError
     task.result()
+
+
+# An HTTP/2 client's connection preface, then its (empty) SETTINGS frame; a frame header is 9
+# bytes: length (3), type (1), flags (1), stream (4).
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_FRAME_HEAD = 9
+_SETTINGS = 0x4
+
+
+async def transport_answers(path: Path, timeout: float) -> bool:
+    """Does a gRPC server's transport take connections at ``path``, even one past its connection
+    bound? It needs no slot, and holds none: it connects, sends an HTTP/2 client's preface, and
+    reads. Under the bound the server answers with its SETTINGS frame; at the bound gRPC accepts
+    the connection and closes it at once (EOF, or a reset as our preface went unread). Either
+    needs the server's own threads to have accepted it (the kernel completes a unix connect
+    alone): a server that stopped accepting leaves us queued until the timeout, and a refused
+    connect (nothing listens, or its queue is full) fails at once. Only a listener that closes
+    with us queued (its process exiting) passes wrongly, for as long as it takes to exit."""
+    loop = asyncio.get_running_loop()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.setblocking(False)
+        try:
+            async with asyncio.timeout(timeout):
+                await loop.sock_connect(sock, str(path))
+                try:
+                    await loop.sock_sendall(sock, _PREFACE)
+                    head = b""
+                    while len(head) < _FRAME_HEAD:
+                        chunk = await loop.sock_recv(sock, _FRAME_HEAD - len(head))
+                        if not chunk:
+                            return not head  # closed by the server, at its bound
+                        head += chunk
+                except (BrokenPipeError, ConnectionResetError):
+                    return True  # closed by the server, at its bound, before it read our preface
+        except (TimeoutError, OSError):
+            return False
+        return head[3] == _SETTINGS
 
 
 def new_server(servicer: PluginServicer) -> grpc.aio.Server:

@@ -34,7 +34,7 @@ from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.health.conditions import until_tick
 from hlplugin.deviceplugin.health.watch import DirWatcher, Wakeup
 from hlplugin.deviceplugin.kubelet.endpoint import Endpoint, Held, Holder, wait_until_free
-from hlplugin.deviceplugin.kubelet.grpcserver import new_server, stop_server
+from hlplugin.deviceplugin.kubelet.grpcserver import new_server, stop_server, transport_answers
 from hlplugin.deviceplugin.kubelet.interfaces import PluginServicer, ServicerFactory
 from hlplugin.deviceplugin.kubelet.kubeletsock import (
     DIR_SETTING,
@@ -145,16 +145,23 @@ class PluginLifecycle:
                     await self._stop(instance)
 
     async def alive(self, timeout: float = 1.0) -> bool:
-        """Liveness: the current server instance answers a call over its own socket."""
+        """Liveness: the current server instance answers a call over its own socket, or, when it
+        closes the connection at once (UNAVAILABLE: others hold every connection it admits, and
+        as every user of the socket is UID 0 the kubelet cannot be given a slot of its own), its
+        transport still takes connections. Within ``2 * timeout``."""
         if self._instance is None or not self._instance.live:
             return True  # between instances: nothing to ask, and the event loop answered us
         async with grpc.aio.insecure_channel(f"unix://{self.socket_path}") as channel:
             try:
                 await pb_grpc.DevicePluginStub(channel).GetDevicePluginOptions(
                     pb.Empty(), timeout=timeout)
-            except grpc.aio.AioRpcError:
+            except grpc.aio.AioRpcError as exc:
                 # Our socket may have just been replaced; only a server that exists must answer.
-                return self._instance is None or not self._instance.endpoint.ours()
+                if self._instance is None or not self._instance.endpoint.ours():
+                    return True
+                # A server that hangs fails the call by its deadline, never as UNAVAILABLE.
+                return (exc.code() == grpc.StatusCode.UNAVAILABLE
+                        and await transport_answers(self.socket_path, timeout))
         return True
 
     # -- steps ---------------------------------------------------------------------------------

@@ -150,7 +150,8 @@ class SelfCheck:
     restart that follows comes within 26 s, docs/operations.md). The check is a call to our own gRPC
     server over one channel kept open (one dial per request let 800 concurrent /healthz take
     115 MiB); a failed answer gets a second opinion from ``PluginLifecycle.alive()``, which knows
-    when the socket was just replaced or no server runs between instances. A check ends within
+    when the socket was just replaced or no server runs between instances, and asks the server's
+    transport when others hold every connection it admits. A check ends within
     ``limit`` seconds, passing or failing. An HTTP answer at all proves the event loop turns.
     """
 
@@ -162,7 +163,7 @@ class SelfCheck:
         self._answers = answers
         self.fresh_for = fresh_for
         self.timeout = timeout
-        self.limit = 2 * timeout + 0.5  # the call, then the second opinion's
+        self.limit = 3 * timeout + 0.5  # the call, then the second opinion's (and its transport's)
         self.clock = clock
         self.ok = True
         self.reason = ""

@@ -4,7 +4,8 @@ The port is reachable from the pod network, so every resource a client can make 
 bounded (docs/security.md lists the bounds and why): connections (an eighth of the fd limit, at
 most 256; the oldest is closed to admit a new one, so clients that got there first cannot lock a
 probe out), the request head (8 KiB), the body (4 KiB, discarded) and the whole exchange
-(5 s from accept to the last byte written). No threads: h11 (a small, well-kept sans-IO HTTP/1.1
+(5 s from accept to the last byte written, but for a scrape's wait for its turn in the pace,
+which is bounded by the connections open over the pace). No threads: h11 (a small, well-kept sans-IO HTTP/1.1
 parser) parses, asyncio's transports do the I/O, and a request is answered only once it has
 arrived whole, so one cut off by EOF is never served. One request per connection.
 
@@ -51,7 +52,7 @@ class Limits:
     max_connections: int = 256
     max_head: int = 8 * 1024
     max_body: int = 4 * 1024
-    deadline: float = 5.0  # accept to the last byte of the answer written
+    deadline: float = 5.0  # accept to the whole request, and its turn to the answer written
     accept_batch: int = 32  # connections asyncio accepts per loop turn (its "backlog")
     # Connections the kernel completes and queues before we accept them: they hold no fd of
     # ours, and a burst larger than the queue would leave clients waiting on SYN retries.
@@ -158,6 +159,8 @@ class _Connection(asyncio.Protocol):
         self.done = True
         if self.timer is not None:
             self.timer.cancel()
+        if self.paced:  # if it still waits for its turn, it holds nothing meanwhile
+            self.server.scrapes.cancel(self._answer_scrape)
         self.server._forget(self)
 
     def data_received(self, data: bytes) -> None:
@@ -220,17 +223,23 @@ class _Connection(asyncio.Protocol):
 
     def _respond(self) -> None:
         """Answer now, but a scrape when the pace allows (scrape.py): a storm of them waits
-        (a scraper that goes meanwhile is forgotten), and the kubelet's probes and calls do not."""
+        (a scraper that goes meanwhile is forgotten), and the kubelet's probes and calls do not.
+        The wait for the pace is the storm's, not this client's: the deadline stops meanwhile,
+        and starts again at its turn for the answer's writing."""
         assert self.request is not None and self.transport is not None
         if urlsplit(self.request.target).path != b"/metrics":
             self._answer(self._route())
             return
         self.paced = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         self.server.scrapes.run(self._answer_scrape)
 
     def _answer_scrape(self) -> bool:
-        if self.done:  # closed while it waited: the deadline, an eviction, or the client
+        if self.done:  # closed while it waited: an eviction, or the client
             return False
+        self.timer = asyncio.get_running_loop().call_later(self.limits.deadline, self._expire)
         self._answer(self._route())
         return True
 
