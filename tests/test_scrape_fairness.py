@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from harness import Node, needs_kvm, on_kubelet, wait_until
 from prometheus_client import CollectorRegistry, Gauge
+from support.observers import held_connections
 from support.waits import quiet
 
 from hlplugin.deviceplugin.process.http import HttpServer, Limits
@@ -121,7 +122,7 @@ async def test_a_scraper_that_leaves_at_once_is_forgotten_at_once() -> None:
             writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
             await writer.drain()
             writer.close()
-        await wait_until(lambda: server.open_connections == 1, what="the leavers' connections closed")
+        await wait_until(lambda: held_connections(server.port) == 1, what="the leavers' connections closed")
         assert len(server.scrapes.waiting) == 1  # the one still waiting; no leaver
     finally:
         for task in waiting:
