@@ -6,6 +6,13 @@ what to tell: condition ``cdi`` for the health tracker, the repair and refusal c
 log. A pass (the producer's: inspect, repair if needed, publish) runs on start, every interval,
 on every change inotify sees, and when an Allocate finds the spec not right; a read (a byte
 compare of the file) is what most Allocates cost.
+
+While this instance stands by for another that serves the socket (a surge rollout; see
+deviceplugin/kubelet/role.py) a pass only looks: the other release may render a different spec
+(e.g. ``deviceUid``), and two reconcilers would rewrite it in turn. The look still fails on what
+a write could not mend (not a regular file, unreadable storage, a spec of ours that is not well
+formed), so a broken release stays NotReady and halts its rollout; taking over, the instance
+writes its spec before it registers.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from hlplugin.deviceplugin.health.conditions import Condition, HealthTracker
 from hlplugin.deviceplugin.health.fresh import Fresh
 from hlplugin.deviceplugin.health.producer import Producer, Trigger
 from hlplugin.deviceplugin.health.watch import FILE_EVENTS, DirWatcher
+from hlplugin.deviceplugin.kubelet.role import Role
 from hlplugin.deviceplugin.ownedfile import NotRegular, OwnedFile
 from hlplugin.dirs import not_a_directory
 from hlplugin.metrics import Metrics, Refusal, RepairCause
@@ -47,6 +55,7 @@ class _Outcome:
     condition: Condition
     repaired: RepairCause | None = None  # the repair's cause, when we rewrote the file
     refused: Refusal | None = None
+    right: bool = True  # the file is exactly the spec (False: a standby left it as it found it)
 
 
 class CdiReconciler:
@@ -64,7 +73,9 @@ class CdiReconciler:
         max_backoff: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         log_interval: float = repeats.INTERVAL,
+        role: Role | None = None,
     ) -> None:
+        """``role``: while it stands by, passes only look (see the module docstring)."""
         self.cdi_dir = cdi_dir = settings.dir
         interval, budget = settings.interval, settings.budget
         self._trust_quiet = settings.trust_quiet
@@ -91,6 +102,9 @@ class CdiReconciler:
         # When the latest read that found the spec right began (a quick read or a pass), and the
         # watch pulse taken just before it.
         self._verified: tuple[float, asyncio.Event] | None = None
+        self._role = role
+        if role is not None:
+            role.on_take_over(self._take_over)
 
     async def ensure(self) -> Condition:
         """Before every Allocate: the condition, resting on a read that began after the call
@@ -149,12 +163,14 @@ class CdiReconciler:
 
     async def _one_pass(self, trigger: Trigger) -> bool:
         began, pulse = asyncio.get_running_loop().time(), self.producer.wakeup.pulse()
+        standby = self._role is not None and self._role.standby
         try:
-            outcome = await self.producer.runner.run(self._check_and_repair)
+            outcome = await self.producer.runner.run(
+                self._look if standby else self._check_and_repair)
         except CheckFailed as exc:
             outcome = self._timed_out(exc)
         self._publish(outcome, trigger)
-        if outcome.condition.ok:
+        if outcome.condition.ok and outcome.right:
             self._verify(began, pulse)
         return outcome.condition.ok
 
@@ -215,6 +231,21 @@ class CdiReconciler:
             return _Outcome(Condition(False, reason), refused=Refusal.WRITE_FAILED)
         return _Outcome(Condition(True), repaired=cause)
 
+    def _look(self) -> _Outcome:
+        """A standby's pass, in the runner's thread: what a write would do, without writing."""
+        if not well_formed(self.desired):
+            return _Outcome(Condition(False, "the CDI spec this release renders is not well formed"))
+        try:
+            cause = self._diagnose()
+        except NotRegular as exc:
+            reason = f"{self.path} is {exc}; refusing to replace what we do not own"
+            return _Outcome(Condition(False, reason), refused=Refusal.NOT_REGULAR)
+        if cause is None:
+            return _Outcome(Condition(True))
+        return _Outcome(Condition(True, f"standby: {self.path} is not this release's spec "
+                                        f"({cause}); written when this instance takes over"),
+                        right=False)
+
     def _diagnose(self) -> RepairCause | None:
         """The repair cause, or None when the file is right. Raises NotRegular."""
         try:
@@ -234,8 +265,17 @@ class CdiReconciler:
         """Reconcile on every change to our file or directory, every ``interval`` seconds, and,
         while failing, with capped exponential backoff (the first pass unless one already ran).
         Runs until cancelled."""
+        if self._role is None or not self._role.standby:  # a holder's temp file may be in flight
+            await self._clean_up()
+        await self.producer.run()
+
+    async def _take_over(self) -> None:
+        """A standby now holds the socket: what it left alone is ours to make right."""
+        await self._clean_up()
+        await self.reconcile(Trigger.DEMAND)
+
+    async def _clean_up(self) -> None:
         try:
             await self.producer.runner.run(self.file.cleanup_leftovers)
         except CheckFailed as exc:
             log.warning("could not look for leftover temp files in %s: %s", self.cdi_dir, exc)
-        await self.producer.run()

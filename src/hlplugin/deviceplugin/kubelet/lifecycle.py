@@ -18,12 +18,19 @@ the kubelet's rules (see docs/kubelet.md):
   means the kubelet stayed up.
 - One instance per socket (see endpoint.py): a socket another live process answers on is never
   taken (the kubelet keeps the latest registration, so the two would take turns for ever); we
-  wait NotReady naming it, and take over as soon as it goes away. A stale file is taken at once.
+  wait as a standby (role.py: Ready once our own checks pass, serving nothing, writing nothing
+  shared) naming it, and take over as soon as it goes away. A stale file is taken at once.
+- The hand-over, on SIGTERM: the kubelet keeps one client per resource name and, when a client's
+  stream ends, disconnects whichever client holds the name then (handler.go runClient), so a
+  standby's registration survives only if it comes after the kubelet saw the old stream end.
+  The old instance therefore ends its streams first, gives the kubelet a moment to see that,
+  removes its socket (which the standby takes at once) and only then stops its server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -33,8 +40,13 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.health.conditions import until_tick
 from hlplugin.deviceplugin.health.watch import DirWatcher, Wakeup
-from hlplugin.deviceplugin.kubelet.endpoint import Endpoint, Held, Holder, wait_until_free
-from hlplugin.deviceplugin.kubelet.grpcserver import new_server, stop_server
+from hlplugin.deviceplugin.kubelet.endpoint import (
+    Endpoint,
+    Held,
+    Holder,
+    wait_until_free,
+)
+from hlplugin.deviceplugin.kubelet.grpcserver import new_server, stop_server, to_completion
 from hlplugin.deviceplugin.kubelet.interfaces import PluginServicer, ServicerFactory
 from hlplugin.deviceplugin.kubelet.kubeletsock import (
     DIR_SETTING,
@@ -45,12 +57,18 @@ from hlplugin.deviceplugin.kubelet.kubeletsock import (
 )
 from hlplugin.deviceplugin.kubelet.kubeletsock import socket_identity as _socket_identity
 from hlplugin.deviceplugin.kubelet.registration import RegistrationFailed, explain, register_with
+from hlplugin.deviceplugin.kubelet.role import Role
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.settings import KubeletSettings
 
 log = logging.getLogger(__name__)
 
 KUBELET_SOCKET = "kubelet.sock"
+# The hand-over (module docstring): how long the streams get to end, at most; then how long the
+# kubelet gets to read their end and disconnect us before our socket goes and the standby
+# registers. Its share of the kubelet's gap; measured in tests/test_handover.py.
+HANDOVER_WAIT = 0.5
+HANDOVER_SETTLE = 0.02
 
 
 @dataclass
@@ -71,8 +89,10 @@ class PluginLifecycle:
         *,
         metrics: DevicePluginMetrics | None = None,
         dir_setting: str = DIR_SETTING,
+        role: Role | None = None,
     ) -> None:
-        """``dir_setting``: how the operator names ``settings.plugin_dir`` (a flag), for the hints."""
+        """``dir_setting``: how the operator names ``settings.plugin_dir`` (a flag), for the hints;
+        ``role``: shared with what must not act while we stand by (see role.py)."""
         plugin_dir = settings.plugin_dir
         self.settings = settings
         self.plugin_dir = plugin_dir
@@ -102,6 +122,7 @@ class PluginLifecycle:
         self._holder = ""  # the other instance logged as serving our socket since we registered
         self.registered = False
         self.problem = ""  # why the latest attempt could not register, for /readyz
+        self.role = role or Role()
 
     @property
     def status(self) -> str:
@@ -122,7 +143,8 @@ class PluginLifecycle:
                 try:
                     await self._wait_until_free()
                     instance = await self._start()
-                except Held:
+                except Held as held:
+                    self.role.stand_by(held.holder.describe())
                     continue  # another instance published first: wait for it
                 except (OSError, RuntimeError) as exc:
                     problem = self._dir_problem()
@@ -132,6 +154,7 @@ class PluginLifecycle:
                     backoff = min(backoff * 2, self._max_backoff)
                     continue
                 try:
+                    await self.role.activate()
                     outcome = await self._register_when_possible(instance)
                     if outcome == "registered":
                         backoff = self._min_backoff
@@ -141,6 +164,9 @@ class PluginLifecycle:
                         await self._stop(instance)
                         await self._sleep_or_kubelet(backoff)
                         backoff = min(backoff * 2, self._max_backoff)
+                except asyncio.CancelledError:
+                    await self._hand_over(instance)
+                    raise
                 finally:
                     await self._stop(instance)
 
@@ -193,8 +219,36 @@ class PluginLifecycle:
             if self._instance is instance:
                 self._instance = None
 
+    async def _hand_over(self, instance: _Instance) -> None:
+        """On the way out: end the kubelet's streams, give it HANDOVER_SETTLE to see them end,
+        then remove our socket, which a standby takes at once; _stop then stops the server. A
+        cancellation meanwhile (the daemon re-cancels while stopping) waits for these steps."""
+        if not instance.live:
+            return
+        self.registered = False
+        instance.live = False
+        streamed = instance.servicer.open_streams > 0
+        instance.servicer.close_streams()
+        if streamed:
+            with contextlib.suppress(asyncio.CancelledError):
+                await to_completion(self._streams_ended(instance))
+        instance.endpoint.remove()
+
+    async def _streams_ended(self, instance: _Instance) -> None:
+        """Wait (at most HANDOVER_WAIT) until our streams have ended, then HANDOVER_SETTLE: when
+        the kubelet has read their end is not observable from here (its disconnect closes a
+        connection gRPC does not tell us about), so this is a margin, not a wait for an event."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + HANDOVER_WAIT
+        while (left := until - loop.time()) > 0:
+            pulse = self._wakeup.pulse()  # servicer.on_streams_changed fires it
+            if not instance.servicer.open_streams:
+                await asyncio.sleep(min(HANDOVER_SETTLE, left))
+                return
+            await self._wakeup.wait(pulse, left)
+
     async def _wait_until_free(self) -> None:
-        """While another live instance serves our socket, leave it: wait NotReady, naming it (logged
+        """While another live instance serves our socket, leave it: stand by, naming it (logged
         once per instance), until it goes away."""
         took_over = False
 
@@ -202,8 +256,9 @@ class PluginLifecycle:
             nonlocal took_over
             self.problem = (f"{self.socket_path} is served by another instance, "
                             f"{holder.describe()}; waiting for it to go away")
+            self.role.stand_by(holder.describe())
             if holder.describe() != self._holder:
-                log.warning("%s (this one stays unready until then)", self.problem)
+                log.warning("%s (this one stands by until then)", self.problem)
                 self._holder, took_over = holder.describe(), True
 
         await wait_until_free(self.socket_path, lambda: self._wait(self._wakeup.pulse()), held)
