@@ -36,6 +36,7 @@ import inotify_simple
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.cdi_spec import SPEC_FILE, render_spec
 from hlplugin.config import MAX_DEVICE_COUNT
 from hlplugin.deviceplugin.kubelet.servicer import MAX_STREAMS
@@ -410,7 +411,7 @@ async def bench_bootstrap_memory(tmp: Path, p: Profile) -> None:
         for _ in range(p.boot_allocs):
             await kubelet.allocate(DEVICE_ACCESS_RESOURCE, [["device-access-kvm"]])
         for i in range(20):
-            await flip(node, kubelet, i % 2 == 1, 1, DEVICE_ACCESS_RESOURCE, node.root / "dev")
+            await flip(node, kubelet, i % 2 == 1, ACCESS_SLOTS, DEVICE_ACCESS_RESOURCE, node.root / "dev")
         peak = proc_status(proc.pid)["VmHWM"]
     record("peak RSS (VmHWM), bootstrap daemon", round(peak / 1024, 1), "MiB", goal="<= 40 MiB",
            met=peak <= 40 * 1024, baseline=BASELINE.get("mib"), allocates=p.boot_allocs, transitions=20)
@@ -419,7 +420,7 @@ async def bench_bootstrap_memory(tmp: Path, p: Profile) -> None:
 async def bench_idle(tmp: Path, p: Profile) -> None:
     async with served(tmp, "idle") as (node, kubelet, main), \
             baseline_server(node.root) as (_, base_pid), drive.daemon(bootstrap_args(node)) as boot:
-        await kubelet.wait_for(lambda: kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == 1, 30)
+        await kubelet.wait_for(lambda: kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == ACCESS_SLOTS, 30)
         await asyncio.sleep(1.0)  # settle: start-up work done before the window opens
         pids = {"main": main.pid, "bootstrap": boot.pid, "baseline": base_pid}
         before = {k: drive.cpu_seconds(v) for k, v in pids.items()}
@@ -488,7 +489,7 @@ async def bench_footprint(tmp: Path, p: Profile) -> None:
     floor = footprint.Process("floor", ["-c", BASELINE_SERVER, str(node.root / "floor.sock")])
     async with drive.emulator(node.plugin_dir) as kubelet, footprint.running(floor, main, boot):
         await kubelet.wait_for(lambda: kubelet.allocatable(HYPERVISOR_RESOURCE) == 2000
-                               and kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == 1, 60)
+                               and kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == ACCESS_SLOTS, 60)
         await wait_until((node.root / "floor.sock").exists, 30, "floor socket")
         await asyncio.sleep(2.0)  # settle: start-up work done before the window opens
         procs = {"main": main, "bootstrap": boot, "floor": floor}
@@ -512,7 +513,7 @@ async def bench_footprint(tmp: Path, p: Profile) -> None:
             await hammer(pb_grpc.DevicePluginStub(fch), p.footprint_allocs, 16)
         for i in range(20):
             await flip(node, kubelet, i % 2 == 1, 2000)
-            await flip(node, kubelet, i % 2 == 1, 1, DEVICE_ACCESS_RESOURCE, node.root / "dev")
+            await flip(node, kubelet, i % 2 == 1, ACCESS_SLOTS, DEVICE_ACCESS_RESOURCE, node.root / "dev")
         for _ in range(p.footprint_allocs // 20):
             await kubelet.allocate(DEVICE_ACCESS_RESOURCE, [["device-access-kvm"]])
         for proc in (main.daemon, boot.daemon):

@@ -41,6 +41,7 @@ from podnode import (
 )
 
 from hlplugin.api import deviceplugin_pb2 as pb
+from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.cdi_spec import check_file, render_spec
 from hlplugin.tools.emulator import KubeletEmulator
 
@@ -164,11 +165,11 @@ class Cluster:
         """The bootstrap container, made if no test made it yet, running and registered."""
         if self.bootstrap is None:
             self.bootstrap = self.node.create(self.bootstrap_pod, "device-access", self.admit)
-        if not self._serving(ACCESS, "hyperlight-device-access.sock", 1) \
+        if not self._serving(ACCESS, "hyperlight-device-access.sock", ACCESS_SLOTS) \
                 and not self.bootstrap.state()["Running"]:  # not started yet, or stopped by a test
             self.start(self.bootstrap)
-        self.wait(lambda: self.kubelet.allocatable(ACCESS) == 1,
-                  f"{ACCESS} registered by the bootstrap container with 1 healthy device")
+        self.wait(lambda: self.kubelet.allocatable(ACCESS) == ACCESS_SLOTS,
+                  f"{ACCESS} registered by the bootstrap container with its healthy devices")
         return self.bootstrap
 
     def ensure_main(self) -> Container:
@@ -441,7 +442,7 @@ def test_kubelet_restart_both_containers_register_again(running: Cluster) -> Non
     c = running
     calls = c.kubelet.register_calls
     c.loop.call(c.kubelet.restart())  # deletes every socket in the plugin directory
-    c.wait(lambda: c.kubelet.allocatable(ACCESS) == 1 and c.kubelet.allocatable(HYPERVISOR) > 0,
+    c.wait(lambda: c.kubelet.allocatable(ACCESS) == ACCESS_SLOTS and c.kubelet.allocatable(HYPERVISOR) > 0,
            "both containers registered with the restarted kubelet")
     assert c.kubelet.register_calls >= calls + 2
     for socket in ("hyperlight.sock", "hyperlight-device-access.sock"):
