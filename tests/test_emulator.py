@@ -16,7 +16,6 @@ from harness import emulator, short_dir, wait_until
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.deviceplugin.kubelet.kubeletsock import listens, socket_identity
 from hlplugin.tools.emulator import CHECKPOINT, AdmissionError, Pod
 
@@ -86,7 +85,7 @@ async def test_restart_streams_end_the_dead_socket_stays_then_every_socket_is_de
     plugin_dir = short_dir()
     async with emulator(plugin_dir) as kubelet, bare_plugin(plugin_dir) as plugin:
         await plugin.serve_and_register()
-        await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == ACCESS_SLOTS)
+        await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
         await kubelet.admit(ACCESS)
         planted = plant(plugin_dir)
         old = socket_identity(plugin.kubelet)
@@ -114,7 +113,7 @@ async def test_restart_streams_end_the_dead_socket_stays_then_every_socket_is_de
         again = BarePlugin(plugin_dir)
         try:
             await again.serve_and_register()
-            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == ACCESS_SLOTS)
+            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
         finally:
             await again.server.stop(None)
 
@@ -124,7 +123,7 @@ async def test_reboot_readmits_pods_at_once_and_fails_those_whose_plugin_is_not_
     async with emulator(plugin_dir) as kubelet:
         async with bare_plugin(plugin_dir) as before:
             await before.serve_and_register()
-            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == ACCESS_SLOTS)
+            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
             await kubelet.admit(ACCESS)
         # The node went down with every container; the checkpoint survives.
         checkpoint = (plugin_dir / CHECKPOINT).read_text()
@@ -140,7 +139,7 @@ async def test_reboot_readmits_pods_at_once_and_fails_those_whose_plugin_is_not_
         # The bootstrap pod starts and registers; the controller's replacement is admitted.
         async with bare_plugin(plugin_dir) as after:
             await after.serve_and_register()
-            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == ACCESS_SLOTS)
+            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
             granted = await kubelet.admit_pod(Pod("main-replacement", {ACCESS: 1}))
             assert list(granted) == [ACCESS] and after.allocations == 1
 

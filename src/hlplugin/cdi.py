@@ -170,6 +170,8 @@ class CdiReconciler:
         except CheckFailed as exc:
             outcome = self._timed_out(exc)
         self._publish(outcome, trigger)
+        if not outcome.right:  # once per interval: the tracker keeps no reason for a holding one
+            self.lines.log("standby", logging.INFO, "%s", outcome.condition.reason)
         if outcome.condition.ok and outcome.right:
             self._verify(began, pulse)
         return outcome.condition.ok
