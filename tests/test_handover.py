@@ -33,12 +33,15 @@ from harness import (
     wait_until,
 )
 
-from hlplugin.cdi_spec import SPEC_FILE
-from hlplugin.deviceplugin.health.conditions import HealthState
+from hlplugin.cdi import CdiReconciler
+from hlplugin.cdi_spec import SPEC_FILE, TEMP_PREFIX, render_spec
+from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.role import Role
 from hlplugin.deviceplugin.process.daemon import plugin_readiness
 from hlplugin.deviceplugin.settings import KubeletSettings
 from hlplugin.plugin import HypervisorPlugin, slots
+from hlplugin.settings import CdiSettings
 from hlplugin.tools.emulator import KubeletEmulator
 
 RESOURCE = "hyperlight.dev/hypervisor"
@@ -175,3 +178,35 @@ async def test_a_standby_main_daemon_is_ready_writes_no_cdi_and_takes_over(tmp_p
             body = json.loads(await new.wait_http("/readyz", 200))
             assert body["conditions"]["registered"] == {"ok": True, "reason": ""}
             assert value(await scrape(new), "hyperlight_allocations_total", result="success") == 1
+
+
+async def test_a_standby_reconciler_only_looks_then_writes_when_it_takes_over(tmp_path: Path) -> None:
+    """While standing by: the other release's spec and its temp file (a write in flight) stay,
+    and the condition holds; what a write could not mend fails it. Taking over: cleaned up and
+    written before activate() returns (so before the kubelet's first list)."""
+    cdi_dir = tmp_path / "cdi"
+    cdi_dir.mkdir()
+    spec, in_flight = cdi_dir / SPEC_FILE, cdi_dir / f"{TEMP_PREFIX}inflight"
+    theirs = render_spec("kvm", 1000, 1000)
+    spec.write_bytes(theirs)
+    in_flight.write_bytes(b"{")
+    role = Role()
+    role.stand_by("pid 1 (uid 0)")
+    tracker = HealthTracker(required=("cdi",))
+    desired = render_spec("kvm", 2000, 2000)
+    reconciler = CdiReconciler(CdiSettings(cdi_dir, interval=0.05), desired, tracker=tracker,
+                               role=role)
+    async with running(reconciler):
+        await wait_until(lambda: reconciler.producer.passes >= 3, what="three standby passes")
+        assert tracker.state.healthy, tracker.state.describe()
+        assert spec.read_bytes() == theirs and in_flight.exists()
+        spec.unlink()
+        spec.mkdir()  # not a file a write could replace: a standby fails on it as a holder would
+        await wait_until(lambda: not tracker.state.healthy, what="the standby refuses a directory")
+        assert "refusing to replace what we do not own" in tracker.state.describe()
+        spec.rmdir()
+        spec.write_bytes(theirs)
+        await wait_until(lambda: tracker.state.healthy, what="healthy again")
+        await role.activate()
+        assert spec.read_bytes() == desired and not in_flight.exists()
+        assert tracker.state.healthy
