@@ -59,6 +59,7 @@ class Profile:
     transitions: int = 100       # health transitions for the broadcast figure
     tampers: int = 200           # tamperings per CDI kind
     kubelet_restarts: int = 30
+    handovers: int = 10          # upgrades on one node, each way (surge hand-over, in place)
     starts: int = 7
     mem_allocs: int = 10_000     # Allocates for the memory figure (two halves)
     mem_transitions: int = 1000  # transitions for the memory figure (two halves)
@@ -71,7 +72,8 @@ class Profile:
     footprint_allocs: int = 2000   # Allocates to the main daemon (and the floor) as the load
 
 
-QUICK = Profile(repeats=2, allocs=300, transitions=6, tampers=10, kubelet_restarts=3, starts=2,
+QUICK = Profile(repeats=2, allocs=300, transitions=6, tampers=10, kubelet_restarts=3, handovers=2,
+                starts=2,
                 mem_allocs=1000, mem_transitions=40, boot_allocs=100, idle=5.0, probes=20,
                 footprint_starts=2, footprint_idle=5.0, footprint_probed=5.0, footprint_allocs=200)
 # The most raw streams the daemon serves next to the kubelet's (it refuses more).
@@ -152,7 +154,7 @@ async def served(tmp: Path, name: str, count: int = 2000, bootstrap: bool = Fals
     node = make_node(tmp, name)
     args = bootstrap_args(node) if bootstrap else node.serve_args(
         "--hypervisor", "kvm", "--device-count", str(count))
-    resource, count = (DEVICE_ACCESS_RESOURCE, 1) if bootstrap else (HYPERVISOR_RESOURCE, count)
+    resource, count = (DEVICE_ACCESS_RESOURCE, ACCESS_SLOTS) if bootstrap else (HYPERVISOR_RESOURCE, count)
     async with drive.on_kubelet(node, args) as (kubelet, proc):
         await kubelet.wait_for(lambda: kubelet.allocatable(resource) == count, timeout)
         yield node, kubelet, proc
@@ -340,6 +342,44 @@ async def bench_kubelet_restart(tmp: Path, p: Profile) -> None:
             times.append(time.monotonic() - t0)
     latency("kubelet restart -> re-registered, p50", times, 50, 100, restarts=len(times),
             until="Register done and 2,000 Healthy devices listed", since="the new kubelet's start")
+
+
+async def bench_handover(tmp: Path, p: Profile) -> None:
+    """An upgrade on one node as the kubelet sees it: from the old stream's end to the new
+    instance's first list. The surge hand-over (a standby Ready beside the old daemon takes the
+    socket as the old one stops) against the in-place replacement it replaces (maxSurge 0: the old
+    daemon stops, then the new one starts), measured in the same run."""
+    node = make_node(tmp, "handover")
+    args = node.serve_args("--hypervisor", "kvm", "--device-count", "2000")
+    surge: list[float] = []
+    in_place: list[float] = []
+
+    async def back(calls: int) -> float:
+        await kubelet.wait_for(lambda: kubelet.register_calls > calls
+                               and kubelet.allocatable(HYPERVISOR_RESOURCE) == 2000, 30)
+        return kubelet.handover_gaps(HYPERVISOR_RESOURCE)[-1]
+
+    async with drive.emulator(node.plugin_dir) as kubelet, contextlib.AsyncExitStack() as stack:
+        old = await stack.enter_async_context(drive.daemon(args))
+        await kubelet.wait_for(lambda: kubelet.allocatable(HYPERVISOR_RESOURCE) == 2000, 30)
+        for _ in range(p.handovers):
+            new = await stack.enter_async_context(drive.daemon(args))
+            await new.wait_http("/readyz", 200, 30)  # the standby, Ready beside the old one
+            calls = kubelet.register_calls
+            await old.stop()
+            surge.append(await back(calls))
+            old = new
+        for _ in range(p.handovers):
+            calls = kubelet.register_calls
+            await old.stop()
+            old = await stack.enter_async_context(drive.daemon(args))
+            in_place.append(await back(calls))
+    value, baseline = statistics.median(surge), statistics.median(in_place)
+    record(f"upgrade hand-over -> the kubelet's gap, median of {len(surge)}", ms(value), "ms",
+           goal="<= 100 ms", met=value <= 0.1, baseline=ms(baseline), ratio=round(value / baseline, 3),
+           max_ms=ms(max(surge)), min_ms=ms(min(surge)),
+           since="the kubelet saw the old stream end", until="the new instance's first list",
+           baseline_is="in place (maxSurge 0): the old daemon stops, then the new one starts")
 
 
 async def bench_start(tmp: Path, p: Profile) -> None:
@@ -578,7 +618,8 @@ def table(figures: list[dict[str, Any]]) -> str:
 
 STEPS: dict[str, Callable[[Path, Profile], Awaitable[None]]] = {
     bench.__name__.removeprefix("bench_").replace("_", "-"): bench for bench in (
-        bench_allocate, bench_broadcast, bench_cdi, bench_kubelet_restart, bench_start, bench_memory,
+        bench_allocate, bench_broadcast, bench_cdi, bench_kubelet_restart, bench_handover, bench_start,
+        bench_memory,
         bench_ceiling, bench_bootstrap_memory, bench_idle, bench_probes, bench_footprint, bench_starts)}
 # Steps run only when named with --only (a full run has their figures from another step).
 OPT_IN = {"starts"}

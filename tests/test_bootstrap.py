@@ -194,7 +194,7 @@ async def test_dev_null_numbers_at_the_device_path_are_never_advertised_or_grant
             stub = pb_grpc.DevicePluginStub(channel)
             stream = stub.ListAndWatch(pb.Empty())
             first = await stream.read()
-            assert [d.health for d in first.devices] == ["Unhealthy"]
+            assert [d.health for d in first.devices] == ["Unhealthy"] * ACCESS_SLOTS
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Allocate(request, timeout=10)
             assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -204,7 +204,7 @@ async def test_dev_null_numbers_at_the_device_path_are_never_advertised_or_grant
             mknod_char(node, os.makedev(10, 232))  # the hypervisor's numbers: granted (never opened)
             answer = await stub.Allocate(request, timeout=10)
             assert [d.host_path for d in answer.container_responses[0].devices] == ["/dev/kvm"]
-            assert [d.health for d in (await stream.read()).devices] == ["Healthy"]
+            assert [d.health for d in (await stream.read()).devices] == ["Healthy"] * ACCESS_SLOTS
             stream.cancel()
     finally:
         plugin.close_streams()
