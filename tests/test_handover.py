@@ -137,6 +137,30 @@ async def test_a_standby_takes_over_on_the_same_socket_after_the_old_stream_ende
         await stack.aclose()
 
 
+async def test_a_taken_over_registration_disconnected_by_a_slow_kubelet_registers_again_at_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A kubelet busy for longer than the old instance's settle acts on the old stream's end
+    after the new instance registered, and disconnects it (the per-name rule): the new instance
+    registers anew after TAKEOVER_GRACE, not after the 60 s stream grace."""
+    plugin_dir = short_dir()
+    kubelet = KubeletEmulator(plugin_dir, stream_end_delay=0.3)
+    await kubelet.start()
+    try:
+        stack = AsyncExitStack()
+        await stack.enter_async_context(instance(plugin_dir))
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
+        async with instance(plugin_dir, stream_grace=60) as new:
+            await wait_until(lambda: new.role.standby, what="the newcomer stands by")
+            await stack.aclose()
+            await kubelet.wait_for(lambda: disconnected(kubelet, "hyperlight.sock")
+                                   and kubelet.register_calls == 3
+                                   and kubelet.allocatable(RESOURCE) == 4, timeout=GUARD)
+            assert new.registered and new.open_streams == 1
+        assert any("after the take-over" in r.getMessage() for r in caplog.records)
+    finally:
+        await kubelet.stop()
+
+
 @needs_kvm
 async def test_a_standby_main_daemon_is_ready_writes_no_cdi_and_takes_over(tmp_path: Path) -> None:
     """Two `hlplugin serve` releases rendering different specs (deviceUid): the standby is Ready

@@ -108,8 +108,12 @@ class Event:
 
 
 class KubeletEmulator(pb_grpc.RegistrationServicer):
-    def __init__(self, plugin_dir: Path, *, mode: str = "normal", dial_timeout: float = 10.0) -> None:
+    def __init__(self, plugin_dir: Path, *, mode: str = "normal", dial_timeout: float = 10.0,
+                 stream_end_delay: float = 0.0) -> None:
+        """``stream_end_delay``: a busy kubelet, that many seconds late to act on a stream's end
+        (runClient runs once the stream's goroutine gets a CPU)."""
         self.plugin_dir = plugin_dir
+        self.stream_end_delay = stream_end_delay
         self.socket_path = plugin_dir / KUBELET_SOCKET
         self.mode = mode
         self.dial_timeout = dial_timeout
@@ -321,6 +325,8 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             # name at that moment is disconnected, whichever it is: its devices turn unhealthy
             # (PluginDisconnected), its connection closes (so a newer client's stream ends too),
             # and the name has no client until the plugin registers again.
+            if self.stream_end_delay:
+                await asyncio.sleep(self.stream_end_delay)  # emulated: the kubelet is busy
             self._event("stream_end", name, resource)
             current = self.clients.pop(name, None)
             if current is not None:

@@ -69,6 +69,11 @@ KUBELET_SOCKET = "kubelet.sock"
 # registers. Its share of the kubelet's gap; measured in tests/test_handover.py.
 HANDOVER_WAIT = 0.5
 HANDOVER_SETTLE = 0.02
+# A taken-over registration whose stream the kubelet ends this soon was disconnected by the old
+# instance's stream ending after our Register (the kubelet was slower than the settle): register
+# anew after TAKEOVER_GRACE, not after the stream grace, so the node's gap stays short.
+TAKEOVER_WINDOW = 1.0
+TAKEOVER_GRACE = 0.1
 
 
 @dataclass
@@ -154,11 +159,12 @@ class PluginLifecycle:
                     backoff = min(backoff * 2, self._max_backoff)
                     continue
                 try:
+                    took_over = self.role.standby
                     await self.role.activate()
                     outcome = await self._register_when_possible(instance)
                     if outcome == "registered":
                         backoff = self._min_backoff
-                        if await self._wait_until_lost(instance) == "lost":
+                        if await self._wait_until_lost(instance, took_over) == "lost":
                             log.info("kubelet restarted or our socket was removed; registering anew")
                     elif outcome == "failed":
                         await self._stop(instance)
@@ -321,15 +327,17 @@ class PluginLifecycle:
         log.info("registered %s with the kubelet%s", self.resource_name, after)
         return "registered"
 
-    async def _wait_until_lost(self, instance: _Instance) -> str:
+    async def _wait_until_lost(self, instance: _Instance, took_over: bool = False) -> str:
         """"lost" when our socket or kubelet.sock changed; "stream_ended" when the kubelet has had
         no ListAndWatch stream open for the grace period and still listens (it opens one right
         after Register, and ends it when its endpoint fails while it stays up), which only a new
         registration mends; "kubelet_gone" when it stopped listening and no new kubelet.sock came
         within ``kubelet_wait`` of the stream's end."""
         loop = asyncio.get_running_loop()
-        idle_since: float | None = loop.time()
+        registered_at = loop.time()
+        idle_since: float | None = registered_at
         streamed = False
+        grace = self._stream_grace
         while True:
             pulse = self._wakeup.pulse()
             if not instance.endpoint.ours():
@@ -347,7 +355,13 @@ class PluginLifecycle:
                              "stream or a new kubelet.sock", self.resource_name)
                     self._dead_kubelet = self._kubelet_identity
                     self._quiet_until = idle_since + self._kubelet_wait
-                limit = idle_since + self._stream_grace - loop.time()
+                    if took_over and idle_since - registered_at < TAKEOVER_WINDOW:
+                        grace = min(grace, TAKEOVER_GRACE)
+                        log.warning("the kubelet ended our stream of %s %.0f ms after the "
+                                    "take-over: the old instance's stream ended after our "
+                                    "Register (the kubelet keeps one client per resource)",
+                                    self.resource_name, (idle_since - registered_at) * 1000)
+                limit = idle_since + grace - loop.time()
                 if limit <= 0 and streamed and not listens(self.kubelet_path):
                     limit = self._quiet_until - loop.time()  # the kubelet exited: await the next
                     if limit <= 0:
@@ -358,7 +372,7 @@ class PluginLifecycle:
                             if streamed else
                             "opened no ListAndWatch stream of %s within %.1f s of Register")
                     log.warning(f"the kubelet {what}; registering anew", self.resource_name,
-                                self._stream_grace, extra={"reason": "stream_ended"})
+                                grace, extra={"reason": "stream_ended"})
                     if self._metrics is not None:
                         self._metrics.reregistrations.labels(reason="stream_ended").inc()
                     return "stream_ended"
