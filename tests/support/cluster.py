@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import ctypes
 import hashlib
+import http.client
 import io
 import json
 import os
@@ -29,7 +30,6 @@ import sys
 import tarfile
 import threading
 import time
-import http.client
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -296,8 +296,8 @@ class Cluster:
             "IP:127.0.0.1", f"IP:{NODE_IP}", f"IP:{SERVICE_IP}", "DNS:kubernetes",
             "DNS:kubernetes.default", "DNS:kubernetes.default.svc",
             "DNS:kubernetes.default.svc.cluster.local", "DNS:localhost"])
-        kubelet_client = pki.cert("apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client",
-                                  "clientAuth")
+        kubelet_client = pki.cert("apiserver-kubelet-client",
+                                  "/O=system:masters/CN=kube-apiserver-kubelet-client", "clientAuth")
         self.admin = pki.kubeconfig("admin", "/O=system:masters/CN=hlcluster-admin")
         manager = pki.kubeconfig("controller-manager", "/CN=system:kube-controller-manager")
         scheduler = pki.kubeconfig("scheduler", "/CN=system:kube-scheduler")
@@ -379,7 +379,8 @@ state = "/run/containerd"
                 "--service-cluster-ip-range", SERVICE_CIDR, "--authorization-mode", "Node,RBAC",
                 "--enable-admission-plugins", "NodeRestriction", "--allow-privileged=true",
                 "--kubelet-client-certificate", str(kubelet_client[0]),
-                "--kubelet-client-key", str(kubelet_client[1]), "--profiling=false"]},
+                "--kubelet-client-key", str(kubelet_client[1]), "--profiling=false",
+                "--kubelet-preferred-address-types", "InternalIP,Hostname"]},
             {"name": "kube-controller-manager", "argv": [
                 str(b / "kube-controller-manager"), "--kubeconfig", str(manager),
                 "--service-account-private-key-file", str(pki.dir / "sa.key"),
@@ -412,11 +413,12 @@ state = "/run/containerd"
 
     def inside(self, argv: Sequence[str], *, check: bool = True, timeout: float = 120,
                input: str | None = None, env: dict[str, str] | None = None) -> Result:
-        """``argv`` in the cluster's network and mount namespaces (kubectl, helm, ctr ...)."""
-        full = ["nsenter", "-t", str(self.pid), "-n", "-m", "--", *argv]
+        """``argv`` in the cluster's network and mount namespaces (kubectl, helm, ctr ...), from
+        the repository root (the README's commands name paths from there)."""
+        full = ["nsenter", "-t", str(self.pid), "-n", "-m", f"--wd={ROOT}", "--", *argv]
         home = self.run / "home"
         base = {"PATH": f"{self.bin}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-                "KUBECONFIG": str(self.admin), "HOME": str(home),
+                "KUBECONFIG": str(self.admin), "HOME": str(home), "PWD": str(ROOT),  # Go trusts PWD
                 "HELM_CACHE_HOME": str(home / "helm-cache"), "HELM_CONFIG_HOME": str(home / "helm-config"),
                 "HELM_DATA_HOME": str(home / "helm-data")}
         began = time.monotonic()

@@ -22,6 +22,7 @@ Standard library only: it runs before anything else of the test suite is importa
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -175,10 +176,8 @@ class Supervisor:
             alive = [p for p in pids if Path(f"/proc/{p}/stat").exists()
                      and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
             for pid in alive:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             self.reap()
             if not alive or time.monotonic() > deadline:
                 return
