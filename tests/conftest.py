@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import Gate
+from support.clusterfixtures import cluster, installed, release  # noqa: F401  (fixtures)
 
 # A guard, not a timing assertion: a test that hangs fails with its stack instead of stalling CI.
 ASYNC_GUARD_SECONDS = 90.0
@@ -20,6 +21,12 @@ ASYNC_GUARD_SECONDS = 90.0
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "guard(seconds): the async test's guard timeout (default 90 s)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real cluster's destructive tests (reboot, uninstall, teardown) run after every other
+    test, so none of those meets a node they broke (tests/support/clusterfixtures.py)."""
+    items.sort(key=lambda item: item.get_closest_marker("cluster_last") is not None)
 
 
 @pytest.hookimpl(tryfirst=True)
