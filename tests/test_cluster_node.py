@@ -83,7 +83,7 @@ def test_a_kubelet_restart_reregisters_both_plugins(release: Installed) -> None:
     server = SERVER.search(log)
     assert server, "the kubelet's registration server started"
     gaps = {m.group(2): seconds(m.group(1)) - seconds(server.group(1)) for m in REGISTERED.finditer(log)}
-    c.until(lambda: c.allocatable().get(HYPERVISOR) == "2k" and c.allocatable().get(ACCESS) == "1", 60,
+    c.until(lambda: c.allocatable().get(HYPERVISOR) == "2k" and c.allocatable().get(ACCESS) == "2", 60,
             "allocatable whole again")
     after = plugin_pods(c)
     for name in DAEMONSETS:
