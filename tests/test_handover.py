@@ -11,10 +11,11 @@ generous guard is asserted (benchmarks measure, tests do not time).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import statistics
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
@@ -64,6 +65,31 @@ async def instance(plugin_dir: Path, socket_name: str = "hyperlight.sock",
 
 def disconnected(kubelet: KubeletEmulator, endpoint: str) -> bool:
     return any(e.kind == "disconnect" and e.endpoint == endpoint for e in kubelet.events)
+
+
+Readiness = Callable[[], dict[str, tuple[bool, str]]]
+
+
+async def unready_samples(*readiness: Readiness) -> tuple[int, list[dict[str, tuple[bool, str]]]]:
+    """Sample each readiness every millisecond until cancelled: how many samples, and those
+    with a failing condition."""
+    seen, unready = 0, []
+    try:
+        while True:
+            for answer in readiness:
+                conditions = answer()
+                seen += 1
+                if not all(ok for ok, _ in conditions.values()):
+                    unready.append(conditions)
+            await asyncio.sleep(0.001)  # sampling, not waiting for an event
+    except asyncio.CancelledError:
+        return seen, unready
+
+
+async def finish(task: asyncio.Task[tuple[int, list[dict[str, tuple[bool, str]]]]]
+                 ) -> tuple[int, list[dict[str, tuple[bool, str]]]]:
+    await asyncio.wait({task})
+    return task.result()
 
 
 async def second_survives(plugin_dir: Path, resource: str, *, before: bool, hold: float = 2.0,
@@ -163,10 +189,16 @@ async def test_a_standby_takes_over_on_the_same_socket_after_the_old_stream_ende
             readiness = plugin_readiness(lambda n=new: n, healthy_tracker())  # type: ignore[misc]
             assert all(ok for ok, _ in readiness().values()), readiness()
             assert kubelet.register_calls == round_ + 1  # the standby has not registered
+            # Both stay Ready throughout: a probe failing on either would be a warning event.
+            sampling = asyncio.create_task(unready_samples(
+                plugin_readiness(lambda o=old: o, healthy_tracker()), readiness))  # type: ignore[misc]
             await stack.aclose()  # SIGTERM to the old one
             await kubelet.wait_for(lambda n=new: n.open_streams == 1  # type: ignore[misc]
                                    and kubelet.allocatable(RESOURCE) == 4, timeout=GUARD)
+            sampling.cancel()
             assert not new.role.standby and new.registered
+            seen, unready = await finish(sampling)
+            assert seen > 10 and not unready, unready
             stack, old = new_stack, new
         # Nobody was disconnected but the instance whose own stream ended.
         ends = [e for e in kubelet.events if e.kind == "stream_end"]
@@ -235,9 +267,22 @@ async def test_a_standby_main_daemon_is_ready_writes_no_cdi_and_takes_over(tmp_p
             assert value(await scrape(old), "hyperlight_allocations_total", result="success") == 1
             assert value(await scrape(new), "hyperlight_allocations_total", result="success") == 0
 
+            statuses: list[int] = []
+
+            async def probe() -> None:  # the kubelet's readiness probe, as often as it can ask
+                while True:
+                    for daemon_ in (old, new):
+                        statuses.append((await daemon_.get("/readyz"))[0])
+
+            probing = asyncio.create_task(probe())
             await old.signal(signal.SIGTERM)
             await kubelet.wait_for(lambda: kubelet.register_calls == 2
                                    and kubelet.allocatable(RESOURCE) == 10, timeout=10)
+            await new.wait_http("/readyz", 200)
+            probing.cancel()
+            await asyncio.wait({probing})
+            # 0: the old one's HTTP server gone (it exited); never a 503 from either.
+            assert set(statuses) <= {200, 0} and statuses.count(200) > 4, statuses
             (gap,) = kubelet.handover_gaps(RESOURCE)
             assert gap < GUARD
             print(f"hand-over between two serve daemons: kubelet gap {gap * 1000:.1f} ms")

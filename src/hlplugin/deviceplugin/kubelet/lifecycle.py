@@ -128,6 +128,10 @@ class PluginLifecycle:
         self.registered = False
         self.problem = ""  # why the latest attempt could not register, for /readyz
         self.role = role or Role()
+        # Between standing by and registering, and while handing over on the way out: what
+        # readiness says instead of "not registered", so neither step fails a probe (an
+        # operator would see a warning event for a rollout that went right).
+        self.transition = ""
 
     @property
     def status(self) -> str:
@@ -160,8 +164,12 @@ class PluginLifecycle:
                     continue
                 try:
                     took_over = self.role.standby
+                    if took_over:
+                        self.transition = "taking over the socket from the other instance"
                     await self.role.activate()
                     outcome = await self._register_when_possible(instance)
+                    if outcome != "registered":
+                        self._settled()
                     if outcome == "registered":
                         backoff = self._min_backoff
                         if await self._wait_until_lost(instance, took_over) == "lost":
@@ -225,12 +233,17 @@ class PluginLifecycle:
             if self._instance is instance:
                 self._instance = None
 
+    def _settled(self) -> None:
+        if not self.transition.startswith("stopping"):
+            self.transition = ""
+
     async def _hand_over(self, instance: _Instance) -> None:
         """On the way out: end the kubelet's streams, give it HANDOVER_SETTLE to see them end,
         then remove our socket, which a standby takes at once; _stop then stops the server. A
         cancellation meanwhile (the daemon re-cancels while stopping) waits for these steps."""
         if not instance.live:
             return
+        self.transition = "stopping: handing the socket over"
         self.registered = False
         instance.live = False
         streamed = instance.servicer.open_streams > 0
@@ -328,6 +341,12 @@ class PluginLifecycle:
         return "registered"
 
     async def _wait_until_lost(self, instance: _Instance, took_over: bool = False) -> str:
+        try:
+            return await self._watch_registered(instance, took_over)
+        finally:
+            self._settled()
+
+    async def _watch_registered(self, instance: _Instance, took_over: bool) -> str:
         """"lost" when our socket or kubelet.sock changed; "stream_ended" when the kubelet has had
         no ListAndWatch stream open for the grace period and still listens (it opens one right
         after Register, and ends it when its endpoint fails while it stays up), which only a new
@@ -346,6 +365,7 @@ class PluginLifecycle:
                 return "lost"
             limit: float | None = None
             if instance.servicer.open_streams:
+                self._settled()  # a take-over is done once the kubelet streams
                 idle_since, streamed = None, True
                 self._dead_kubelet, self._quiet_until = None, 0.0
             else:
