@@ -85,7 +85,6 @@ class Installed:
         c = self.cluster
         if not self.present():
             self.install()
-            return
         revision = c.helm("history", RELEASE, "-n", NAMESPACE, "-o", "json").json()[-1]
         if revision.get("status") != "deployed" or c.helm("get", "values", RELEASE, "-n", NAMESPACE,
                                                           "-o", "json").stdout.strip() not in ("{}", "null"):
@@ -93,6 +92,9 @@ class Installed:
         for name in DAEMONSETS:
             c.kubectl("-n", NAMESPACE, "rollout", "status", f"daemonset/{name}", "--timeout", "180s",
                       timeout=200)
+        # The kubelet's next node-status update (up to 10 s) publishes the plugins' capacity.
+        c.until(lambda: c.allocatable().get("hyperlight.dev/hypervisor") == "2k"
+                and c.allocatable().get("hyperlight.dev/device-access") == "1", 60, "allocatable 2k and 1")
 
 
 @pytest.fixture(scope="session")
