@@ -94,7 +94,7 @@ class Installed:
                       timeout=200)
         # The kubelet's next node-status update (up to 10 s) publishes the plugins' capacity.
         c.until(lambda: c.allocatable().get("hyperlight.dev/hypervisor") == "2k"
-                and c.allocatable().get("hyperlight.dev/device-access") == "1", 60, "allocatable 2k and 1")
+                and c.allocatable().get("hyperlight.dev/device-access") == "2", 60, "allocatable 2k and 2")
 
 
 @pytest.fixture(scope="session")
