@@ -324,3 +324,48 @@ async def test_a_standby_reconciler_only_looks_then_writes_when_it_takes_over(tm
         await role.activate()
         assert spec.read_bytes() == desired and not in_flight.exists()
         assert tracker.state.healthy
+
+
+async def get_status(port: int, path: str = "/readyz") -> int:
+    """One HTTP/1.1 GET as the kubelet's probe makes it: the status, or 0 when refused."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except ConnectionRefusedError:
+        return 0
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        line = await reader.readline()
+        return int(line.split()[1]) if line else 0
+    finally:
+        writer.close()
+
+
+async def test_the_http_port_stays_open_for_a_readiness_probe_due_soon(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A terminating pod is still probed: stop() answers the next probe when it is due within
+    the clearance, then closes; with no regular probe it closes at once (a test's loop, or no
+    kubelet). Probes 0.3 s apart here (the manifests': 5 s)."""
+    from prometheus_client import CollectorRegistry
+
+    from hlplugin.deviceplugin.process import http
+
+    monkeypatch.setattr(http, "PROBE_PERIODS", (0.2, 30.0))
+    period = 0.3
+
+    def ready() -> dict[str, tuple[bool, str]]:
+        return {"registered": (True, "")}
+
+    for probed in (True, False):
+        server = http.HttpServer(ready, lambda: (True, ""), CollectorRegistry())
+        await server.start(("127.0.0.1", 0))
+        if probed:
+            assert await get_status(server.port) == 200
+            await asyncio.sleep(period)  # the kubelet's probe period: the emulated world's time
+            assert await get_status(server.port) == 200
+        stopping = asyncio.create_task(server.stop())
+        await asyncio.sleep(period)  # the next probe, on time
+        answer = await get_status(server.port)
+        await asyncio.wait({stopping}, timeout=GUARD)
+        assert stopping.done()
+        # Probed: the next probe was answered before the port closed; else it was closed at once.
+        assert answer == (200 if probed else 0), probed
