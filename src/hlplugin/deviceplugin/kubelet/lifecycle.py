@@ -44,6 +44,7 @@ from hlplugin.deviceplugin.kubelet.endpoint import (
     Endpoint,
     Held,
     Holder,
+    find_holder,
     wait_until_free,
 )
 from hlplugin.deviceplugin.kubelet.grpcserver import new_server, stop_server, to_completion
@@ -149,13 +150,23 @@ class PluginLifecycle:
         backoff = self._min_backoff
         async with self._wakeup.running():
             while True:
+                prepared: _Instance | None = None
                 try:
-                    await self._wait_until_free()
-                    instance = await self._start()
+                    if self._held():  # a standby serves on its private name: taking over is a link
+                        prepared = await self._prepare()
+                    try:
+                        await self._wait_until_free()
+                    except asyncio.CancelledError:
+                        if prepared is not None:
+                            await self._stop(prepared)
+                        raise
+                    instance = await self._start(prepared)
                 except Held as held:
                     self.role.stand_by(held.holder.describe())
-                    continue  # another instance published first: wait for it
+                    continue  # another instance published first: wait for it (_start stopped ours)
                 except (OSError, RuntimeError) as exc:
+                    if prepared is not None:
+                        await self._stop(prepared)  # unless _start did
                     problem = self._dir_problem()
                     self._fail("serve" if not problem else "plugin dir",
                                problem or f"cannot serve on {self.socket_path}: {exc}")
@@ -199,20 +210,41 @@ class PluginLifecycle:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    async def _start(self) -> _Instance:
+    def _held(self) -> bool:
+        try:
+            holder = find_holder(self.socket_path)
+        except OSError:
+            return False  # _wait_until_free meets it and says so
+        if holder is None:
+            return False
+        holder.close()
+        return True
+
+    async def _prepare(self) -> _Instance:
+        """A server started on its private name, not yet at our socket path."""
         problem = self._dir_problem()
         if problem:
             raise RuntimeError(problem)  # before gRPC tries, and logs its own line every retry
         endpoint = Endpoint(self.socket_path)
-        endpoint.remove_stale()
         servicer = self._make_servicer()
         servicer.on_streams_changed = self._wakeup.fire
         instance = _Instance(new_server(servicer), servicer, endpoint)
         self._instance = instance
         try:
-            await endpoint.bind(instance.server)
+            await endpoint.serve(instance.server)
         except BaseException:
             await self._stop(instance)  # never leave a server to the GC
+            raise
+        return instance
+
+    async def _start(self, prepared: _Instance | None = None) -> _Instance:
+        """Serve at our socket path: ``prepared`` (a standby's server) or a new server."""
+        instance = prepared or await self._prepare()
+        try:
+            instance.endpoint.remove_stale()
+            instance.endpoint.take()
+        except BaseException:
+            await self._stop(instance)  # gRPC removes its private name
             raise
         instance.live = True
         log.debug("serving %s on %s", self.resource_name, self.socket_path)
