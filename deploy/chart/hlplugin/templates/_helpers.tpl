@@ -106,8 +106,9 @@ tolerations:
 securityContext:
   seccompProfile:
     type: RuntimeDefault
-# Both daemons stop within 0.8 s of SIGTERM (measured, docs/operations.md "Probes and restarts");
-# more grace would only delay a hung one's restart.
+# Both daemons stop within 0.8 s of SIGTERM, or just after the next readiness probe when it is due
+# within 1.5 s: at most about 2.5 s (docs/operations.md "Probes and restarts"); more grace would
+# only delay a hung one's restart.
 terminationGracePeriodSeconds: 5
 {{- end -}}
 
