@@ -23,8 +23,9 @@ the kubelet's rules (see docs/kubelet.md):
 - The hand-over, on SIGTERM: the kubelet keeps one client per resource name and, when a client's
   stream ends, disconnects whichever client holds the name then (handler.go runClient), so a
   standby's registration survives only if it comes after the kubelet saw the old stream end.
-  The old instance therefore ends its streams first, gives the kubelet a moment to see that,
-  removes its socket (which the standby takes at once) and only then stops its server.
+  The old instance therefore ends its streams first, removes its socket and only then stops
+  its server; the standby takes the socket at once and gives the kubelet a moment to see the
+  old stream's end before it registers.
 """
 
 from __future__ import annotations
@@ -65,9 +66,11 @@ from hlplugin.deviceplugin.settings import KubeletSettings
 log = logging.getLogger(__name__)
 
 KUBELET_SOCKET = "kubelet.sock"
-# The hand-over (module docstring): how long the streams get to end, at most; then how long the
-# kubelet gets to read their end and disconnect us before our socket goes and the standby
-# registers. Its share of the kubelet's gap; measured in tests/test_handover.py.
+# The hand-over (module docstring): how long the old instance's streams get to end, at most,
+# before its socket goes anyway; then how long the kubelet gets to read their end and disconnect
+# the old client before the standby, having taken the socket, registers. The standby waits that
+# out, not the old instance: a pod stopping is busy and may be throttled by its CPU limit past
+# a short sleep, an idle standby is not. Its share of the kubelet's gap: tests/test_handover.py.
 HANDOVER_WAIT = 0.5
 HANDOVER_SETTLE = 0.02
 # A taken-over registration whose stream the kubelet ends this soon was disconnected by the old
@@ -177,7 +180,10 @@ class PluginLifecycle:
                     took_over = self.role.standby
                     if took_over:
                         self.transition = "taking over the socket from the other instance"
+                        settled = asyncio.get_running_loop().time() + HANDOVER_SETTLE
                     await self.role.activate()
+                    if took_over and (left := settled - asyncio.get_running_loop().time()) > 0:
+                        await asyncio.sleep(left)  # the kubelet's read of the old stream's end
                     outcome = await self._register_when_possible(instance)
                     if outcome != "registered":
                         self._settled()
@@ -270,8 +276,8 @@ class PluginLifecycle:
             self.transition = ""
 
     async def _hand_over(self, instance: _Instance) -> None:
-        """On the way out: end the kubelet's streams, give it HANDOVER_SETTLE to see them end,
-        then remove our socket, which a standby takes at once; _stop then stops the server. A
+        """On the way out: end the kubelet's streams, then remove our socket, which a standby
+        takes at once (and registers HANDOVER_SETTLE later); _stop then stops the server. A
         cancellation meanwhile (the daemon re-cancels while stopping) waits for these steps."""
         if not instance.live:
             return
@@ -286,15 +292,14 @@ class PluginLifecycle:
         instance.endpoint.remove()
 
     async def _streams_ended(self, instance: _Instance) -> None:
-        """Wait (at most HANDOVER_WAIT) until our streams have ended, then HANDOVER_SETTLE: when
-        the kubelet has read their end is not observable from here (its disconnect closes a
-        connection gRPC does not tell us about), so this is a margin, not a wait for an event."""
+        """Wait (at most HANDOVER_WAIT) until our streams have ended. When the kubelet has read
+        their end is not observable from here (its disconnect closes a connection gRPC does not
+        tell us about): the standby gives it HANDOVER_SETTLE before it registers."""
         loop = asyncio.get_running_loop()
         until = loop.time() + HANDOVER_WAIT
         while (left := until - loop.time()) > 0:
             pulse = self._wakeup.pulse()  # servicer.on_streams_changed fires it
             if not instance.servicer.open_streams:
-                await asyncio.sleep(min(HANDOVER_SETTLE, left))
                 return
             await self._wakeup.wait(pulse, left)
 
