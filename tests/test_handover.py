@@ -347,9 +347,9 @@ async def test_the_http_port_stays_open_for_a_readiness_probe_due_soon(
     kubelet). Probes 0.3 s apart here (the manifests': 5 s)."""
     from prometheus_client import CollectorRegistry
 
-    from hlplugin.deviceplugin.process import http
+    from hlplugin.deviceplugin.process import http, probeclearance
 
-    monkeypatch.setattr(http, "PROBE_PERIODS", (0.2, 30.0))
+    monkeypatch.setattr(probeclearance, "PROBE_PERIODS", (0.2, 30.0))
     period = 0.3
 
     def ready() -> dict[str, tuple[bool, str]]:

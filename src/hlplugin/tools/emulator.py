@@ -45,6 +45,7 @@ from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.health.watch import wait_event
 from hlplugin.deviceplugin.kubelet.interfaces import Context
 from hlplugin.deviceplugin.kubelet.lifecycle import KUBELET_SOCKET
+from hlplugin.tools.kubelet_events import Event, forward, handover_gaps
 
 log = logging.getLogger(__name__)
 
@@ -91,20 +92,7 @@ class Resource:
     stream: asyncio.Task[None] | None = None
     registered_at: float = 0.0
     lists_received: int = 0
-    first_list_at: float | None = None  # time.monotonic() of its first list
     stopped: bool = False
-
-
-@dataclass(frozen=True)
-class Event:
-    """What the kubelet saw of one resource, when (time.monotonic()): "register", "list" (each
-    ListAndWatch answer), "stream_end" (a client's run ended), "disconnect" (the client holding
-    the name then was disconnected)."""
-
-    at: float
-    kind: str
-    resource: str
-    endpoint: str
 
 
 class KubeletEmulator(pb_grpc.RegistrationServicer):
@@ -225,38 +213,9 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             if self._private is None:
                 conn.close()
                 continue
-            task = asyncio.create_task(self._forward(conn, self._private / KUBELET_SOCKET))
+            task = asyncio.create_task(forward(conn, self._private / KUBELET_SOCKET))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
-
-    @staticmethod
-    async def _forward(conn: socket.socket, target: Path) -> None:
-        writers: list[asyncio.StreamWriter] = []
-        try:
-            client_r, client_w = await asyncio.open_unix_connection(sock=conn)
-            writers.append(client_w)
-            server_r, server_w = await asyncio.open_unix_connection(str(target))
-            writers.append(server_w)
-
-            async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-                while data := await reader.read(65536):
-                    writer.write(data)
-                    await writer.drain()
-
-            pumps = {asyncio.create_task(pump(client_r, server_w)),
-                     asyncio.create_task(pump(server_r, client_w))}
-            try:
-                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for task in pumps:
-                    task.cancel()
-                await asyncio.gather(*pumps, return_exceptions=True)
-        except OSError:
-            pass
-        finally:
-            conn.close()
-            for writer in writers:
-                writer.close()
 
     # -- Registration service -------------------------------------------------------------------
 
@@ -313,8 +272,6 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             async for response in stub.ListAndWatch(pb.Empty()):
                 resource.devices = {d.ID: d.health for d in response.devices}
                 resource.lists_received += 1
-                if resource.first_list_at is None:
-                    resource.first_list_at = time.monotonic()
                 self._event("list", name, resource)
                 self._checkpoint()
                 self._notify()
@@ -369,22 +326,8 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
         self.events.append(Event(time.monotonic(), kind, name, resource.endpoint))
 
     def handover_gaps(self, name: str) -> list[float]:
-        """Each outage of ``name`` as the kubelet saw it: from a disconnect (a stream's end
-        seen) to the first list that followed from a new registration, in seconds."""
-        gaps: list[float] = []
-        down: float | None = None
-        registered = False
-        for event in self.events:
-            if event.resource != name:
-                continue
-            if event.kind == "disconnect":
-                down, registered = event.at, False
-            elif event.kind == "register" and down is not None:
-                registered = True
-            elif event.kind == "list" and down is not None and registered:
-                gaps.append(event.at - down)
-                down = None
-        return gaps
+        """Each outage of ``name`` as the kubelet saw it (kubelet_events.handover_gaps)."""
+        return handover_gaps(self.events, name)
 
     def _checkpoint(self) -> None:
         """Rewrite the checkpoint as the kubelet does (a temporary file, then a rename): the

@@ -31,9 +31,7 @@ the kubelet's rules (see docs/kubelet.md):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from dataclasses import dataclass
 
 import grpc
 
@@ -41,15 +39,11 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.health.conditions import until_tick
 from hlplugin.deviceplugin.health.watch import DirWatcher, Wakeup
-from hlplugin.deviceplugin.kubelet.endpoint import (
-    Endpoint,
-    Held,
-    Holder,
-    find_holder,
-    wait_until_free,
-)
-from hlplugin.deviceplugin.kubelet.grpcserver import new_server, stop_server, to_completion
-from hlplugin.deviceplugin.kubelet.interfaces import PluginServicer, ServicerFactory
+from hlplugin.deviceplugin.kubelet.endpoint import Held, Holder, wait_until_free
+from hlplugin.deviceplugin.kubelet.grpcserver import new_server as new_server  # tests import it here
+from hlplugin.deviceplugin.kubelet.instances import HANDOVER_SETTLE, Instances
+from hlplugin.deviceplugin.kubelet.instances import Instance as _Instance
+from hlplugin.deviceplugin.kubelet.interfaces import ServicerFactory
 from hlplugin.deviceplugin.kubelet.kubeletsock import (
     DIR_SETTING,
     Identity,
@@ -66,26 +60,11 @@ from hlplugin.deviceplugin.settings import KubeletSettings
 log = logging.getLogger(__name__)
 
 KUBELET_SOCKET = "kubelet.sock"
-# The hand-over (module docstring): how long the old instance's streams get to end, at most,
-# before its socket goes anyway; then how long the kubelet gets to read their end and disconnect
-# the old client before the standby, having taken the socket, registers. The standby waits that
-# out, not the old instance: a pod stopping is busy and may be throttled by its CPU limit past
-# a short sleep, an idle standby is not. Its share of the kubelet's gap: tests/test_handover.py.
-HANDOVER_WAIT = 0.5
-HANDOVER_SETTLE = 0.02
 # A taken-over registration whose stream the kubelet ends this soon was disconnected by the old
 # instance's stream ending after our Register (the kubelet was slower than the settle): register
 # anew after TAKEOVER_GRACE, not after the stream grace, so the node's gap stays short.
 TAKEOVER_WINDOW = 1.0
 TAKEOVER_GRACE = 0.1
-
-
-@dataclass
-class _Instance:
-    server: grpc.aio.Server
-    servicer: PluginServicer
-    endpoint: Endpoint
-    live: bool = False  # serving at its endpoint, and not stopping
 
 
 class PluginLifecycle:
@@ -120,7 +99,7 @@ class PluginLifecycle:
         self._dir_setting = dir_setting
         self._wakeup = Wakeup(DirWatcher(plugin_dir, {socket_name, KUBELET_SOCKET},
                                          poll_interval=recheck_interval))
-        self._instance: _Instance | None = None
+        self._servers = Instances(self.socket_path, make_servicer, self._wakeup)
         self._kubelet_identity: Identity | None = None
         # The kubelet.sock of a kubelet that ended our stream, not to be dialled before a new one
         # appears or, without one, before ``_quiet_until`` (loop time): a kubelet restarting.
@@ -145,6 +124,10 @@ class PluginLifecycle:
         return self.problem or "not registered with the kubelet"
 
     @property
+    def _instance(self) -> _Instance | None:
+        return self._servers.current
+
+    @property
     def open_streams(self) -> int:
         return self._instance.servicer.open_streams if self._instance else 0
 
@@ -155,21 +138,22 @@ class PluginLifecycle:
             while True:
                 prepared: _Instance | None = None
                 try:
-                    if self._held():  # a standby serves on its private name: taking over is a link
-                        prepared = await self._prepare()
+                    if self._servers.held():  # a standby serves on its private name:
+                        prepared = await self._servers.prepare(self._dir_problem)  # taking over is a link
                     try:
                         await self._wait_until_free()
                     except asyncio.CancelledError:
                         if prepared is not None:
                             await self._stop(prepared)
                         raise
-                    instance = await self._start(prepared)
+                    instance = await self._servers.start(prepared, self._dir_problem)
+                    log.debug("serving %s on %s", self.resource_name, self.socket_path)
                 except Held as held:
                     self.role.stand_by(held.holder.describe())
-                    continue  # another instance published first: wait for it (_start stopped ours)
+                    continue  # another instance published first: wait for it (start() stopped ours)
                 except (OSError, RuntimeError) as exc:
                     if prepared is not None:
-                        await self._stop(prepared)  # unless _start did
+                        await self._stop(prepared)  # unless start() did
                     problem = self._dir_problem()
                     self._fail("serve" if not problem else "plugin dir",
                                problem or f"cannot serve on {self.socket_path}: {exc}")
@@ -216,92 +200,22 @@ class PluginLifecycle:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def _held(self) -> bool:
-        try:
-            holder = find_holder(self.socket_path)
-        except OSError:
-            return False  # _wait_until_free meets it and says so
-        if holder is None:
-            return False
-        holder.close()
-        return True
-
-    async def _prepare(self) -> _Instance:
-        """A server started on its private name, not yet at our socket path."""
-        problem = self._dir_problem()
-        if problem:
-            raise RuntimeError(problem)  # before gRPC tries, and logs its own line every retry
-        endpoint = Endpoint(self.socket_path)
-        servicer = self._make_servicer()
-        servicer.on_streams_changed = self._wakeup.fire
-        instance = _Instance(new_server(servicer), servicer, endpoint)
-        self._instance = instance
-        try:
-            await endpoint.serve(instance.server)
-        except BaseException:
-            await self._stop(instance)  # never leave a server to the GC
-            raise
-        return instance
-
-    async def _start(self, prepared: _Instance | None = None) -> _Instance:
-        """Serve at our socket path: ``prepared`` (a standby's server) or a new server."""
-        instance = prepared or await self._prepare()
-        try:
-            instance.endpoint.remove_stale()
-            instance.endpoint.take()
-        except BaseException:
-            await self._stop(instance)  # gRPC removes its private name
-            raise
-        instance.live = True
-        log.debug("serving %s on %s", self.resource_name, self.socket_path)
-        return instance
-
     async def _stop(self, instance: _Instance) -> None:
-        if not instance.live and self._instance is not instance:
-            return  # already stopped
-        self.registered = False
-        # From here the instance counts as gone, so liveness does not ask a server that is
-        # stopping on purpose.
-        instance.live = False
-        instance.servicer.close_streams()
-        try:
-            await stop_server(instance.server)  # within its deadline, whatever a client holds
-        finally:
-            instance.endpoint.remove()  # unless another instance has taken the path over
-            if self._instance is instance:
-                self._instance = None
+        if instance.live or self._servers.current is instance:
+            self.registered = False
+        await self._servers.stop(instance)
 
     def _settled(self) -> None:
         if not self.transition.startswith("stopping"):
             self.transition = ""
 
     async def _hand_over(self, instance: _Instance) -> None:
-        """On the way out: end the kubelet's streams, then remove our socket, which a standby
-        takes at once (and registers HANDOVER_SETTLE later); _stop then stops the server. A
-        cancellation meanwhile (the daemon re-cancels while stopping) waits for these steps."""
+        """On the way out (Instances.hand_over): readiness holds meanwhile, naming the step."""
         if not instance.live:
             return
         self.transition = "stopping: handing the socket over"
         self.registered = False
-        instance.live = False
-        streamed = instance.servicer.open_streams > 0
-        instance.servicer.close_streams()
-        if streamed:
-            with contextlib.suppress(asyncio.CancelledError):
-                await to_completion(self._streams_ended(instance))
-        instance.endpoint.remove()
-
-    async def _streams_ended(self, instance: _Instance) -> None:
-        """Wait (at most HANDOVER_WAIT) until our streams have ended. When the kubelet has read
-        their end is not observable from here (its disconnect closes a connection gRPC does not
-        tell us about): the standby gives it HANDOVER_SETTLE before it registers."""
-        loop = asyncio.get_running_loop()
-        until = loop.time() + HANDOVER_WAIT
-        while (left := until - loop.time()) > 0:
-            pulse = self._wakeup.pulse()  # servicer.on_streams_changed fires it
-            if not instance.servicer.open_streams:
-                return
-            await self._wakeup.wait(pulse, left)
+        await self._servers.hand_over(instance)
 
     async def _wait_until_free(self) -> None:
         """While another live instance serves our socket, leave it: stand by, naming it (logged

@@ -3,9 +3,9 @@
 During a surge rollout the new pod starts while the old one still serves: the new instance waits
 for the socket (endpoint.py) as a *standby*. It is Ready while it waits (once its own checks
 pass), so the rollout can go on, but it changes nothing shared: no Allocate (it serves nothing
-yet) and no write to shared state such as the CDI spec, which the two releases may render
-differently (e.g. ``deviceUid``) and would rewrite in turn. The lifecycle flips the role; whatever
-owns shared state (the CDI reconciler) and readiness read it.
+yet) and no write to a file both instances keep, which the two releases may render differently
+and would rewrite in turn. The lifecycle flips the role; whatever owns shared state and
+readiness read it.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ class Role:
 
     def on_take_over(self, work: Callable[[], Awaitable[object]]) -> None:
         """Run ``work()`` when a standby takes the socket over, before it registers: what it
-        left alone while standing by (the CDI spec) is made right before the kubelet's first
-        list."""
+        left alone while standing by is made right before the kubelet's first list."""
         self._taking_over.append(work)
 
     def look(self, path: Path) -> None:

@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from prometheus_client.registry import CollectorRegistry
 
 from hlplugin.deviceplugin.process import lazymodule, lazyprom
+from hlplugin.deviceplugin.process.probeclearance import ProbeClearance
 from hlplugin.deviceplugin.process.scrape import Pacer
 
 if TYPE_CHECKING:
@@ -292,29 +293,16 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
 
-# The kubelet keeps probing a terminating pod's readiness, and a probe that finds the port closed
-# (the daemon stopped, its container not yet seen as exited) is a Warning event for a rollout
-# that went right. So stop() leaves the port open until the next probe when that is due within
-# PROBE_CLEARANCE seconds (else the kubelet has that long to see the exit before it probes), at
-# most PROBE_SLACK past its due time. Only a regular probe counts: two /readyz requests
-# PROBE_PERIODS apart (the manifests probe every 5 s; a test polling in a loop is no probe).
-PROBE_CLEARANCE = 1.5
-PROBE_SLACK = 0.5
-PROBE_PERIODS = (1.0, 30.0)
-
-
 class HttpServer:
     """The HTTP port of one daemon; ``port`` is the bound port (useful with port 0)."""
 
     def __init__(self, readiness: Readiness, liveness: Liveness, registry: CollectorRegistry,
                  limits: Limits | None = None, clock: Callable[[], float] = time.monotonic,
                  details: Mapping[str, object] | None = None) -> None:
-        self._probes: list[float] = []  # loop times of the latest two /readyz requests
-        self._probed = asyncio.Event()
+        self.probes = ProbeClearance()
 
         def probed() -> Mapping[str, tuple[bool, str]]:
-            self._probes = [*self._probes[-1:], asyncio.get_running_loop().time()]
-            self._probed.set()
+            self.probes.seen()
             return readiness()
 
         self.app = App(probed, liveness, registry, details)
@@ -361,9 +349,9 @@ class HttpServer:
         return sock
 
     async def stop(self) -> None:
-        """Close the port, after the next readiness probe if it is due soon (see PROBE_CLEARANCE).
+        """Close the port, after the next readiness probe if it is due soon (probeclearance.py).
         A cancellation meanwhile (the daemon re-cancels while stopping) does not cut that wait."""
-        waiting = asyncio.ensure_future(self._clear_of_probes())
+        waiting = asyncio.ensure_future(self.probes.wait())
         while not waiting.done():
             try:
                 await asyncio.shield(waiting)
@@ -376,24 +364,6 @@ class HttpServer:
             conn.close()
         if self._server is not None:
             await self._server.wait_closed()
-
-    async def _clear_of_probes(self) -> None:
-        if len(self._probes) < 2:
-            return
-        loop = asyncio.get_running_loop()
-        period = self._probes[1] - self._probes[0]
-        due = self._probes[1] + period
-        if not PROBE_PERIODS[0] <= period <= PROBE_PERIODS[1] or due - loop.time() > PROBE_CLEARANCE:
-            return
-        self._probed.clear()
-        limit = due + PROBE_SLACK - loop.time()
-        if limit > 0:
-            try:
-                async with asyncio.timeout(limit):
-                    await self._probed.wait()
-            except TimeoutError:
-                return
-            await asyncio.sleep(0.05)  # a margin for its answer to be written, not an event
 
     def _admit(self, conn: _Connection) -> None:
         """At the cap, the oldest connection goes: a legitimate client is answered within
