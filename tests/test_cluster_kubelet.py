@@ -69,6 +69,19 @@ def bound_pod(name: str, resource: str = BARE) -> dict[str, Any]:
                                      "resources": {"limits": {resource: "1"}}}]}}
 
 
+def kubelet_says(cluster: Cluster, resource: str = BARE) -> str:
+    """The kubelet's log lines about ``resource``: what a failed wait shows."""
+    return "\n".join(line for line in cluster.log("kubelet").splitlines() if resource in line)[-4000:]
+
+
+async def until(cluster: Cluster, predicate: Any, what: str, timeout: float = 30) -> None:
+    """harness.wait_until; a timeout fails with the kubelet's log about the resource."""
+    try:
+        await wait_until(predicate, timeout, what)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{kubelet_says(cluster)}") from None
+
+
 async def run(func: Any, *args: Any, **kw: Any) -> Any:
     """A blocking cluster call off the event loop, which serves the plugin's gRPC meanwhile."""
     return await asyncio.to_thread(func, *args, **kw)
@@ -162,12 +175,12 @@ async def test_a_second_instance_registered_before_the_first_ends_is_disconnecte
     directory = plugin_dir(cluster)
     async with bare(directory, "bare-a.sock") as first, bare(directory, "bare-b.sock") as second:
         await first.serve_and_register()
-        await wait_until(lambda: first.streams == 1, 30, "the first instance's ListAndWatch")
+        await until(cluster, lambda: first.streams == 1, "the first instance's ListAndWatch")
         await second.serve_and_register()
-        await wait_until(lambda: second.streams == 1, 30, "the second instance's ListAndWatch")
+        await until(cluster, lambda: second.streams == 1, "the second instance's ListAndWatch")
         await first.server.stop(None)
-        await wait_until(lambda: first.ended, 30, "the first stream ended")
-        await wait_until(lambda: second.ended, 30, "the second instance disconnected with the first")
+        await until(cluster, lambda: first.ended, "the first stream ended")
+        await until(cluster, lambda: second.ended, "the second instance disconnected with the first")
         assert second.streams == 0
 
 
@@ -177,11 +190,11 @@ async def test_an_instance_registered_after_the_first_stream_ended_is_served(clu
     directory = plugin_dir(cluster)
     async with bare(directory, "bare-a.sock") as first, bare(directory, "bare-b.sock") as second:
         await first.serve_and_register()
-        await wait_until(lambda: first.streams == 1, 30, "the first instance's ListAndWatch")
+        await until(cluster, lambda: first.streams == 1, "the first instance's ListAndWatch")
         await first.server.stop(None)
-        await wait_until(lambda: first.ended, 30, "the first stream ended")
+        await until(cluster, lambda: first.ended, "the first stream ended")
         await second.serve_and_register()
-        await wait_until(lambda: second.streams == 1, 30, "the second instance's ListAndWatch")
+        await until(cluster, lambda: second.streams == 1, "the second instance's ListAndWatch")
         try:
             await run(cluster.apply, bound_pod("after-handover"))
             status = await phase(cluster, "after-handover")
