@@ -9,6 +9,7 @@ kubelet and the test reach at two paths. Budgets: a few seconds each, plus node-
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,7 +29,12 @@ from hlplugin.tools.emulator import CHECKPOINT
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.guard(240)]
 
-BARE = "hlcluster.test/bare"  # a resource of the test's own: nothing of ours serves it
+# Resources of the tests' own, nothing of ours serves them; one per test, since a plugin stopped at
+# the end of one test ends its stream a moment later, and the kubelet then disconnects whichever
+# client holds its name (the per-name rule below): the next test's, had it the same name.
+BARE = "hlcluster.test/bare"
+RESTART, FIRST_ENDS_LATE, FIRST_ENDS_FIRST = ("hlcluster.test/restart", "hlcluster.test/late",
+                                              "hlcluster.test/handover")
 
 
 class Bare(BarePlugin):
@@ -49,8 +55,9 @@ class Bare(BarePlugin):
 
 
 @asynccontextmanager
-async def bare(plugin_dir: Path, name: str = "bare.sock", health: str = "Healthy") -> AsyncIterator[Bare]:
-    plugin = Bare(plugin_dir, name, health)
+async def bare(plugin_dir: Path, name: str = "bare.sock", health: str = "Healthy",
+               resource: str = BARE) -> AsyncIterator[Bare]:
+    plugin = Bare(plugin_dir, name, health, resource)
     try:
         yield plugin
     finally:
@@ -74,12 +81,12 @@ def kubelet_says(cluster: Cluster, resource: str = BARE) -> str:
     return "\n".join(line for line in cluster.log("kubelet").splitlines() if resource in line)[-4000:]
 
 
-async def until(cluster: Cluster, predicate: Any, what: str, timeout: float = 30) -> None:
-    """harness.wait_until; a timeout fails with the kubelet's log about the resource."""
+async def until(cluster: Cluster, predicate: Any, what: str, resource: str, timeout: float = 30) -> None:
+    """harness.wait_until; a timeout fails with the kubelet's log about ``resource``."""
     try:
         await wait_until(predicate, timeout, what)
     except TimeoutError as exc:
-        raise AssertionError(f"{exc}\n{kubelet_says(cluster)}") from None
+        raise AssertionError(f"{exc}\n{kubelet_says(cluster, resource)}") from None
 
 
 async def run(func: Any, *args: Any, **kw: Any) -> Any:
@@ -139,7 +146,7 @@ async def test_restart_streams_end_the_dead_socket_stays_then_every_socket_is_de
     plugin registers again and is served. Leaves the chart's plugins re-registered as they do
     after any kubelet restart."""
     directory = plugin_dir(cluster)
-    async with bare(directory) as plugin:
+    async with bare(directory, resource=RESTART) as plugin:
         await plugin.serve_and_register()
         await wait_until(lambda: plugin.streams == 1, 30, "the kubelet's ListAndWatch")
         planted = plant(directory)
@@ -161,7 +168,7 @@ async def test_restart_streams_end_the_dead_socket_stays_then_every_socket_is_de
         assert all(planted[k].exists() for k in ("file", "dir", "checkpoint"))
         planted["file"].unlink()
         planted["dir"].rmdir()
-    async with bare(directory) as again:
+    async with bare(directory, resource=RESTART) as again:
         await again.serve_and_register()
         await wait_until(lambda: again.streams == 1, 30, "served again after registering again")
 
@@ -173,14 +180,16 @@ async def test_a_second_instance_registered_before_the_first_ends_is_disconnecte
     that registers the same resource on its own socket before the first's stream ended loses
     its stream when the first goes (real-cluster.md; the emulator must do the same)."""
     directory = plugin_dir(cluster)
-    async with bare(directory, "bare-a.sock") as first, bare(directory, "bare-b.sock") as second:
+    see = functools.partial(until, cluster, resource=FIRST_ENDS_LATE)
+    async with bare(directory, "late-a.sock", resource=FIRST_ENDS_LATE) as first, \
+            bare(directory, "late-b.sock", resource=FIRST_ENDS_LATE) as second:
         await first.serve_and_register()
-        await until(cluster, lambda: first.streams == 1, "the first instance's ListAndWatch")
+        await see(lambda: first.streams == 1, "the first instance's ListAndWatch")
         await second.serve_and_register()
-        await until(cluster, lambda: second.streams == 1, "the second instance's ListAndWatch")
+        await see(lambda: second.streams == 1, "the second instance's ListAndWatch")
         await first.server.stop(None)
-        await until(cluster, lambda: first.ended, "the first stream ended")
-        await until(cluster, lambda: second.ended, "the second instance disconnected with the first")
+        await see(lambda: first.ended, "the first stream ended")
+        await see(lambda: second.ended, "the second instance disconnected with the first")
         assert second.streams == 0
 
 
@@ -188,15 +197,17 @@ async def test_an_instance_registered_after_the_first_stream_ended_is_served(clu
     """The order that survives: the first instance's stream ends, then the second registers and
     keeps its stream; a pod bound to the node then gets its device from the second."""
     directory = plugin_dir(cluster)
-    async with bare(directory, "bare-a.sock") as first, bare(directory, "bare-b.sock") as second:
+    see = functools.partial(until, cluster, resource=FIRST_ENDS_FIRST)
+    async with bare(directory, "handover-a.sock", resource=FIRST_ENDS_FIRST) as first, \
+            bare(directory, "handover-b.sock", resource=FIRST_ENDS_FIRST) as second:
         await first.serve_and_register()
-        await until(cluster, lambda: first.streams == 1, "the first instance's ListAndWatch")
+        await see(lambda: first.streams == 1, "the first instance's ListAndWatch")
         await first.server.stop(None)
-        await until(cluster, lambda: first.ended, "the first stream ended")
+        await see(lambda: first.ended, "the first stream ended")
         await second.serve_and_register()
-        await until(cluster, lambda: second.streams == 1, "the second instance's ListAndWatch")
+        await see(lambda: second.streams == 1, "the second instance's ListAndWatch")
         try:
-            await run(cluster.apply, bound_pod("after-handover"))
+            await run(cluster.apply, bound_pod("after-handover", FIRST_ENDS_FIRST))
             status = await phase(cluster, "after-handover")
             assert status["phase"] == "Running", status
             assert second.allocations == 1 and first.allocations == 0

@@ -107,8 +107,13 @@ def test_a_node_reboot_fails_the_main_pod_once_and_allocatable_comes_back(
         print(f"reboot: took {rebooted:.1f}s; allocatable back at {back:.1f}s; failed daemon pods "
               f"{failed}; sampler errors {len(sampler.errors)}; kubelet: {steps}")
         assert back < GUARD, f"{back:.1f}s: {steps}"
-        # As today (issue 29): the main pod fails admission once, the bootstrap's never.
+        # As today (issue 29): the main pod fails admission once, the bootstrap's never, in the
+        # words the emulator gives (tests/test_emulator.py's reboot test).
         assert failed == {DAEMONSETS[0]: 0, DAEMONSETS[1]: 1}, failed
+        refused = [e["message"] for e in c.events(NAMESPACE) if e["reason"] == "UnexpectedAdmissionError"
+                   and stamp(e) >= wall - 1]
+        assert refused == ["Allocate failed due to no healthy devices present; cannot allocate unhealthy "
+                           f"devices {ACCESS}, which is unexpected"], refused
         assert cdi.exists(), "the main plugin rewrote the CDI spec /run lost"
         c.until(lambda: len(running_workload(c, "rebooted")) == 1, 90, "a workload replacement running")
         (new_workload,) = running_workload(c, "rebooted")
