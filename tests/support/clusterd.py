@@ -295,9 +295,9 @@ def setup_namespace(plan: dict[str, Any]) -> None:
 def inner(plan: dict[str, Any]) -> int:
     """PID 1 of the new namespaces."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.setsid()  # a ^C at the terminal reaches pytest, never the components: pytest decides
     supervisor = Supervisor(plan)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C to pytest reaches the group: pytest decides
     try:
         setup_namespace(plan)
         make_cgroups(plan["cgroup"])
@@ -324,7 +324,7 @@ def main() -> int:
     child = os.fork()  # the first child is PID 1 of the new PID namespace
     if child == 0:
         os._exit(inner(plan))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C reaches pytest too: it closes our stdin
     signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGTERM))
     while True:
         try:
