@@ -30,7 +30,7 @@ import sys
 import tarfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,7 +106,7 @@ def unpack_binaries() -> Path:
     target.mkdir(parents=True, exist_ok=True)
     digests = dict(reversed(line.split()) for line in sums.splitlines() if line.strip())
     for name in BINARIES:
-        partial = target / f".{name}.partial"
+        partial = target / f".{name}.{os.getpid()}.partial"  # two sessions may unpack at once
         with partial.open("wb") as out:
             subprocess.run(["xz", "-dc", str(K8S_DIR / f"{name}.xz")], stdout=out, check=True)
         digest = hashlib.sha256(partial.read_bytes()).hexdigest()
@@ -212,6 +212,14 @@ class Cluster:
     launcher: subprocess.Popen[str] | None = None
     answers: queue.Queue[str] = field(default_factory=queue.Queue)
     timings: dict[str, float] = field(default_factory=dict)
+    # Known once started: PID 1 of the namespaces (as the host numbers it), the kubelet's cgroup
+    # root, the certificates, the admin kubeconfig, containerd's root (kept across a reboot).
+    pid: int = field(init=False, default=0)
+    cgroup: str = field(init=False, default="")
+    pki: Pki = field(init=False)
+    admin: Path = field(init=False)
+    containerd_root: Path = field(init=False)
+    launcher_log: Any = field(init=False)
 
     # --- life ---------------------------------------------------------------------------------
 
@@ -219,10 +227,10 @@ class Cluster:
         began = time.monotonic()
         self.run.mkdir(parents=True, exist_ok=True)
         plan = self._write_plan()
-        self.stderr = (self.run / "logs" / "clusterd.log").open("a")
+        self.launcher_log = (self.run / "logs" / "clusterd.log").open("a")
         self.launcher = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("clusterd.py")), str(plan)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.launcher_log, text=True,
             env={**os.environ, "PATH": f"{self.bin}:{os.environ.get('PATH', '/usr/bin:/bin')}"})
         threading.Thread(target=self._read_answers, daemon=True).start()
         first = self._answer(60)
@@ -251,7 +259,7 @@ class Cluster:
         except subprocess.TimeoutExpired:
             self.launcher.kill()
             self.launcher.wait(10)
-        self.stderr.close()
+        self.launcher_log.close()
 
     def _read_answers(self) -> None:
         assert self.launcher is not None and self.launcher.stdout is not None
@@ -624,13 +632,3 @@ class Sampler:
     def __exit__(self, *exc: object) -> None:
         self.done.set()
         self.thread.join(10)
-
-
-@contextlib.contextmanager
-def running_cluster(run: Path) -> Iterator[Cluster]:
-    cluster = Cluster(run)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
