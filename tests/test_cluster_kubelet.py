@@ -25,7 +25,7 @@ from test_emulator import BarePlugin
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.kubelet.kubeletsock import listens, socket_identity
-from hlplugin.tools.emulator import CHECKPOINT
+from hlplugin.tools.emulator import CHECKPOINT, no_healthy_devices
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.guard(240)]
 
@@ -33,8 +33,14 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300), p
 # the end of one test ends its stream a moment later, and the kubelet then disconnects whichever
 # client holds its name (the per-name rule below): the next test's, had it the same name.
 BARE = "hlcluster.test/bare"
-RESTART, FIRST_ENDS_LATE, FIRST_ENDS_FIRST = ("hlcluster.test/restart", "hlcluster.test/late",
-                                              "hlcluster.test/handover")
+RESTART, DISCONNECT = "hlcluster.test/restart", "hlcluster.test/disconnect"
+FIRST_ENDS_LATE, FIRST_ENDS_FIRST = "hlcluster.test/late", "hlcluster.test/handover"
+
+
+def refused(resource: str) -> str:
+    """A pod's status message when the kubelet refuses it for ``resource``: the emulator's words
+    (hlplugin.tools.emulator.no_healthy_devices), as the kubelet prefixes them."""
+    return f"Pod was rejected: {no_healthy_devices(resource)}"
 
 
 class Bare(BarePlugin):
@@ -118,10 +124,7 @@ async def test_a_resource_without_healthy_devices_fails_admission_without_alloca
             await run(cluster.apply, bound_pod("unhealthy-bare"))
             status = await phase(cluster, "unhealthy-bare")
             assert status["phase"] == "Failed" and status["reason"] == "UnexpectedAdmissionError", status
-            # The emulator's AdmissionError.details; the kubelet prefixes the pod's message.
-            assert status["message"] == ("Pod was rejected: Allocate failed due to no healthy devices "
-                                         f"present; cannot allocate unhealthy devices {BARE}, which is "
-                                         "unexpected")
+            assert status["message"] == refused(BARE)
             assert plugin.allocations == 0, "the kubelet called Allocate with nothing healthy"
         finally:
             await delete(cluster, "unhealthy-bare")
@@ -140,11 +143,11 @@ def plant(directory: Path) -> dict[str, Path]:
 
 async def test_restart_streams_end_the_dead_socket_stays_then_every_socket_is_deleted(
         cluster: Cluster) -> None:
-    """tests/test_emulator.py's test of the same name, steps 1-2: the kubelet exits (our stream
-    ends while every socket is on disk, kubelet.sock stays, dead), the new one deletes every
-    socket but keeps files, directories and its checkpoint, and serves a new kubelet.sock; the
-    plugin registers again and is served. Leaves the chart's plugins re-registered as they do
-    after any kubelet restart."""
+    """tests/test_emulator.py's test of the same name: the kubelet exits (our stream ends while
+    every socket is on disk, kubelet.sock stays, dead), the new one deletes every socket but keeps
+    files, directories and its checkpoint, and serves a new kubelet.sock; the resource has no
+    device until its plugin registers again (a pod is refused in the emulator's words), then it
+    is served. Leaves the chart's plugins re-registered as they do after any kubelet restart."""
     directory = plugin_dir(cluster)
     async with bare(directory, resource=RESTART) as plugin:
         await plugin.serve_and_register()
@@ -168,9 +171,42 @@ async def test_restart_streams_end_the_dead_socket_stays_then_every_socket_is_de
         assert all(planted[k].exists() for k in ("file", "dir", "checkpoint"))
         planted["file"].unlink()
         planted["dir"].rmdir()
+        try:
+            await run(cluster.apply, bound_pod("restart-unregistered", RESTART))
+            status = await phase(cluster, "restart-unregistered")
+            assert status["phase"] == "Failed" and status["message"] == refused(RESTART), status
+        finally:
+            await delete(cluster, "restart-unregistered")
     async with bare(directory, resource=RESTART) as again:
         await again.serve_and_register()
         await wait_until(lambda: again.streams == 1, 30, "served again after registering again")
+        try:
+            await run(cluster.apply, bound_pod("restart-registered", RESTART))
+            assert (await phase(cluster, "restart-registered"))["phase"] == "Running"
+            assert again.allocations == 1
+        finally:
+            await delete(cluster, "restart-registered")
+
+
+async def test_a_plugin_whose_stream_ended_fails_admission_at_once(cluster: Cluster) -> None:
+    """The emulator's rule for a plugin disconnect: the kubelet marks the resource unhealthy the
+    moment the stream ends, so a pod admitted then is refused without Allocate, in the emulator's
+    words, while one admitted before got its device."""
+    async with bare(plugin_dir(cluster), "disconnect.sock", resource=DISCONNECT) as plugin:
+        await plugin.serve_and_register()
+        await wait_until(lambda: plugin.streams == 1, 30, "the kubelet's ListAndWatch")
+        try:
+            await run(cluster.apply, bound_pod("before-disconnect", DISCONNECT))
+            assert (await phase(cluster, "before-disconnect"))["phase"] == "Running"
+            assert plugin.allocations == 1
+            await plugin.server.stop(None)
+            await wait_until(lambda: plugin.ended, 30, "the stream ended")
+            await run(cluster.apply, bound_pod("after-disconnect", DISCONNECT))
+            status = await phase(cluster, "after-disconnect")
+            assert status["phase"] == "Failed" and status["message"] == refused(DISCONNECT), status
+            assert plugin.allocations == 1, "the kubelet called Allocate on a disconnected plugin"
+        finally:
+            await delete(cluster, "before-disconnect", "after-disconnect")
 
 
 async def test_a_second_instance_registered_before_the_first_ends_is_disconnected_with_it(
