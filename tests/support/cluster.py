@@ -7,9 +7,11 @@ docstring): a killed test run leaves nothing behind. The test process stays outs
 and ctr run in the cluster's network and mount namespaces through nsenter, and ``Sampler`` polls
 the API server from a thread that joined the network namespace.
 
-cgroup v1 here: the kubelet runs with ``failCgroupV1: false`` and the cgroupfs driver. On cgroup
-v2 drop ``failCgroupV1`` and the cpuset copy in clusterd.make_cgroups (v2 inherits it); the rest
-is the same.
+cgroup v1 here: the kubelet runs with ``failCgroupV1: false`` (1.35+ refuses v1 otherwise) and
+the cgroupfs driver, and clusterd gives its v1 cpuset cgroup the parent's CPUs and memory nodes.
+On cgroup v2 (not tried here) the same code applies: ``failCgroupV1`` is then moot, the cgroup
+root is one directory of the unified hierarchy, and its controllers must be enabled in the
+parent's ``cgroup.subtree_control`` (systemd-managed hosts do so at the root).
 """
 
 from __future__ import annotations

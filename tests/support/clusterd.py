@@ -54,7 +54,10 @@ def sh(*argv: str) -> None:
 
 
 def hierarchies() -> list[Path]:
-    """Every mounted cgroup hierarchy (v1 controllers, name=systemd, the unified one)."""
+    """Every mounted cgroup hierarchy: on v1 each controller's, name=systemd's and the unified
+    one beside them; on v2 the one unified hierarchy mounted at /sys/fs/cgroup itself."""
+    if (CGROUP_FS / "cgroup.controllers").exists():
+        return [CGROUP_FS]
     if not CGROUP_FS.is_dir():
         return []
     return sorted(p for p in CGROUP_FS.iterdir() if (p / "cgroup.procs").exists())
