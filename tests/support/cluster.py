@@ -202,7 +202,7 @@ class Result:
 
 
 class CommandFailed(AssertionError):
-    pass
+    """A command in the cluster exited non-zero: the message carries its stderr and stdout."""
 
 
 @dataclass

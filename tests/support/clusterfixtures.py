@@ -67,14 +67,14 @@ class Installed:
     cluster: Cluster
     commands: list[Result] = field(default_factory=list)
 
-    def install(self, *extra: str) -> None:
+    def install(self) -> None:
+        """The README's commands, with the repository's chart (its second way) and our node."""
         from support.cluster import NODE
 
         c = self.cluster
         self.commands = [
             c.inside(["deploy/label-nodes.sh", "--hypervisor", "kvm", NODE]),
-            c.helm("install", RELEASE, "deploy/chart/hlplugin", "-n", NAMESPACE, "--create-namespace",
-                   *extra),
+            c.helm("install", RELEASE, "deploy/chart/hlplugin", "-n", NAMESPACE, "--create-namespace"),
         ]
         self.commands += [c.kubectl("-n", NAMESPACE, "rollout", "status", f"daemonset/{name}",
                                     "--timeout", "180s", timeout=200) for name in DAEMONSETS]
