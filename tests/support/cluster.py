@@ -81,8 +81,8 @@ def missing() -> list[str]:
     """Why a cluster cannot start here, each reason naming what to provide; empty when it can."""
     reasons = []
     if not all((K8S_DIR / f"{b}.xz").exists() for b in BINARIES):
-        reasons.append(f"no Kubernetes binaries in HLPLUGIN_K8S_DIR={K8S_DIR} "
-                       f"(kube-apiserver.xz ... kubelet.xz, containerd.xz: see docs in README, Tests)")
+        reasons.append(f"no Kubernetes binaries in HLPLUGIN_K8S_DIR={K8S_DIR} (kube-apiserver.xz "
+                       "... kubelet.xz, containerd.xz: README, \"Tests on a real cluster\")")
     if os.geteuid() != 0:
         reasons.append("needs root (namespaces, mounts, cgroups)")
     tools = ("unshare", "nsenter", "mount", "ip", "iptables", "openssl", "xz", "podman", "runc",
