@@ -24,9 +24,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The real cluster's destructive tests (reboot, uninstall, teardown) run after every other
-    test, so none of those meets a node they broke (tests/support/clusterfixtures.py)."""
-    items.sort(key=lambda item: item.get_closest_marker("cluster_last") is not None)
+    """The real cluster's tests run after all others, so its daemons (session-scoped, stopped at
+    the session's end) never load the machine under another test; its destructive ones
+    (reboot, uninstall, teardown) run last of all (tests/support/clusterfixtures.py)."""
+    items.sort(key=lambda item: (item.get_closest_marker("cluster") is not None,
+                                 item.get_closest_marker("cluster_last") is not None))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -71,8 +71,10 @@ def test_a_kubelet_restart_reregisters_both_plugins(release: Installed) -> None:
     c = release.cluster
     before = plugin_pods(c)
     offset = len(c.log("kubelet"))
+    kubelet = c.status()["running"]["kubelet"]
     began = time.monotonic()
     c.restart_kubelet()
+    assert c.status()["running"]["kubelet"] != kubelet, "a new kubelet process"
 
     def registered() -> set[str]:
         return {m.group(2) for m in REGISTERED.finditer(kubelet_log_since(c, offset))}

@@ -7,9 +7,11 @@ docstring): a killed test run leaves nothing behind. The test process stays outs
 and ctr run in the cluster's network and mount namespaces through nsenter, and ``Sampler`` polls
 the API server from a thread that joined the network namespace.
 
-cgroup v1 here: the kubelet runs with ``failCgroupV1: false`` and the cgroupfs driver. On cgroup
-v2 drop ``failCgroupV1`` and the cpuset copy in clusterd.make_cgroups (v2 inherits it); the rest
-is the same.
+cgroup v1 here: the kubelet runs with ``failCgroupV1: false`` (1.35+ refuses v1 otherwise) and
+the cgroupfs driver, and clusterd gives its v1 cpuset cgroup the parent's CPUs and memory nodes.
+On cgroup v2 (not tried here) the same code applies: ``failCgroupV1`` is then moot, the cgroup
+root is one directory of the unified hierarchy, and its controllers must be enabled in the
+parent's ``cgroup.subtree_control`` (systemd-managed hosts do so at the root).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import sys
 import tarfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,8 +81,8 @@ def missing() -> list[str]:
     """Why a cluster cannot start here, each reason naming what to provide; empty when it can."""
     reasons = []
     if not all((K8S_DIR / f"{b}.xz").exists() for b in BINARIES):
-        reasons.append(f"no Kubernetes binaries in HLPLUGIN_K8S_DIR={K8S_DIR} "
-                       f"(kube-apiserver.xz ... kubelet.xz, containerd.xz: see docs in README, Tests)")
+        reasons.append(f"no Kubernetes binaries in HLPLUGIN_K8S_DIR={K8S_DIR} (kube-apiserver.xz "
+                       "... kubelet.xz, containerd.xz: README, \"Tests on a real cluster\")")
     if os.geteuid() != 0:
         reasons.append("needs root (namespaces, mounts, cgroups)")
     tools = ("unshare", "nsenter", "mount", "ip", "iptables", "openssl", "xz", "podman", "runc",
@@ -106,7 +108,7 @@ def unpack_binaries() -> Path:
     target.mkdir(parents=True, exist_ok=True)
     digests = dict(reversed(line.split()) for line in sums.splitlines() if line.strip())
     for name in BINARIES:
-        partial = target / f".{name}.partial"
+        partial = target / f".{name}.{os.getpid()}.partial"  # two sessions may unpack at once
         with partial.open("wb") as out:
             subprocess.run(["xz", "-dc", str(K8S_DIR / f"{name}.xz")], stdout=out, check=True)
         digest = hashlib.sha256(partial.read_bytes()).hexdigest()
@@ -200,7 +202,7 @@ class Result:
 
 
 class CommandFailed(AssertionError):
-    pass
+    """A command in the cluster exited non-zero: the message carries its stderr and stdout."""
 
 
 @dataclass
@@ -212,6 +214,14 @@ class Cluster:
     launcher: subprocess.Popen[str] | None = None
     answers: queue.Queue[str] = field(default_factory=queue.Queue)
     timings: dict[str, float] = field(default_factory=dict)
+    # Known once started: PID 1 of the namespaces (as the host numbers it), the kubelet's cgroup
+    # root, the certificates, the admin kubeconfig, containerd's root (kept across a reboot).
+    pid: int = field(init=False, default=0)
+    cgroup: str = field(init=False, default="")
+    pki: Pki = field(init=False)
+    admin: Path = field(init=False)
+    containerd_root: Path = field(init=False)
+    launcher_log: Any = field(init=False)
 
     # --- life ---------------------------------------------------------------------------------
 
@@ -219,10 +229,10 @@ class Cluster:
         began = time.monotonic()
         self.run.mkdir(parents=True, exist_ok=True)
         plan = self._write_plan()
-        self.stderr = (self.run / "logs" / "clusterd.log").open("a")
+        self.launcher_log = (self.run / "logs" / "clusterd.log").open("a")
         self.launcher = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("clusterd.py")), str(plan)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.launcher_log, text=True,
             env={**os.environ, "PATH": f"{self.bin}:{os.environ.get('PATH', '/usr/bin:/bin')}"})
         threading.Thread(target=self._read_answers, daemon=True).start()
         first = self._answer(60)
@@ -251,7 +261,7 @@ class Cluster:
         except subprocess.TimeoutExpired:
             self.launcher.kill()
             self.launcher.wait(10)
-        self.stderr.close()
+        self.launcher_log.close()
 
     def _read_answers(self) -> None:
         assert self.launcher is not None and self.launcher.stdout is not None
@@ -624,13 +634,3 @@ class Sampler:
     def __exit__(self, *exc: object) -> None:
         self.done.set()
         self.thread.join(10)
-
-
-@contextlib.contextmanager
-def running_cluster(run: Path) -> Iterator[Cluster]:
-    cluster = Cluster(run)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()

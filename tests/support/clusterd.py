@@ -54,7 +54,10 @@ def sh(*argv: str) -> None:
 
 
 def hierarchies() -> list[Path]:
-    """Every mounted cgroup hierarchy (v1 controllers, name=systemd, the unified one)."""
+    """Every mounted cgroup hierarchy: on v1 each controller's, name=systemd's and the unified
+    one beside them; on v2 the one unified hierarchy mounted at /sys/fs/cgroup itself."""
+    if (CGROUP_FS / "cgroup.controllers").exists():
+        return [CGROUP_FS]
     if not CGROUP_FS.is_dir():
         return []
     return sorted(p for p in CGROUP_FS.iterdir() if (p / "cgroup.procs").exists())
@@ -295,9 +298,9 @@ def setup_namespace(plan: dict[str, Any]) -> None:
 def inner(plan: dict[str, Any]) -> int:
     """PID 1 of the new namespaces."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.setsid()  # a ^C at the terminal reaches pytest, never the components: pytest decides
     supervisor = Supervisor(plan)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C to pytest reaches the group: pytest decides
     try:
         setup_namespace(plan)
         make_cgroups(plan["cgroup"])
@@ -324,7 +327,7 @@ def main() -> int:
     child = os.fork()  # the first child is PID 1 of the new PID namespace
     if child == 0:
         os._exit(inner(plan))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C reaches pytest too: it closes our stdin
     signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGTERM))
     while True:
         try:

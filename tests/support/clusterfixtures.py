@@ -9,6 +9,7 @@ still run last (marker ``cluster_last``), where a failure to restore harms no ot
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 from collections.abc import Iterator
@@ -28,8 +29,10 @@ DAEMONSETS = ("hyperlight-device-access", "hyperlight-device-plugin")
 
 def build_image() -> str:
     """The project's image, built as tests/test_node.py builds it (deploy/local-node.sh), or the
-    one HLPLUGIN_IMAGE names when HLPLUGIN_IMAGE_BUILT is set."""
-    name = os.environ.get("HLPLUGIN_IMAGE", "localhost/hlplugin:node-test")
+    one HLPLUGIN_IMAGE names when HLPLUGIN_IMAGE_BUILT is set. The default tag is this clone's
+    own, so two clones' sessions on one machine never import each other's build."""
+    clone = hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]
+    name = os.environ.get("HLPLUGIN_IMAGE", f"localhost/hlplugin:cluster-{clone}")
     if os.environ.get("HLPLUGIN_IMAGE_BUILT"):
         return name
     result = subprocess.run([str(ROOT / "deploy/local-node.sh"), "build"], capture_output=True,
@@ -64,14 +67,14 @@ class Installed:
     cluster: Cluster
     commands: list[Result] = field(default_factory=list)
 
-    def install(self, *extra: str) -> None:
+    def install(self) -> None:
+        """The README's commands, with the repository's chart (its second way) and our node."""
         from support.cluster import NODE
 
         c = self.cluster
         self.commands = [
             c.inside(["deploy/label-nodes.sh", "--hypervisor", "kvm", NODE]),
-            c.helm("install", RELEASE, "deploy/chart/hlplugin", "-n", NAMESPACE, "--create-namespace",
-                   *extra),
+            c.helm("install", RELEASE, "deploy/chart/hlplugin", "-n", NAMESPACE, "--create-namespace"),
         ]
         self.commands += [c.kubectl("-n", NAMESPACE, "rollout", "status", f"daemonset/{name}",
                                     "--timeout", "180s", timeout=200) for name in DAEMONSETS]
