@@ -36,6 +36,7 @@ import inotify_simple
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.cdi_spec import SPEC_FILE, render_spec
 from hlplugin.config import MAX_DEVICE_COUNT
 from hlplugin.deviceplugin.kubelet.servicer import MAX_STREAMS
@@ -58,6 +59,7 @@ class Profile:
     transitions: int = 100       # health transitions for the broadcast figure
     tampers: int = 200           # tamperings per CDI kind
     kubelet_restarts: int = 30
+    handovers: int = 10          # upgrades on one node, each way (surge hand-over, in place)
     starts: int = 7
     mem_allocs: int = 10_000     # Allocates for the memory figure (two halves)
     mem_transitions: int = 1000  # transitions for the memory figure (two halves)
@@ -70,7 +72,8 @@ class Profile:
     footprint_allocs: int = 2000   # Allocates to the main daemon (and the floor) as the load
 
 
-QUICK = Profile(repeats=2, allocs=300, transitions=6, tampers=10, kubelet_restarts=3, starts=2,
+QUICK = Profile(repeats=2, allocs=300, transitions=6, tampers=10, kubelet_restarts=3, handovers=2,
+                starts=2,
                 mem_allocs=1000, mem_transitions=40, boot_allocs=100, idle=5.0, probes=20,
                 footprint_starts=2, footprint_idle=5.0, footprint_probed=5.0, footprint_allocs=200)
 # The most raw streams the daemon serves next to the kubelet's (it refuses more).
@@ -151,7 +154,7 @@ async def served(tmp: Path, name: str, count: int = 2000, bootstrap: bool = Fals
     node = make_node(tmp, name)
     args = bootstrap_args(node) if bootstrap else node.serve_args(
         "--hypervisor", "kvm", "--device-count", str(count))
-    resource, count = (DEVICE_ACCESS_RESOURCE, 1) if bootstrap else (HYPERVISOR_RESOURCE, count)
+    resource, count = (DEVICE_ACCESS_RESOURCE, ACCESS_SLOTS) if bootstrap else (HYPERVISOR_RESOURCE, count)
     async with drive.on_kubelet(node, args) as (kubelet, proc):
         await kubelet.wait_for(lambda: kubelet.allocatable(resource) == count, timeout)
         yield node, kubelet, proc
@@ -341,6 +344,44 @@ async def bench_kubelet_restart(tmp: Path, p: Profile) -> None:
             until="Register done and 2,000 Healthy devices listed", since="the new kubelet's start")
 
 
+async def bench_handover(tmp: Path, p: Profile) -> None:
+    """An upgrade on one node as the kubelet sees it: from the old stream's end to the new
+    instance's first list. The surge hand-over (a standby Ready beside the old daemon takes the
+    socket as the old one stops) against the in-place replacement it replaces (maxSurge 0: the old
+    daemon stops, then the new one starts), measured in the same run."""
+    node = make_node(tmp, "handover")
+    args = node.serve_args("--hypervisor", "kvm", "--device-count", "2000")
+    surge: list[float] = []
+    in_place: list[float] = []
+
+    async def back(calls: int) -> float:
+        await kubelet.wait_for(lambda: kubelet.register_calls > calls
+                               and kubelet.allocatable(HYPERVISOR_RESOURCE) == 2000, 30)
+        return kubelet.handover_gaps(HYPERVISOR_RESOURCE)[-1]
+
+    async with drive.emulator(node.plugin_dir) as kubelet, contextlib.AsyncExitStack() as stack:
+        old = await stack.enter_async_context(drive.daemon(args))
+        await kubelet.wait_for(lambda: kubelet.allocatable(HYPERVISOR_RESOURCE) == 2000, 30)
+        for _ in range(p.handovers):
+            new = await stack.enter_async_context(drive.daemon(args))
+            await new.wait_http("/readyz", 200, 30)  # the standby, Ready beside the old one
+            calls = kubelet.register_calls
+            await old.stop()
+            surge.append(await back(calls))
+            old = new
+        for _ in range(p.handovers):
+            calls = kubelet.register_calls
+            await old.stop()
+            old = await stack.enter_async_context(drive.daemon(args))
+            in_place.append(await back(calls))
+    value, baseline = statistics.median(surge), statistics.median(in_place)
+    record(f"upgrade hand-over -> the kubelet's gap, median of {len(surge)}", ms(value), "ms",
+           goal="<= 100 ms", met=value <= 0.1, baseline=ms(baseline), ratio=round(value / baseline, 3),
+           max_ms=ms(max(surge)), min_ms=ms(min(surge)),
+           since="the kubelet saw the old stream end", until="the new instance's first list",
+           baseline_is="in place (maxSurge 0): the old daemon stops, then the new one starts")
+
+
 async def bench_start(tmp: Path, p: Profile) -> None:
     times, imports = [], []
     for i in range(p.starts):
@@ -410,7 +451,7 @@ async def bench_bootstrap_memory(tmp: Path, p: Profile) -> None:
         for _ in range(p.boot_allocs):
             await kubelet.allocate(DEVICE_ACCESS_RESOURCE, [["device-access-kvm"]])
         for i in range(20):
-            await flip(node, kubelet, i % 2 == 1, 1, DEVICE_ACCESS_RESOURCE, node.root / "dev")
+            await flip(node, kubelet, i % 2 == 1, ACCESS_SLOTS, DEVICE_ACCESS_RESOURCE, node.root / "dev")
         peak = proc_status(proc.pid)["VmHWM"]
     record("peak RSS (VmHWM), bootstrap daemon", round(peak / 1024, 1), "MiB", goal="<= 40 MiB",
            met=peak <= 40 * 1024, baseline=BASELINE.get("mib"), allocates=p.boot_allocs, transitions=20)
@@ -419,7 +460,7 @@ async def bench_bootstrap_memory(tmp: Path, p: Profile) -> None:
 async def bench_idle(tmp: Path, p: Profile) -> None:
     async with served(tmp, "idle") as (node, kubelet, main), \
             baseline_server(node.root) as (_, base_pid), drive.daemon(bootstrap_args(node)) as boot:
-        await kubelet.wait_for(lambda: kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == 1, 30)
+        await kubelet.wait_for(lambda: kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == ACCESS_SLOTS, 30)
         await asyncio.sleep(1.0)  # settle: start-up work done before the window opens
         pids = {"main": main.pid, "bootstrap": boot.pid, "baseline": base_pid}
         before = {k: drive.cpu_seconds(v) for k, v in pids.items()}
@@ -488,7 +529,7 @@ async def bench_footprint(tmp: Path, p: Profile) -> None:
     floor = footprint.Process("floor", ["-c", BASELINE_SERVER, str(node.root / "floor.sock")])
     async with drive.emulator(node.plugin_dir) as kubelet, footprint.running(floor, main, boot):
         await kubelet.wait_for(lambda: kubelet.allocatable(HYPERVISOR_RESOURCE) == 2000
-                               and kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == 1, 60)
+                               and kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == ACCESS_SLOTS, 60)
         await wait_until((node.root / "floor.sock").exists, 30, "floor socket")
         await asyncio.sleep(2.0)  # settle: start-up work done before the window opens
         procs = {"main": main, "bootstrap": boot, "floor": floor}
@@ -512,7 +553,7 @@ async def bench_footprint(tmp: Path, p: Profile) -> None:
             await hammer(pb_grpc.DevicePluginStub(fch), p.footprint_allocs, 16)
         for i in range(20):
             await flip(node, kubelet, i % 2 == 1, 2000)
-            await flip(node, kubelet, i % 2 == 1, 1, DEVICE_ACCESS_RESOURCE, node.root / "dev")
+            await flip(node, kubelet, i % 2 == 1, ACCESS_SLOTS, DEVICE_ACCESS_RESOURCE, node.root / "dev")
         for _ in range(p.footprint_allocs // 20):
             await kubelet.allocate(DEVICE_ACCESS_RESOURCE, [["device-access-kvm"]])
         for proc in (main.daemon, boot.daemon):
@@ -577,7 +618,8 @@ def table(figures: list[dict[str, Any]]) -> str:
 
 STEPS: dict[str, Callable[[Path, Profile], Awaitable[None]]] = {
     bench.__name__.removeprefix("bench_").replace("_", "-"): bench for bench in (
-        bench_allocate, bench_broadcast, bench_cdi, bench_kubelet_restart, bench_start, bench_memory,
+        bench_allocate, bench_broadcast, bench_cdi, bench_kubelet_restart, bench_handover, bench_start,
+        bench_memory,
         bench_ceiling, bench_bootstrap_memory, bench_idle, bench_probes, bench_footprint, bench_starts)}
 # Steps run only when named with --only (a full run has their figures from another step).
 OPT_IN = {"starts"}

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import faultreport
 from harness import Gate
+from support.clusterfixtures import cluster, installed, release  # noqa: F401  (fixtures)
 
 # A guard, not a timing assertion: a test that hangs fails with its stack instead of stalling CI.
 ASYNC_GUARD_SECONDS = 90.0
@@ -21,6 +22,14 @@ ASYNC_GUARD_SECONDS = 90.0
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "guard(seconds): the async test's guard timeout (default 90 s)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real cluster's tests run after all others, so its daemons (session-scoped, stopped at
+    the session's end) never load the machine under another test; its destructive ones
+    (reboot, uninstall, teardown) run last of all (tests/support/clusterfixtures.py)."""
+    items.sort(key=lambda item: (item.get_closest_marker("cluster") is not None,
+                                 item.get_closest_marker("cluster_last") is not None))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -150,3 +150,16 @@ def test_a_pod_requesting_device_access_is_denied_with_the_message(
     # The same pod from the device plugin's own namespace and ServiceAccount is not matched.
     own = reserved_pod(where, "hyperlight-system", "hyperlight-device-plugin")
     assert admit(policy, own) is False
+
+
+@pytest.mark.parametrize("quantity", ["1", "2"])
+def test_both_device_access_slots_stay_reserved(policy: dict[str, Any], quantity: str) -> None:
+    """The bootstrap advertises two slots (the main pod's and its surge pod's, issue 29): the
+    spare one is no more a workload's than the first, in any quantity."""
+    pod = reserved_pod("limits", "hyperlight-examples", "hyperlight-example")
+    pod["spec"]["containers"][0]["resources"] = {"limits": {RESERVED: quantity},
+                                                 "requests": {RESERVED: quantity}}
+    with pytest.raises(Denied):
+        admit(policy, pod)
+    surge = reserved_pod("limits", "hyperlight-system", "hyperlight-device-plugin")
+    assert admit(policy, surge) is False  # a second main pod, as a surge creates, is not matched

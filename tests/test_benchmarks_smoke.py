@@ -22,6 +22,7 @@ FIGURES = (
     *(f"{what}, {who} daemon" for what in ("peak RSS (VmHWM)", "idle CPU") for who in ("main", "bootstrap")),
     "peak RSS (VmHWM), main daemon at DEVICE_COUNT", "longest device list at DEVICE_COUNT",
     "health transition seen by all", "kubelet restart -> re-registered", "process start -> registered",
+    "upgrade hand-over -> the kubelet's gap",
     "RSS growth from Allocate", "KVM check (open, API version, create VM)", "KVM check with guest",
     "host identity check",
     # What every node pays, each daemon in a memory cgroup of its own, beside the floor.

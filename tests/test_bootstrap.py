@@ -27,6 +27,7 @@ from harness import (
 from hlplugin import hvnode
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.bootstrap import DeviceAccessPlugin, node_watch
 from hlplugin.deviceplugin.health.conditions import HealthTracker
 from hlplugin.deviceplugin.health.producer import Trigger
@@ -56,11 +57,11 @@ async def test_grants_exactly_the_device_refuses_without_it_and_every_family_mov
     dev = make_dev_dir(tmp_path)
     rdev = os.stat(dev / "kvm").st_rdev
     async with on_kubelet(node, bootstrap_args(node, dev)) as (kubelet, proc):
-        # One slot, registered; every family says so (build_info, set by Metrics: test_metrics).
-        await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
+        # Its slots, registered; every family says so (build_info, set by Metrics: test_metrics).
+        await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == ACCESS_SLOTS)
         resource = kubelet.resources[ACCESS]
         assert resource.endpoint == "hyperlight-device-access.sock"
-        assert list(resource.devices) == ["device-access-kvm"]
+        assert list(resource.devices) == ["device-access-kvm", "device-access-kvm-1"]
         ready = json.loads(await proc.wait_http("/readyz", 200))
         assert ready == {"status": "ready", "ignored_settings": [], "warnings": [],
                          "conditions": {name: {"ok": True, "reason": ""} for name in (
@@ -70,8 +71,8 @@ async def test_grants_exactly_the_device_refuses_without_it_and_every_family_mov
         # Only the families it changes: it has no CDI spec and no device prober.
         assert not {name for name, _ in first if name.startswith(("hyperlight_cdi", "hyperlight_probe"))}
         assert value(m, "hyperlight_registrations_total", result="success") == 1
-        assert value(m, "hyperlight_devices_advertised") == 1
-        assert value(m, "hyperlight_devices_healthy") == 1
+        assert value(m, "hyperlight_devices_advertised") == ACCESS_SLOTS
+        assert value(m, "hyperlight_devices_healthy") == ACCESS_SLOTS
         assert value(m, "hyperlight_health_condition", condition="device") == 1
 
         # It grants exactly the device, and refuses an ID it does not advertise.
@@ -105,7 +106,7 @@ async def test_grants_exactly_the_device_refuses_without_it_and_every_family_mov
 
         # The device comes back: granted again without a restart, to several containers too.
         mknod_char(dev / "kvm", rdev)
-        await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1, timeout=5)
+        await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == ACCESS_SLOTS, timeout=5)
         await kubelet.allocate(ACCESS, [["device-access-kvm"]])  # the slot is the admitted pod's
         await proc.wait_http("/readyz", 200)
         two = await kubelet.allocate(ACCESS, [["device-access-kvm"], ["device-access-kvm"]])
@@ -113,7 +114,7 @@ async def test_grants_exactly_the_device_refuses_without_it_and_every_family_mov
         assert all(len(c.devices) == 1 for c in two.container_responses)
         for _ in range(2):  # a kubelet restart: registered again, and grants again
             await kubelet.restart()
-            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1, timeout=10)
+            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == ACCESS_SLOTS, timeout=10)
             await kubelet.admit(ACCESS)
 
 
@@ -193,7 +194,7 @@ async def test_dev_null_numbers_at_the_device_path_are_never_advertised_or_grant
             stub = pb_grpc.DevicePluginStub(channel)
             stream = stub.ListAndWatch(pb.Empty())
             first = await stream.read()
-            assert [d.health for d in first.devices] == ["Unhealthy"]
+            assert [d.health for d in first.devices] == ["Unhealthy"] * ACCESS_SLOTS
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Allocate(request, timeout=10)
             assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -203,7 +204,7 @@ async def test_dev_null_numbers_at_the_device_path_are_never_advertised_or_grant
             mknod_char(node, os.makedev(10, 232))  # the hypervisor's numbers: granted (never opened)
             answer = await stub.Allocate(request, timeout=10)
             assert [d.host_path for d in answer.container_responses[0].devices] == ["/dev/kvm"]
-            assert [d.health for d in (await stream.read()).devices] == ["Healthy"]
+            assert [d.health for d in (await stream.read()).devices] == ["Healthy"] * ACCESS_SLOTS
             stream.cancel()
     finally:
         plugin.close_streams()

@@ -18,6 +18,7 @@ import pytest
 from fusefs import HangingFs
 from harness import Node, needs_kvm, needs_root, on_kubelet
 
+from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.names import DEVICE_ACCESS_RESOURCE
 from hlplugin.settings import HealthSettings
 from hlplugin.tools.emulator import AdmissionError
@@ -38,7 +39,7 @@ async def test_allocate_on_a_hung_dev_refuses_within_the_budget_and_stays_live(
         args = ["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", str(fs.mountpoint)]
         async with on_kubelet(node, args) as (kubelet, proc):
             try:
-                await kubelet.wait_for(lambda: kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == 1)
+                await kubelet.wait_for(lambda: kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == ACCESS_SLOTS)
                 await kubelet.admit(DEVICE_ACCESS_RESOURCE)  # the node answers: granted
                 fs.hang()
                 loop = asyncio.get_running_loop()
@@ -64,5 +65,5 @@ async def test_allocate_on_a_hung_dev_refuses_within_the_budget_and_stays_live(
             # before the periodic recheck would.
             granted = await kubelet.allocate(DEVICE_ACCESS_RESOURCE, [["device-access-kvm"]])
             assert [d.host_path for d in granted.container_responses[0].devices] == ["/dev/kvm"]
-            await kubelet.wait_for(lambda: kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == 1, 5)
+            await kubelet.wait_for(lambda: kubelet.allocatable(DEVICE_ACCESS_RESOURCE) == ACCESS_SLOTS, 5)
             assert await proc.signal(signal.SIGTERM, timeout=10) == 0

@@ -100,7 +100,7 @@ def test_operations_says_what_stays_after_a_reboot_and_after_uninstall() -> None
     uninstall = operations[operations.index("To uninstall"):]
     uninstall = " ".join(uninstall[: uninstall.index("\n## ")].split())
     count = daemon_default("device_count")
-    for needle in (f"`hyperlight.dev/hypervisor: {count // 1000}k`", "`hyperlight.dev/device-access: 1`",
+    for needle in (f"`hyperlight.dev/hypervisor: {count // 1000}k`", "`hyperlight.dev/device-access: 2`",
                    "5 minutes", "show 0 for good", "`/var/run/cdi/hyperlight.json` stays",
                    "`namespace.create=true`"):
         assert needle in uninstall, needle

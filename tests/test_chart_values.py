@@ -115,9 +115,9 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[Objects], bool]]] = {
     "updateStrategy.rollingUpdate.maxUnavailable": (
         {"updateStrategy": {"rollingUpdate": {"maxUnavailable": 2}}},
         on_both(lambda ds: ds["spec"]["updateStrategy"]["rollingUpdate"]
-                == {"maxUnavailable": 2, "maxSurge": 0})),
+                == {"maxUnavailable": 2, "maxSurge": "25%"})),
     "updateStrategy.rollingUpdate.maxSurge": (
-        {"updateStrategy": {"rollingUpdate": {"maxSurge": 0}}},
+        {"updateStrategy": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}},
         on_both(lambda ds: ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0)),
     "plugin.resources": ({"plugin": {"resources": PLUGIN_RESOURCES}}, resources_are(MAIN, PLUGIN_RESOURCES)),
     "bootstrap.resources": ({"bootstrap": {"resources": BOOTSTRAP_RESOURCES}},

@@ -57,8 +57,8 @@ def explains_itself(out: str, root: Path) -> None:
     for phrase in ["a device plugin is a daemon on each node that tells the kubelet",
                    "CDI (Container Device Interface) is a JSON file on the node",
                    "the 2,000 slots are not 2,000 devices",
-                   "the bootstrap daemon's one hyperlight.dev/device-access unit is for the main "
-                   "daemon's own pod"]:
+                   "the bootstrap daemon's two hyperlight.dev/device-access units are for the "
+                   "main daemon's own pods"]:
         assert phrase in flat, f"{phrase!r} missing from:\n{out}"
     commands = {}
     for match in re.finditer(r"^ *\$ ((?:.*\\\n)*.*)$", out, re.M):  # "$ ..." and its continuations
@@ -87,7 +87,7 @@ def test_demo_runs_the_main_job(short_tmp: Path, keep: bool) -> None:
     explains_itself(out, root)
     for expected in [
         "hyperlight.dev/hypervisor     capacity 2000   allocatable 2000",
-        "hyperlight.dev/device-access  capacity    1   allocatable    1",
+        "hyperlight.dev/device-access  capacity    2   allocatable    2",
         "hlplugin serve      /readyz 200 ready", "hlplugin bootstrap  /readyz 200 ready",
         "answered cdi_devices: hyperlight.dev/hypervisor=kvm",
         "deviceNode /dev/kvm (type c, rw, uid 65534, gid 65534)",

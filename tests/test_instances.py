@@ -1,6 +1,7 @@
 """One instance per node and resource (issue 20 #6): a second instance on the same plugin
-directory leaves a live instance's socket alone and waits NotReady naming it, takes over as soon
-as it goes away, and takes a stale socket file at once. In-process against the kubelet emulator,
+directory leaves a live instance's socket alone and stands by naming it (Ready: issue 29's surge
+rollouts; tests/test_handover.py), takes over as soon as it goes away, and takes a stale socket
+file at once. In-process against the kubelet emulator,
 and once with two real daemons."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from harness import (
 )
 
 from hlplugin import names
+from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.deviceplugin.health.conditions import HealthState
 from hlplugin.deviceplugin.kubelet.endpoint import Held, find_holder, private_path, publish
 from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
@@ -78,7 +80,7 @@ def warnings_about_holder(caplog: pytest.LogCaptureFixture) -> list[str]:
             if r.levelno == logging.WARNING and HELD in r.getMessage()]
 
 
-async def test_a_second_instance_waits_unready_naming_the_first_then_takes_over(
+async def test_a_second_instance_stands_by_naming_the_first_then_takes_over(
         caplog: pytest.LogCaptureFixture) -> None:
     plugin_dir = short_dir()
     path = plugin_dir / SOCKET
@@ -96,7 +98,10 @@ async def test_a_second_instance_waits_unready_naming_the_first_then_takes_over(
                 await wait_until(lambda: HELD in second.status, what="the newcomer names the other")
                 assert second.status == (f"{path} is served by another instance, pid {os.getpid()} "
                                          f"(uid {os.geteuid()}); waiting for it to go away")
-                assert readiness()["registered"] == (False, second.status)
+                assert second.role.standby and not second.registered
+                assert readiness()["registered"] == (True, (
+                    f"standby: pid {os.getpid()} (uid {os.geteuid()}) serves {path}; this "
+                    f"instance takes over when it goes"))
                 # A bounded watch, 1 s (about 50 looks): nothing changes hands.
                 with pytest.raises(TimeoutError):
                     await kubelet.wait_for(lambda: kubelet.register_calls != 1
@@ -114,7 +119,7 @@ async def test_a_second_instance_waits_unready_naming_the_first_then_takes_over(
                 took = time.monotonic() - gone
                 zero = await outage
                 await kubelet.wait_for(lambda: second.registered and second.open_streams == 1)
-                assert readiness()["registered"] == (True, "")
+                assert readiness()["registered"] == (True, "") and not second.role.standby
                 print(f"handover: allocatable 0 for {zero * 1000:.0f} ms; back at 4 "
                       f"{took * 1000:.0f} ms after the first's stop returned")
                 await kubelet.admit(RESOURCE)
@@ -242,7 +247,7 @@ async def test_two_daemons_on_one_node_one_serves_the_other_waits(kind: str, tmp
         resource, count, socket_name = RESOURCE, 10, names.HYPERVISOR_SOCKET
     else:
         args = ["bootstrap", "--plugin-dir", str(node.plugin_dir), "--dev-dir", "/dev"]
-        resource, count, socket_name = (names.DEVICE_ACCESS_RESOURCE, 1,
+        resource, count, socket_name = (names.DEVICE_ACCESS_RESOURCE, ACCESS_SLOTS,
                                         names.DEVICE_ACCESS_SOCKET)
     async with on_kubelet(node, args) as (kubelet, first):
         await kubelet.wait_for(lambda: kubelet.allocatable(resource) == count, timeout=20)
@@ -253,13 +258,13 @@ async def test_two_daemons_on_one_node_one_serves_the_other_waits(kind: str, tmp
             async def names_the_other() -> bool:
                 nonlocal reason
                 status, body = await second.get("/readyz")
-                if status == 503:  # it also answers 503 while it starts up
+                if status == 200:  # a standby is Ready once its own checks pass
                     reason = json.loads(body)["conditions"]["registered"]["reason"]
-                return HELD in reason
+                return "standby" in reason
 
             await wait_until(names_the_other, timeout=20, step=0.05, what="/readyz names the other")
-            assert reason == (f"{node.plugin_dir / socket_name} is served by another instance, "
-                              f"pid {first.pid} (uid {os.geteuid()}); waiting for it to go away")
+            assert reason == (f"standby: pid {first.pid} (uid {os.geteuid()}) serves "
+                              f"{node.plugin_dir / socket_name}; this instance takes over when it goes")
             # A bounded watch, 2 s: on main the two took turns (allocatable ended at 0).
             with pytest.raises(TimeoutError):
                 await kubelet.wait_for(lambda: kubelet.register_calls != 1

@@ -52,6 +52,7 @@ from support.node import (
 from support.node import image as image  # a fixture
 
 from hlplugin.api import deviceplugin_pb2 as pb
+from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.cdi_spec import check_file, render_spec
 from hlplugin.tools.emulator import KubeletEmulator
 
@@ -292,7 +293,7 @@ def test_kubelet_restart_both_containers_register_again(running: Cluster) -> Non
     c = running
     calls = c.kubelet.register_calls
     c.loop.call(c.kubelet.restart())  # deletes every socket in the plugin directory
-    c.wait(lambda: c.kubelet.allocatable(ACCESS) == 1 and c.kubelet.allocatable(HYPERVISOR) > 0,
+    c.wait(lambda: c.kubelet.allocatable(ACCESS) == ACCESS_SLOTS and c.kubelet.allocatable(HYPERVISOR) > 0,
            "both containers registered with the restarted kubelet")
     assert c.kubelet.register_calls >= calls + 2
     for socket in ("hyperlight.sock", "hyperlight-device-access.sock"):

@@ -38,6 +38,7 @@ from support.node import (
 )
 from support.node import image as image  # a fixture
 
+from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.tools.emulator import KubeletEmulator
 
 pytestmark = NODE_MARKS
@@ -108,7 +109,7 @@ def test_a_running_guest_keeps_its_device_across_restarts_and_node_faults(
     c, host_dev = node
     c.bootstrap = c.node.create(c.bootstrap_pod, "device-access", c.admit)
     c.start(c.bootstrap)
-    c.wait(lambda: c.kubelet.allocatable(ACCESS) == 1, "the bootstrap registered", GUARD)
+    c.wait(lambda: c.kubelet.allocatable(ACCESS) == ACCESS_SLOTS, "the bootstrap registered", GUARD)
     c.main = c.node.create(c.main_pod, "device-plugin", c.admit)
     c.start(c.main)
     c.wait(lambda: c.kubelet.allocatable(HYPERVISOR) > 0, "the main plugin registered", GUARD)
@@ -154,7 +155,7 @@ def test_a_running_guest_keeps_its_device_across_restarts_and_node_faults(
 
     slots = c.kubelet.capacity(HYPERVISOR)
     restart(c.main, HYPERVISOR, lambda: slots)
-    restart(c.bootstrap, ACCESS, lambda: 1)
+    restart(c.bootstrap, ACCESS, lambda: ACCESS_SLOTS)
     fault("the CDI spec garbled",
           lambda: spec.write_text('{"cdiVersion": "0.5.0", "kind": "evil.example/x"'),
           lambda: True,  # the write is the fault: the daemon may have repaired it already
@@ -165,7 +166,8 @@ def test_a_running_guest_keeps_its_device_across_restarts_and_node_faults(
                    os.mknod(host_dev / "kvm", stat.S_IFCHR | 0o600, os.stat("/dev/null").st_rdev)),
           lambda: c.kubelet.allocatable(HYPERVISOR) == 0,
           lambda: make_kvm_node(host_dev / "kvm"),
-          lambda: c.kubelet.allocatable(HYPERVISOR) == slots and c.kubelet.allocatable(ACCESS) == 1)
+          lambda: c.kubelet.allocatable(HYPERVISOR) == slots
+          and c.kubelet.allocatable(ACCESS) == ACCESS_SLOTS)
 
     # The same process, its VM and its device all along; and the node serves a new pod again.
     state = workload.state()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from harness import Node, daemon, emulator, needs_kvm
 
+from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.tools.emulator import AdmissionError, Pod
 
 ACCESS = "hyperlight.dev/device-access"
@@ -32,7 +33,7 @@ async def test_after_a_reboot_the_main_pod_fails_once_and_its_replacement_is_adm
     async with emulator(node.plugin_dir) as kubelet:
         # Before the reboot: the node as installed.
         async with daemon(bootstrap_args):
-            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1, 30)
+            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == ACCESS_SLOTS, 30)
             await kubelet.admit_pod(main_pod)
             async with daemon(serve_args):
                 await kubelet.wait_for(lambda: kubelet.allocatable(HYPERVISOR) == 4, 30)
@@ -50,7 +51,7 @@ async def test_after_a_reboot_the_main_pod_fails_once_and_its_replacement_is_adm
         async with daemon(bootstrap_args) as bootstrap:
             with pytest.raises(AdmissionError, match="cannot allocate unhealthy devices"):
                 await kubelet.admit_pod(Pod("hyperlight-device-plugin-c3", {ACCESS: 1}))
-            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1, 30)
+            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == ACCESS_SLOTS, 30)
             registered = loop.time()
             await kubelet.admit_pod(Pod("hyperlight-device-plugin-d4", {ACCESS: 1}))
             async with daemon(serve_args) as main:

@@ -13,6 +13,7 @@ import pytest
 from harness import emulator, healthy_tracker, short_dir
 
 from hlplugin import cli, config, names
+from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.bootstrap import SOCKET as ACCESS_SOCKET
 from hlplugin.bootstrap import DeviceAccessPlugin
 from hlplugin.deviceplugin import files
@@ -44,7 +45,7 @@ async def test_longest_accepted_plugin_dir_binds_and_registers() -> None:
     async with emulator(plugin_dir) as kubelet:
         task = asyncio.create_task(plugin.run())
         try:
-            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
+            await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == ACCESS_SLOTS)
         finally:
             task.cancel()
             await asyncio.wait({task})

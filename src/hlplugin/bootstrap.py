@@ -1,8 +1,10 @@
-"""The bootstrap daemon: one hyperlight.dev/device-access slot that grants the hypervisor node.
+"""The bootstrap daemon: hyperlight.dev/device-access slots that grant the hypervisor node.
 
 The main plugin's pod requests this resource, so the kubelet gives it /dev/<hv> read/write without
 privilege or a read-write host /dev. Allocate grants that one node and nothing else: no mknod
-permission, no mounts, no environment, no CDI.
+permission, no mounts, no environment, no CDI. Two slots (SLOTS): during a surge rollout the
+old main pod holds one while the new one, standing by, takes the other (docs/architecture.md,
+"Upgrades"); the admission policy still reserves both for the main DaemonSet.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ from hlplugin.names import DEVICE_ACCESS_SOCKET as SOCKET
 from hlplugin.names import PLUGIN_DIR_FLAG, ConditionName
 from hlplugin.settings import BootstrapSettings, show
 
+SLOTS = 2  # the main DaemonSet's pods on one node at once: the old one and its surge pod
+
+
+def slot_ids(hypervisor: str, slots: int = SLOTS) -> list[str]:
+    """``device-access-<hv>``, then ``device-access-<hv>-1`` ...: the first keeps the name a
+    single-slot release advertised, so a kubelet's checkpoint of it stays valid."""
+    return [f"device-access-{hypervisor}" + (f"-{n}" if n else "") for n in range(slots)]
+
 
 class DeviceAccessPlugin(TrackedDevicePlugin):
     """Grants /dev/<hv> after ``recheck()`` (the node watch's bounded pass, off the event loop, so
@@ -38,7 +48,7 @@ class DeviceAccessPlugin(TrackedDevicePlugin):
     def __init__(self, hypervisor: str, tracker: HealthTracker,
                  recheck: Callable[[], Awaitable[bool]],
                  metrics: DevicePluginMetrics | None = None) -> None:
-        super().__init__([f"device-access-{hypervisor}"], tracker, metrics)
+        super().__init__(slot_ids(hypervisor), tracker, metrics)
         self.device_path = f"/dev/{hypervisor}"
         self._recheck = recheck
 

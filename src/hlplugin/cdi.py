@@ -6,6 +6,13 @@ what to tell: condition ``cdi`` for the health tracker, the repair and refusal c
 log. A pass (the producer's: inspect, repair if needed, publish) runs on start, every interval,
 on every change inotify sees, and when an Allocate finds the spec not right; a read (a byte
 compare of the file) is what most Allocates cost.
+
+While this instance stands by for another that serves the socket (a surge rollout; see
+deviceplugin/kubelet/role.py) a pass only looks: the other release may render a different spec
+(e.g. ``deviceUid``), and two reconcilers would rewrite it in turn. The look still fails on what
+a write could not mend (not a regular file, unreadable storage, a spec of ours that is not well
+formed), so a broken release stays NotReady and halts its rollout; taking over, the instance
+writes its spec before it registers.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import operator
 import os
@@ -28,6 +36,7 @@ from hlplugin.deviceplugin.health.conditions import Condition, HealthTracker
 from hlplugin.deviceplugin.health.fresh import Fresh
 from hlplugin.deviceplugin.health.producer import Producer, Trigger
 from hlplugin.deviceplugin.health.watch import FILE_EVENTS, DirWatcher
+from hlplugin.deviceplugin.kubelet.role import Role
 from hlplugin.deviceplugin.ownedfile import NotRegular, OwnedFile
 from hlplugin.dirs import exposure, not_a_directory
 from hlplugin.metrics import Metrics, Refusal, RepairCause
@@ -49,6 +58,7 @@ class _Outcome:
     condition: Condition
     repaired: RepairCause | None = None  # the repair's cause, when we rewrote the file
     refused: Refusal | None = None
+    right: bool = True  # the file is exactly the spec (False: a standby left it as it found it)
 
 
 class CdiReconciler:
@@ -67,9 +77,11 @@ class CdiReconciler:
         clock: Callable[[], float] = time.monotonic,
         log_interval: float = repeats.INTERVAL,
         warnings: list[str] | None = None,
+        role: Role | None = None,
     ) -> None:
         """``warnings``: kept, in place, the problems of the directory's exposure (see
-        ``dirs.exposure``): the daemon's /readyz lists them without failing readiness."""
+        ``dirs.exposure``): the daemon's /readyz lists them without failing readiness.
+        ``role``: while it stands by, passes only look (see the module docstring)."""
         self.cdi_dir = cdi_dir = settings.dir
         self.warnings = warnings
         self.exposed: dict[Path, str] = {}  # the latest pass's dirs.exposure
@@ -98,6 +110,9 @@ class CdiReconciler:
         # When the latest read that found the spec right began (a quick read or a pass), and the
         # watch pulse taken just before it.
         self._verified: tuple[float, asyncio.Event] | None = None
+        self._role = role
+        if role is not None:
+            role.on_take_over(self._take_over)
 
     async def ensure(self) -> Condition:
         """Before every Allocate: the condition, resting on a read that began after the call
@@ -156,15 +171,19 @@ class CdiReconciler:
 
     async def _one_pass(self, trigger: Trigger) -> bool:
         began, pulse = asyncio.get_running_loop().time(), self.producer.wakeup.pulse()
+        standby = self._role is not None and self._role.standby
         exposed: dict[Path, str] | None = None
         try:
-            outcome, exposed = await self.producer.runner.run(self._inspect)
+            outcome, exposed = await self.producer.runner.run(
+                functools.partial(self._inspect, standby))
         except CheckFailed as exc:
             outcome = self._timed_out(exc)
         self._publish(outcome, trigger)
         if exposed is not None:
             self._publish_exposure(exposed)
-        if outcome.condition.ok:
+        if not outcome.right:  # once per interval: the tracker keeps no reason for a holding one
+            self.lines.log("standby", logging.INFO, "%s", outcome.condition.reason)
+        if outcome.condition.ok and outcome.right:
             self._verify(began, pulse)
         return outcome.condition.ok
 
@@ -227,9 +246,11 @@ class CdiReconciler:
         if self.warnings is not None:
             self.warnings[:] = [problem for problem in exposed.values() if problem]
 
-    def _inspect(self) -> tuple[_Outcome, dict[Path, str]]:
-        """In the runner's thread: the pass, then how the directory is exposed."""
-        return self._check_and_repair(), exposure(self.cdi_dir, os.geteuid())
+    def _inspect(self, standby: bool) -> tuple[_Outcome, dict[Path, str]]:
+        """In the runner's thread: the pass (a look only, while standing by), then how the
+        directory is exposed."""
+        outcome = self._look() if standby else self._check_and_repair()
+        return outcome, exposure(self.cdi_dir, os.geteuid())
 
     def _check_and_repair(self) -> _Outcome:
         """In the runner's thread (one at a time): inspect, and repair if needed."""
@@ -246,6 +267,21 @@ class CdiReconciler:
             reason = f"cannot write {self.path}: {problem or exc.strerror} ({name})"
             return _Outcome(Condition(False, reason), refused=Refusal.WRITE_FAILED)
         return _Outcome(Condition(True), repaired=cause)
+
+    def _look(self) -> _Outcome:
+        """A standby's pass, in the runner's thread: what a write would do, without writing."""
+        if not well_formed(self.desired):
+            return _Outcome(Condition(False, "the CDI spec this release renders is not well formed"))
+        try:
+            cause = self._diagnose()
+        except NotRegular as exc:
+            reason = f"{self.path} is {exc}; refusing to replace what we do not own"
+            return _Outcome(Condition(False, reason), refused=Refusal.NOT_REGULAR)
+        if cause is None:
+            return _Outcome(Condition(True))
+        return _Outcome(Condition(True, f"standby: {self.path} is not this release's spec "
+                                        f"({cause}); written when this instance takes over"),
+                        right=False)
 
     def _diagnose(self) -> RepairCause | None:
         """The repair cause, or None when the file is right. Raises NotRegular."""
@@ -266,8 +302,17 @@ class CdiReconciler:
         """Reconcile on every change to our file or directory, every ``interval`` seconds, and,
         while failing, with capped exponential backoff (the first pass unless one already ran).
         Runs until cancelled."""
+        if self._role is None or not self._role.standby:  # a holder's temp file may be in flight
+            await self._clean_up()
+        await self.producer.run()
+
+    async def _take_over(self) -> None:
+        """A standby now holds the socket: what it left alone is ours to make right."""
+        await self._clean_up()
+        await self.reconcile(Trigger.DEMAND)
+
+    async def _clean_up(self) -> None:
         try:
             await self.producer.runner.run(self.file.cleanup_leftovers)
         except CheckFailed as exc:
             log.warning("could not look for leftover temp files in %s: %s", self.cdi_dir, exc)
-        await self.producer.run()

@@ -20,6 +20,7 @@ from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.health.producer import Trigger
 from hlplugin.deviceplugin.kubelet.devicelist import DeviceList, NumberedIds
 from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.role import Role
 from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
 from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Launch, Started
 from hlplugin.health import DeviceMonitor
@@ -84,10 +85,14 @@ async def serve(settings: ServeSettings, launch: Launch | None = None) -> None:
 
     async def setup(hv: str) -> Started:
         cdi_settings = settings.cdi
+        # A standby (another instance serves our socket: a surge rollout) leaves the CDI spec
+        # alone until it takes over; the role is known before the reconciler's first pass.
+        role = Role()
         reconciler = cdi.CdiReconciler(
             cdi_settings, cdi_spec.render_spec(hv, cdi_settings.device_uid, cdi_settings.device_gid),
-            tracker=tracker, metrics=metrics, warnings=warnings)
+            tracker=tracker, metrics=metrics, warnings=warnings, role=role)
         monitor = DeviceMonitor(tracker, hv, settings.health, metrics=metrics)
+        role.look(settings.kubelet.plugin_dir / SOCKET)
         # The first pass of each: independent, in helper threads of their own, at once, while
         # the plugin starts serving and registers; its first list waits for both, so the
         # kubelet's first list is true.
@@ -108,7 +113,7 @@ async def serve(settings: ServeSettings, launch: Launch | None = None) -> None:
             settings.kubelet, SOCKET, RESOURCE,
             lambda: HypervisorPlugin(hv, devices, tracker, gate, first=first,
                                      cdi_annotations=cdi_settings.annotations, metrics=metrics),
-            dir_setting=PLUGIN_DIR_FLAG, metrics=metrics)
+            dir_setting=PLUGIN_DIR_FLAG, metrics=metrics, role=role)
         # Each run() goes on from its first pass (Producer.run waits for the one in flight).
         return Started(lifecycle, {"cdi": reconciler.run(), "device-health": monitor.run(),
                                    "plugin": lifecycle.run()})

@@ -24,6 +24,7 @@ from podnode import (
 )
 
 from hlplugin.api import deviceplugin_pb2 as pb
+from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.tools.emulator import KubeletEmulator
 
 T = TypeVar("T")
@@ -147,11 +148,11 @@ class Cluster:
         """The bootstrap container, made if no test made it yet, running and registered."""
         if self.bootstrap is None:
             self.bootstrap = self.node.create(self.bootstrap_pod, "device-access", self.admit)
-        if not self._serving(ACCESS, "hyperlight-device-access.sock", 1) \
+        if not self._serving(ACCESS, "hyperlight-device-access.sock", ACCESS_SLOTS) \
                 and not self.bootstrap.state()["Running"]:  # not started yet, or stopped by a test
             self.start(self.bootstrap)
-        self.wait(lambda: self.kubelet.allocatable(ACCESS) == 1,
-                  f"{ACCESS} registered by the bootstrap container with 1 healthy device")
+        self.wait(lambda: self.kubelet.allocatable(ACCESS) == ACCESS_SLOTS,
+                  f"{ACCESS} registered by the bootstrap container with its healthy devices")
         return self.bootstrap
 
     def ensure_main(self) -> Container:

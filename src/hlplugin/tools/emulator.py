@@ -3,10 +3,13 @@
 It reproduces what a device plugin can observe of the kubelet, by the rules in docs/kubelet.md
 (tests/test_emulator.py checks its restart and reboot against them): it deletes every socket in
 the plugin directory when it starts, validates Register, dials the plugin's endpoint inside
-Register and calls GetDevicePluginOptions, keeps one ListAndWatch stream per resource, counts only
-Healthy devices as allocatable, marks a resource's devices unhealthy when any of its streams ends,
+Register and calls GetDevicePluginOptions, keeps one client per resource name (a registration
+replaces it without ending the old client's stream), counts only Healthy devices as allocatable,
 and fails pod admission when no device of a requested resource is healthy or Allocate returns an
-error.
+error. When a client's ListAndWatch ends, the kubelet (handler.go runClient) disconnects whichever
+client holds that name *then*: the resource turns unhealthy, and a newer client that registered
+before the old stream ended loses its stream too. ``events`` records when each stream ended and
+when each list arrived, so a test can measure a hand-over's gap as the kubelet sees it.
 
 ``restart`` is a real kubelet's restart: streams end as it exits, its kubelet.sock stays dead
 while it is down, and the new kubelet deletes every socket before it serves. ``reboot`` is a node
@@ -42,6 +45,7 @@ from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.health.watch import wait_event
 from hlplugin.deviceplugin.kubelet.interfaces import Context
 from hlplugin.deviceplugin.kubelet.lifecycle import KUBELET_SOCKET
+from hlplugin.tools.kubelet_events import Event, forward, handover_gaps
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +96,20 @@ class Resource:
 
 
 class KubeletEmulator(pb_grpc.RegistrationServicer):
-    def __init__(self, plugin_dir: Path, *, mode: str = "normal", dial_timeout: float = 10.0) -> None:
+    def __init__(self, plugin_dir: Path, *, mode: str = "normal", dial_timeout: float = 10.0,
+                 stream_end_delay: float = 0.0) -> None:
+        """``stream_end_delay``: a busy kubelet, that many seconds late to act on a stream's end
+        (runClient runs once the stream's goroutine gets a CPU)."""
         self.plugin_dir = plugin_dir
+        self.stream_end_delay = stream_end_delay
         self.socket_path = plugin_dir / KUBELET_SOCKET
         self.mode = mode
         self.dial_timeout = dial_timeout
         self.resources: dict[str, Resource] = {}
+        # The client registered under each name (handler.go's clients map): a stream's end
+        # disconnects the one held here at that moment, whichever it is.
+        self.clients: dict[str, Resource] = {}
+        self.events: list[Event] = []
         self.register_calls = 0
         self.rejections: list[str] = []
         self._streams: set[asyncio.Task[None]] = set()
@@ -137,6 +149,7 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
         """Exit: every ListAndWatch stream ends, then nothing listens on kubelet.sock, which stays
         on disk (dead) unless ``remove_socket``."""
         self.resources.clear()
+        self.clients.clear()
         for task in list(self._streams):
             task.cancel()
         await asyncio.gather(*self._streams, return_exceptions=True)
@@ -200,38 +213,9 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             if self._private is None:
                 conn.close()
                 continue
-            task = asyncio.create_task(self._forward(conn, self._private / KUBELET_SOCKET))
+            task = asyncio.create_task(forward(conn, self._private / KUBELET_SOCKET))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
-
-    @staticmethod
-    async def _forward(conn: socket.socket, target: Path) -> None:
-        writers: list[asyncio.StreamWriter] = []
-        try:
-            client_r, client_w = await asyncio.open_unix_connection(sock=conn)
-            writers.append(client_w)
-            server_r, server_w = await asyncio.open_unix_connection(str(target))
-            writers.append(server_w)
-
-            async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-                while data := await reader.read(65536):
-                    writer.write(data)
-                    await writer.drain()
-
-            pumps = {asyncio.create_task(pump(client_r, server_w)),
-                     asyncio.create_task(pump(server_r, client_w))}
-            try:
-                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for task in pumps:
-                    task.cancel()
-                await asyncio.gather(*pumps, return_exceptions=True)
-        except OSError:
-            pass
-        finally:
-            conn.close()
-            for writer in writers:
-                writer.close()
 
     # -- Registration service -------------------------------------------------------------------
 
@@ -257,13 +241,15 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             problem = f"failed to dial device plugin: {exc.code().name}: {exc.details()}"
             self.rejections.append(problem)
             await context.abort(grpc.StatusCode.UNKNOWN, problem)
-        # Like the kubelet, a new registration replaces the endpoint but does not close the old
-        # endpoint's stream: only the plugin ends it, and when it does, see _list_and_watch.
+        # Like the kubelet, a new registration replaces the client but does not close the old
+        # client's stream: only the plugin ends it, and when it does, see _list_and_watch.
         old = self.resources.get(request.resource_name)
         resource = Resource(request.endpoint, options, channel, registered_at=time.monotonic())
         if old is not None:
             resource.allocated = old.allocated
         self.resources[request.resource_name] = resource
+        self.clients[request.resource_name] = resource
+        self._event("register", request.resource_name, resource)
         resource.stream = asyncio.create_task(self._list_and_watch(request.resource_name, resource))
         self._streams.add(resource.stream)
         resource.stream.add_done_callback(self._streams.discard)
@@ -286,18 +272,28 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             async for response in stub.ListAndWatch(pb.Empty()):
                 resource.devices = {d.ID: d.health for d in response.devices}
                 resource.lists_received += 1
+                self._event("list", name, resource)
                 self._checkpoint()
                 self._notify()
         except grpc.aio.AioRpcError as exc:
             log.debug("ListAndWatch of %s ended: %s", name, exc.code().name)
         finally:
-            # Keyed on the resource name, as in the kubelet: any ending stream of this resource,
-            # even an old endpoint's, marks the current devices unhealthy and stops the endpoint
-            # until the plugin registers again.
-            current = self.resources.get(name)
+            # handler.go runClient: once a client's run ends, the client registered under the
+            # name at that moment is disconnected, whichever it is: its devices turn unhealthy
+            # (PluginDisconnected), its connection closes (so a newer client's stream ends too),
+            # and the name has no client until the plugin registers again.
+            if self.stream_end_delay:
+                await asyncio.sleep(self.stream_end_delay)  # emulated: the kubelet is busy
+            self._event("stream_end", name, resource)
+            current = self.clients.pop(name, None)
             if current is not None:
-                current.devices = dict.fromkeys(current.devices, "Unhealthy")
-                current.stopped = True
+                self._event("disconnect", name, current)
+                shown = self.resources.get(name)
+                if shown is not None:
+                    shown.devices = dict.fromkeys(shown.devices, "Unhealthy")
+                    shown.stopped = True
+                if current is not resource and current.stream is not None:
+                    current.stream.cancel()  # its channel closes as its own run ends
             await resource.channel.close(None)
             self._notify()
 
@@ -325,6 +321,13 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             if remaining <= 0:
                 raise TimeoutError(f"condition not met within {timeout}s")
             await wait_event(self._changed, min(remaining, 0.05))
+
+    def _event(self, kind: str, name: str, resource: Resource) -> None:
+        self.events.append(Event(time.monotonic(), kind, name, resource.endpoint))
+
+    def handover_gaps(self, name: str) -> list[float]:
+        """Each outage of ``name`` as the kubelet saw it (kubelet_events.handover_gaps)."""
+        return handover_gaps(self.events, name)
 
     def _checkpoint(self) -> None:
         """Rewrite the checkpoint as the kubelet does (a temporary file, then a rename): the

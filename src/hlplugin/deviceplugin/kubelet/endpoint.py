@@ -203,6 +203,7 @@ class Endpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.identity: Identity | None = None
+        self._bound: Path | None = None  # the private name serve() bound
 
     def ours(self) -> bool:
         """The socket at the path is the one we published (not replaced, not removed)."""
@@ -220,12 +221,22 @@ class Endpoint:
         """Start ``server`` on a private name and publish it at the path. Raises Held when a live
         instance published first, OSError when the path cannot be taken: the caller then stops
         the server (gRPC removes the private name), and nothing of ours is at the path."""
-        bound = private_path(self.path)  # never gRPC's address to remove: see above
+        await self.serve(server)
+        self.take()
+
+    async def serve(self, server: grpc.aio.Server) -> None:
+        """Start ``server`` on a private name beside the path (a standby does this while it
+        waits, so that taking over is one link)."""
+        self._bound = bound = private_path(self.path)  # never gRPC's address to remove: see above
         server.add_insecure_port(f"unix://{bound}")
         # start() binds the socket in a task of gRPC's own that a cancellation does not stop, so
         # it runs to completion; then, cancelled or not, we know the socket and may remove it.
         await to_completion(server.start())
-        publish(bound, self.path)
+
+    def take(self) -> None:
+        """Publish the served private name at the path (see publish(): Held, OSError)."""
+        assert self._bound is not None, "serve() first"
+        publish(self._bound, self.path)
         self.identity = socket_identity(self.path)
 
     def remove(self) -> None:

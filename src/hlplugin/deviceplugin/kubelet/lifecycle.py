@@ -18,14 +18,20 @@ the kubelet's rules (see docs/kubelet.md):
   means the kubelet stayed up.
 - One instance per socket (see endpoint.py): a socket another live process answers on is never
   taken (the kubelet keeps the latest registration, so the two would take turns for ever); we
-  wait NotReady naming it, and take over as soon as it goes away. A stale file is taken at once.
+  wait as a standby (role.py: Ready once our own checks pass, serving nothing, writing nothing
+  shared) naming it, and take over as soon as it goes away. A stale file is taken at once.
+- The hand-over, on SIGTERM: the kubelet keeps one client per resource name and, when a client's
+  stream ends, disconnects whichever client holds the name then (handler.go runClient), so a
+  standby's registration survives only if it comes after the kubelet saw the old stream end.
+  The old instance therefore ends its streams first, removes its socket and only then stops
+  its server; the standby takes the socket at once and gives the kubelet a moment to see the
+  old stream's end before it registers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 
 import grpc
 
@@ -33,9 +39,12 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.health.conditions import until_tick
 from hlplugin.deviceplugin.health.watch import DirWatcher, Wakeup
-from hlplugin.deviceplugin.kubelet.endpoint import Endpoint, Held, Holder, wait_until_free
-from hlplugin.deviceplugin.kubelet.grpcserver import new_server, stop_server, transport_answers
-from hlplugin.deviceplugin.kubelet.interfaces import PluginServicer, ServicerFactory
+from hlplugin.deviceplugin.kubelet.endpoint import Held, Holder, wait_until_free
+from hlplugin.deviceplugin.kubelet.grpcserver import new_server as new_server  # tests import it here
+from hlplugin.deviceplugin.kubelet.grpcserver import transport_answers
+from hlplugin.deviceplugin.kubelet.instances import HANDOVER_SETTLE, Instances
+from hlplugin.deviceplugin.kubelet.instances import Instance as _Instance
+from hlplugin.deviceplugin.kubelet.interfaces import ServicerFactory
 from hlplugin.deviceplugin.kubelet.kubeletsock import (
     DIR_SETTING,
     Identity,
@@ -45,20 +54,18 @@ from hlplugin.deviceplugin.kubelet.kubeletsock import (
 )
 from hlplugin.deviceplugin.kubelet.kubeletsock import socket_identity as _socket_identity
 from hlplugin.deviceplugin.kubelet.registration import RegistrationFailed, explain, register_with
+from hlplugin.deviceplugin.kubelet.role import Role
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.settings import KubeletSettings
 
 log = logging.getLogger(__name__)
 
 KUBELET_SOCKET = "kubelet.sock"
-
-
-@dataclass
-class _Instance:
-    server: grpc.aio.Server
-    servicer: PluginServicer
-    endpoint: Endpoint
-    live: bool = False  # serving at its endpoint, and not stopping
+# A taken-over registration whose stream the kubelet ends this soon was disconnected by the old
+# instance's stream ending after our Register (the kubelet was slower than the settle): register
+# anew after TAKEOVER_GRACE, not after the stream grace, so the node's gap stays short.
+TAKEOVER_WINDOW = 1.0
+TAKEOVER_GRACE = 0.1
 
 
 class PluginLifecycle:
@@ -71,8 +78,10 @@ class PluginLifecycle:
         *,
         metrics: DevicePluginMetrics | None = None,
         dir_setting: str = DIR_SETTING,
+        role: Role | None = None,
     ) -> None:
-        """``dir_setting``: how the operator names ``settings.plugin_dir`` (a flag), for the hints."""
+        """``dir_setting``: how the operator names ``settings.plugin_dir`` (a flag), for the hints;
+        ``role``: shared with what must not act while we stand by (see role.py)."""
         plugin_dir = settings.plugin_dir
         self.settings = settings
         self.plugin_dir = plugin_dir
@@ -91,7 +100,7 @@ class PluginLifecycle:
         self._dir_setting = dir_setting
         self._wakeup = Wakeup(DirWatcher(plugin_dir, {socket_name, KUBELET_SOCKET},
                                          poll_interval=recheck_interval))
-        self._instance: _Instance | None = None
+        self._servers = Instances(self.socket_path, make_servicer, self._wakeup)
         self._kubelet_identity: Identity | None = None
         # The kubelet.sock of a kubelet that ended our stream, not to be dialled before a new one
         # appears or, without one, before ``_quiet_until`` (loop time): a kubelet restarting.
@@ -102,6 +111,11 @@ class PluginLifecycle:
         self._holder = ""  # the other instance logged as serving our socket since we registered
         self.registered = False
         self.problem = ""  # why the latest attempt could not register, for /readyz
+        self.role = role or Role()
+        # Between standing by and registering, and while handing over on the way out: what
+        # readiness says instead of "not registered", so neither step fails a probe (an
+        # operator would see a warning event for a rollout that went right).
+        self.transition = ""
 
     @property
     def status(self) -> str:
@@ -109,6 +123,10 @@ class PluginLifecycle:
         if self.registered:
             return ""
         return self.problem or "not registered with the kubelet"
+
+    @property
+    def _instance(self) -> _Instance | None:
+        return self._servers.current
 
     @property
     def open_streams(self) -> int:
@@ -119,12 +137,24 @@ class PluginLifecycle:
         backoff = self._min_backoff
         async with self._wakeup.running():
             while True:
+                prepared: _Instance | None = None
                 try:
-                    await self._wait_until_free()
-                    instance = await self._start()
-                except Held:
-                    continue  # another instance published first: wait for it
+                    if self._servers.held():  # a standby serves on its private name:
+                        prepared = await self._servers.prepare(self._dir_problem)  # taking over is a link
+                    try:
+                        await self._wait_until_free()
+                    except asyncio.CancelledError:
+                        if prepared is not None:
+                            await self._stop(prepared)
+                        raise
+                    instance = await self._servers.start(prepared, self._dir_problem)
+                    log.debug("serving %s on %s", self.resource_name, self.socket_path)
+                except Held as held:
+                    self.role.stand_by(held.holder.describe())
+                    continue  # another instance published first: wait for it (start() stopped ours)
                 except (OSError, RuntimeError) as exc:
+                    if prepared is not None:
+                        await self._stop(prepared)  # unless start() did
                     problem = self._dir_problem()
                     self._fail("serve" if not problem else "plugin dir",
                                problem or f"cannot serve on {self.socket_path}: {exc}")
@@ -132,15 +162,27 @@ class PluginLifecycle:
                     backoff = min(backoff * 2, self._max_backoff)
                     continue
                 try:
+                    took_over = self.role.standby
+                    if took_over:
+                        self.transition = "taking over the socket from the other instance"
+                        settled = asyncio.get_running_loop().time() + HANDOVER_SETTLE
+                    await self.role.activate()
+                    if took_over and (left := settled - asyncio.get_running_loop().time()) > 0:
+                        await asyncio.sleep(left)  # the kubelet's read of the old stream's end
                     outcome = await self._register_when_possible(instance)
+                    if outcome != "registered":
+                        self._settled()
                     if outcome == "registered":
                         backoff = self._min_backoff
-                        if await self._wait_until_lost(instance) == "lost":
+                        if await self._wait_until_lost(instance, took_over) == "lost":
                             log.info("kubelet restarted or our socket was removed; registering anew")
                     elif outcome == "failed":
                         await self._stop(instance)
                         await self._sleep_or_kubelet(backoff)
                         backoff = min(backoff * 2, self._max_backoff)
+                except asyncio.CancelledError:
+                    await self._hand_over(instance)
+                    raise
                 finally:
                     await self._stop(instance)
 
@@ -166,42 +208,25 @@ class PluginLifecycle:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    async def _start(self) -> _Instance:
-        problem = self._dir_problem()
-        if problem:
-            raise RuntimeError(problem)  # before gRPC tries, and logs its own line every retry
-        endpoint = Endpoint(self.socket_path)
-        endpoint.remove_stale()
-        servicer = self._make_servicer()
-        servicer.on_streams_changed = self._wakeup.fire
-        instance = _Instance(new_server(servicer), servicer, endpoint)
-        self._instance = instance
-        try:
-            await endpoint.bind(instance.server)
-        except BaseException:
-            await self._stop(instance)  # never leave a server to the GC
-            raise
-        instance.live = True
-        log.debug("serving %s on %s", self.resource_name, self.socket_path)
-        return instance
-
     async def _stop(self, instance: _Instance) -> None:
-        if not instance.live and self._instance is not instance:
-            return  # already stopped
+        if instance.live or self._servers.current is instance:
+            self.registered = False
+        await self._servers.stop(instance)
+
+    def _settled(self) -> None:
+        if not self.transition.startswith("stopping"):
+            self.transition = ""
+
+    async def _hand_over(self, instance: _Instance) -> None:
+        """On the way out (Instances.hand_over): readiness holds meanwhile, naming the step."""
+        if not instance.live:
+            return
+        self.transition = "stopping: handing the socket over"
         self.registered = False
-        # From here the instance counts as gone, so liveness does not ask a server that is
-        # stopping on purpose.
-        instance.live = False
-        instance.servicer.close_streams()
-        try:
-            await stop_server(instance.server)  # within its deadline, whatever a client holds
-        finally:
-            instance.endpoint.remove()  # unless another instance has taken the path over
-            if self._instance is instance:
-                self._instance = None
+        await self._servers.hand_over(instance)
 
     async def _wait_until_free(self) -> None:
-        """While another live instance serves our socket, leave it: wait NotReady, naming it (logged
+        """While another live instance serves our socket, leave it: stand by, naming it (logged
         once per instance), until it goes away."""
         took_over = False
 
@@ -209,8 +234,9 @@ class PluginLifecycle:
             nonlocal took_over
             self.problem = (f"{self.socket_path} is served by another instance, "
                             f"{holder.describe()}; waiting for it to go away")
+            self.role.stand_by(holder.describe())
             if holder.describe() != self._holder:
-                log.warning("%s (this one stays unready until then)", self.problem)
+                log.warning("%s (this one stands by until then)", self.problem)
                 self._holder, took_over = holder.describe(), True
 
         await wait_until_free(self.socket_path, lambda: self._wait(self._wakeup.pulse()), held)
@@ -273,15 +299,23 @@ class PluginLifecycle:
         log.info("registered %s with the kubelet%s", self.resource_name, after)
         return "registered"
 
-    async def _wait_until_lost(self, instance: _Instance) -> str:
+    async def _wait_until_lost(self, instance: _Instance, took_over: bool = False) -> str:
+        try:
+            return await self._watch_registered(instance, took_over)
+        finally:
+            self._settled()
+
+    async def _watch_registered(self, instance: _Instance, took_over: bool) -> str:
         """"lost" when our socket or kubelet.sock changed; "stream_ended" when the kubelet has had
         no ListAndWatch stream open for the grace period and still listens (it opens one right
         after Register, and ends it when its endpoint fails while it stays up), which only a new
         registration mends; "kubelet_gone" when it stopped listening and no new kubelet.sock came
         within ``kubelet_wait`` of the stream's end."""
         loop = asyncio.get_running_loop()
-        idle_since: float | None = loop.time()
+        registered_at = loop.time()
+        idle_since: float | None = registered_at
         streamed = False
+        grace = self._stream_grace
         while True:
             pulse = self._wakeup.pulse()
             if not instance.endpoint.ours():
@@ -290,6 +324,7 @@ class PluginLifecycle:
                 return "lost"
             limit: float | None = None
             if instance.servicer.open_streams:
+                self._settled()  # a take-over is done once the kubelet streams
                 idle_since, streamed = None, True
                 self._dead_kubelet, self._quiet_until = None, 0.0
             else:
@@ -299,7 +334,13 @@ class PluginLifecycle:
                              "stream or a new kubelet.sock", self.resource_name)
                     self._dead_kubelet = self._kubelet_identity
                     self._quiet_until = idle_since + self._kubelet_wait
-                limit = idle_since + self._stream_grace - loop.time()
+                    if took_over and idle_since - registered_at < TAKEOVER_WINDOW:
+                        grace = min(grace, TAKEOVER_GRACE)
+                        log.warning("the kubelet ended our stream of %s %.0f ms after the "
+                                    "take-over: the old instance's stream ended after our "
+                                    "Register (the kubelet keeps one client per resource)",
+                                    self.resource_name, (idle_since - registered_at) * 1000)
+                limit = idle_since + grace - loop.time()
                 if limit <= 0 and streamed and not listens(self.kubelet_path):
                     limit = self._quiet_until - loop.time()  # the kubelet exited: await the next
                     if limit <= 0:
@@ -310,7 +351,7 @@ class PluginLifecycle:
                             if streamed else
                             "opened no ListAndWatch stream of %s within %.1f s of Register")
                     log.warning(f"the kubelet {what}; registering anew", self.resource_name,
-                                self._stream_grace, extra={"reason": "stream_ended"})
+                                grace, extra={"reason": "stream_ended"})
                     if self._metrics is not None:
                         self._metrics.reregistrations.labels(reason="stream_ended").inc()
                     return "stream_ended"

@@ -105,17 +105,30 @@ def dump_tasks() -> None:
 
 def plugin_readiness(lifecycle: Callable[[], PluginLifecycle | None],
                      tracker: HealthTracker) -> Callable[[], dict[str, tuple[bool, str]]]:
-    """Ready = registered AND a ListAndWatch stream is open AND every health condition holds."""
+    """Ready = registered AND a ListAndWatch stream is open AND every health condition holds;
+    a standby (kubelet/role.py) counts as registered and streaming while another instance serves
+    our socket, so a surge rollout's new pod is Ready once its own checks pass; so does one
+    taking the socket over or handing it over (``PluginLifecycle.transition``), so a rollout
+    that goes right fails no probe."""
 
     def readiness() -> dict[str, tuple[bool, str]]:
         current = lifecycle()
-        registered = current is not None and current.registered
-        streams = current.open_streams if current is not None else 0
-        conditions = {
-            "registered": (registered, current.status if current is not None
-                           else "not registered with the kubelet"),
-            "listandwatch": (streams > 0, "" if streams else "the kubelet has no ListAndWatch open"),
-        }
+        if current is not None and current.role.standby:
+            note = (f"standby: {current.role.holder} serves {current.socket_path}; this "
+                    f"instance takes over when it goes")
+            conditions = {"registered": (True, note), "listandwatch": (True, "standby")}
+        elif current is not None and current.transition:
+            conditions = {"registered": (True, current.transition),
+                          "listandwatch": (True, current.transition)}
+        else:
+            registered = current is not None and current.registered
+            streams = current.open_streams if current is not None else 0
+            conditions = {
+                "registered": (registered, current.status if current is not None
+                               else "not registered with the kubelet"),
+                "listandwatch": (streams > 0,
+                                 "" if streams else "the kubelet has no ListAndWatch open"),
+            }
         state = tracker.state
         for name, condition in sorted(state.conditions.items()):
             conditions[name] = (condition.ok, condition.reason)

@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 from prometheus_client.registry import CollectorRegistry
 
 from hlplugin.deviceplugin.process import lazymodule, lazyprom
+from hlplugin.deviceplugin.process.probeclearance import ProbeClearance
 from hlplugin.deviceplugin.process.scrape import Pacer
 
 if TYPE_CHECKING:
@@ -307,7 +308,13 @@ class HttpServer:
     def __init__(self, readiness: Readiness, liveness: Liveness, registry: CollectorRegistry,
                  limits: Limits | None = None, clock: Callable[[], float] = time.monotonic,
                  details: Mapping[str, object] | None = None) -> None:
-        self.app = App(readiness, liveness, registry, details)
+        self.probes = ProbeClearance()
+
+        def probed() -> Mapping[str, tuple[bool, str]]:
+            self.probes.seen()
+            return readiness()
+
+        self.app = App(probed, liveness, registry, details)
         self.limits = limits if limits is not None else Limits(max_connections=connection_cap())
         self.clock = clock
         self.port = 0
@@ -347,6 +354,14 @@ class HttpServer:
         return sock
 
     async def stop(self) -> None:
+        """Close the port, after the next readiness probe if it is due soon (probeclearance.py).
+        A cancellation meanwhile (the daemon re-cancels while stopping) does not cut that wait."""
+        waiting = asyncio.ensure_future(self.probes.wait())
+        while not waiting.done():
+            try:
+                await asyncio.shield(waiting)
+            except asyncio.CancelledError:
+                continue  # bounded: at most PROBE_CLEARANCE + PROBE_SLACK
         self.scrapes.close()
         if self._server is not None:
             self._server.close()

@@ -1,0 +1,126 @@
+"""Our gRPC server instances at one socket path: prepared (serving on a private name, as a
+standby's is while it waits), started (published at the path), handed over, stopped. At most one
+is current. The hand-over's timing (lifecycle.py's module docstring): the old instance ends its
+streams, then its socket goes; the standby takes it and registers HANDOVER_SETTLE later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from hlplugin.deviceplugin.health.watch import Wakeup
+from hlplugin.deviceplugin.kubelet.endpoint import Endpoint, find_holder
+from hlplugin.deviceplugin.kubelet.grpcserver import new_server, stop_server, to_completion
+from hlplugin.deviceplugin.kubelet.interfaces import PluginServicer, ServicerFactory
+
+log = logging.getLogger(__name__)
+
+# How long the old instance's streams get to end, at most, before its socket goes anyway; then
+# how long the kubelet gets to read their end and disconnect the old client before the standby,
+# having taken the socket, registers. The standby waits that out, not the old instance: a pod
+# stopping is busy and may be throttled by its CPU limit past a short sleep, an idle standby is
+# not. Its share of the kubelet's gap: tests/test_handover.py.
+HANDOVER_WAIT = 0.5
+HANDOVER_SETTLE = 0.02
+
+
+@dataclass
+class Instance:
+    server: grpc.aio.Server
+    servicer: PluginServicer
+    endpoint: Endpoint
+    live: bool = False  # serving at its endpoint, and not stopping
+
+
+class Instances:
+    def __init__(self, socket_path: Path, make_servicer: ServicerFactory, wakeup: Wakeup) -> None:
+        """``wakeup`` fires on every change of a servicer's streams (and of the directory)."""
+        self.socket_path = socket_path
+        self._make_servicer = make_servicer
+        self._wakeup = wakeup
+        self.current: Instance | None = None
+
+    def held(self) -> bool:
+        """Another live process serves the path now."""
+        try:
+            holder = find_holder(self.socket_path)
+        except OSError:
+            return False  # the lifecycle's wait meets it and says so
+        if holder is None:
+            return False
+        holder.close()
+        return True
+
+    async def prepare(self, problem: Callable[[], str]) -> Instance:
+        """A server started on its private name, not yet at the path; RuntimeError(problem())
+        first when the directory has one."""
+        if found := problem():
+            raise RuntimeError(found)  # before gRPC tries, and logs its own line every retry
+        servicer = self._make_servicer()
+        servicer.on_streams_changed = self._wakeup.fire
+        instance = Instance(new_server(servicer), servicer, Endpoint(self.socket_path))
+        self.current = instance
+        try:
+            await instance.endpoint.serve(instance.server)
+        except BaseException:
+            await self.stop(instance)  # never leave a server to the GC
+            raise
+        return instance
+
+    async def start(self, prepared: Instance | None, problem: Callable[[], str]) -> Instance:
+        """Serve at the path: ``prepared`` (a standby's server) or a new one. Raises Held,
+        OSError, RuntimeError as Endpoint does, having stopped the server."""
+        instance = prepared or await self.prepare(problem)
+        try:
+            instance.endpoint.remove_stale()
+            instance.endpoint.take()
+        except BaseException:
+            await self.stop(instance)  # gRPC removes its private name
+            raise
+        instance.live = True
+        return instance
+
+    async def stop(self, instance: Instance) -> None:
+        if not instance.live and self.current is not instance:
+            return  # already stopped
+        # From here the instance counts as gone, so liveness does not ask a server that is
+        # stopping on purpose.
+        instance.live = False
+        instance.servicer.close_streams()
+        try:
+            await stop_server(instance.server)  # within its deadline, whatever a client holds
+        finally:
+            instance.endpoint.remove()  # unless another instance has taken the path over
+            if self.current is instance:
+                self.current = None
+
+    async def hand_over(self, instance: Instance) -> None:
+        """On the way out: end the kubelet's streams, then remove our socket, which a standby
+        takes at once; stop() then stops the server. A cancellation meanwhile (the daemon
+        re-cancels while stopping) waits for these steps."""
+        instance.live = False
+        streamed = instance.servicer.open_streams > 0
+        instance.servicer.close_streams()
+        if streamed:
+            with contextlib.suppress(asyncio.CancelledError):
+                await to_completion(self._streams_ended(instance))
+        instance.endpoint.remove()
+
+    async def _streams_ended(self, instance: Instance) -> None:
+        """Wait (at most HANDOVER_WAIT) until our streams have ended. When the kubelet has read
+        their end is not observable from here (its disconnect closes a connection gRPC does not
+        tell us about): the standby gives it HANDOVER_SETTLE before it registers."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + HANDOVER_WAIT
+        while (left := until - loop.time()) > 0:
+            pulse = self._wakeup.pulse()  # servicer.on_streams_changed fires it
+            if not instance.servicer.open_streams:
+                return
+            await self._wakeup.wait(pulse, left)
