@@ -33,6 +33,7 @@ from harness import (
     value,
     wait_until,
 )
+from support.observers import Calls
 
 from hlplugin.cdi import CdiReconciler
 from hlplugin.cdi_spec import SPEC_FILE, TEMP_PREFIX, render_spec
@@ -310,8 +311,9 @@ async def test_a_standby_reconciler_only_looks_then_writes_when_it_takes_over(tm
     desired = render_spec("kvm", 2000, 2000)
     reconciler = CdiReconciler(CdiSettings(cdi_dir, interval=0.05), desired, tracker=tracker,
                                role=role)
+    passes = Calls(reconciler.producer, "check")
     async with running(reconciler):
-        await wait_until(lambda: reconciler.producer.passes >= 3, what="three standby passes")
+        await wait_until(lambda: passes.ended >= 3, what="three standby passes")
         assert tracker.state.healthy, tracker.state.describe()
         assert spec.read_bytes() == theirs and in_flight.exists()
         spec.unlink()

@@ -243,7 +243,9 @@ async def test_the_transport_answers_under_and_at_the_bound_of_a_live_server() -
         assert await transport_answers(path, 2.0)
         with Holder(str(path), 3 * MAX_CONNECTIONS, stream=False) as holder:
             await wait_until(lambda: holder.closed_by_server > 0, 15, "the bound reached")
-            assert await dial(str(path), 1.0) == grpc.StatusCode.UNAVAILABLE
+            # A holder's connection may be between its close and its reconnect: ask a few times.
+            codes = [await dial(str(path), 1.0) for _ in range(5)]
+            assert grpc.StatusCode.UNAVAILABLE in codes, codes
             assert await transport_answers(path, 2.0)
     finally:
         await server.stop(None)

@@ -34,12 +34,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from hlplugin.api import deviceplugin_pb2 as pb
+from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.kubelet.devicelist import add_servicer
 
 if TYPE_CHECKING:
@@ -82,6 +84,23 @@ async def to_completion(work: Coroutine[Any, Any, None]) -> None:
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 _FRAME_HEAD = 9
 _SETTINGS = 0x4
+
+
+async def server_answers(path: Path, ours: Callable[[], bool], timeout: float) -> bool:
+    """Liveness of the gRPC server at ``path``, within ``2 * timeout``: it answers a call over its
+    own socket, or, when it closes the connection at once (UNAVAILABLE: others hold every
+    connection it admits, and as every user of the socket is UID 0 the kubelet cannot be given a
+    slot of its own), its transport still takes connections. A failure while the socket is no
+    longer ``ours`` (just replaced) proves nothing about our server."""
+    async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
+        try:
+            await pb_grpc.DevicePluginStub(channel).GetDevicePluginOptions(pb.Empty(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if not ours():
+                return True
+            # A server that hangs fails the call by its deadline, never as UNAVAILABLE.
+            return exc.code() == grpc.StatusCode.UNAVAILABLE and await transport_answers(path, timeout)
+    return True
 
 
 async def transport_answers(path: Path, timeout: float) -> bool:

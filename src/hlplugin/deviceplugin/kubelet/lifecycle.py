@@ -33,15 +33,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import grpc
-
-from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.health.conditions import until_tick
 from hlplugin.deviceplugin.health.watch import DirWatcher, Wakeup
 from hlplugin.deviceplugin.kubelet.endpoint import Held, Holder, wait_until_free
 from hlplugin.deviceplugin.kubelet.grpcserver import new_server as new_server  # tests import it here
-from hlplugin.deviceplugin.kubelet.grpcserver import transport_answers
+from hlplugin.deviceplugin.kubelet.grpcserver import server_answers
 from hlplugin.deviceplugin.kubelet.instances import HANDOVER_SETTLE, Instances
 from hlplugin.deviceplugin.kubelet.instances import Instance as _Instance
 from hlplugin.deviceplugin.kubelet.interfaces import ServicerFactory
@@ -187,24 +183,12 @@ class PluginLifecycle:
                     await self._stop(instance)
 
     async def alive(self, timeout: float = 1.0) -> bool:
-        """Liveness: the current server instance answers a call over its own socket, or, when it
-        closes the connection at once (UNAVAILABLE: others hold every connection it admits, and
-        as every user of the socket is UID 0 the kubelet cannot be given a slot of its own), its
-        transport still takes connections. Within ``2 * timeout``."""
+        """Liveness: the current server instance answers over its own socket (server_answers)."""
         if self._instance is None or not self._instance.live:
             return True  # between instances: nothing to ask, and the event loop answered us
-        async with grpc.aio.insecure_channel(f"unix://{self.socket_path}") as channel:
-            try:
-                await pb_grpc.DevicePluginStub(channel).GetDevicePluginOptions(
-                    pb.Empty(), timeout=timeout)
-            except grpc.aio.AioRpcError as exc:
-                # Our socket may have just been replaced; only a server that exists must answer.
-                if self._instance is None or not self._instance.endpoint.ours():
-                    return True
-                # A server that hangs fails the call by its deadline, never as UNAVAILABLE.
-                return (exc.code() == grpc.StatusCode.UNAVAILABLE
-                        and await transport_answers(self.socket_path, timeout))
-        return True
+        return await server_answers(
+            self.socket_path, lambda: self._instance is not None and self._instance.endpoint.ours(),
+            timeout)
 
     # -- steps ---------------------------------------------------------------------------------
 
