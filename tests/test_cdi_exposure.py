@@ -77,7 +77,8 @@ def cdi_records() -> Iterator[list[logging.LogRecord]]:
     handler.emit = captured.append  # type: ignore[method-assign]
     logger = logging.getLogger(cdi.__name__)
     logger.addHandler(handler)
-    level, logger.level = logger.level, logging.DEBUG
+    level = logger.level
+    logger.setLevel(logging.DEBUG)  # setLevel: it clears the loggers' isEnabledFor cache
     try:
         yield captured
     finally:
