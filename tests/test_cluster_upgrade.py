@@ -100,7 +100,8 @@ def vm_worker(cluster: Cluster) -> None:
                      "name": "c", "image": Cluster.chart_image(), "imagePullPolicy": "IfNotPresent",
                      "command": ["python3", "/opt/vm-check/vm_check.py", "--interval", "0.5"],
                      "resources": {"limits": {HYPERVISOR: "1"}},
-                     "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                     "securityContext": {"allowPrivilegeEscalation": False,
+                                         "capabilities": {"drop": ["ALL"]}},
                      "volumeMounts": [{"name": "check", "mountPath": "/opt/vm-check", "readOnly": True}]}],
                  "volumes": [{"name": "check", "configMap": {"name": "hyperlight-vm-check"}}]}})
 
