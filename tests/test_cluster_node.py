@@ -19,7 +19,7 @@ HYPERVISOR, ACCESS = "hyperlight.dev/hypervisor", "hyperlight.dev/device-access"
 REGISTERED = re.compile(r'^I\d{4} (\d\d:\d\d:\d\d\.\d+) .*"Got registration request from device plugin '
                         r'with resource" resourceName="([^"]+)"', re.M)
 
-SERVER = re.compile(r'^I\d{4} (\d\d:\d\d:\d\d\.\d+) .*"Creating device plugin registration server"', re.M)
+SERVER = re.compile(r'^I\d{4} (\d\d:\d\d:\d\d\.\d+) .*"Starting device plugin registration server"', re.M)
 
 
 def seconds(clock: str) -> float:

@@ -39,7 +39,7 @@ REGISTERED = '"Got registration request from device plugin with resource" resour
 PUBLISHED = '"Updated capacity for device plugin" plugin="{}"'
 # Each step of a reboot, as the kubelet logs it: (name, text, the step it follows).
 MILESTONES = [
-    ("kubelet started", '"Creating device plugin registration server"', None),
+    ("kubelet serves registrations", '"Starting device plugin registration server"', None),
     ("main pod failed admission", "UnexpectedAdmissionError", None),
     ("device-access registered", REGISTERED.format(ACCESS), None),
     ("device-access published", PUBLISHED.format(ACCESS), "device-access registered"),
