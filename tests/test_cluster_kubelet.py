@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -141,8 +141,16 @@ def plant(directory: Path) -> dict[str, Path]:
             "checkpoint": directory / CHECKPOINT, "foreign": directory / "hlcluster-other-vendor.sock"}
 
 
+@pytest.fixture
+def kubelet_restored(cluster: Cluster) -> Iterator[None]:
+    """Whatever the test did, the kubelet runs after it (the other tests need it)."""
+    yield
+    if "kubelet" not in cluster.status()["running"]:
+        cluster.command("start kubelet")
+
+
 async def test_restart_streams_end_the_dead_socket_stays_then_every_socket_is_deleted(
-        cluster: Cluster) -> None:
+        cluster: Cluster, kubelet_restored: None) -> None:
     """tests/test_emulator.py's test of the same name: the kubelet exits (our stream ends while
     every socket is on disk, kubelet.sock stays, dead), the new one deletes every socket but keeps
     files, directories and its checkpoint, and serves a new kubelet.sock; the resource has no
