@@ -18,13 +18,13 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import wait_until
 from support.cluster import NODE, PAUSE_IMAGE, Cluster
 from test_emulator import BarePlugin
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.kubelet.kubeletsock import listens, socket_identity
+from hlplugin.tools.drive import wait_until
 from hlplugin.tools.emulator import CHECKPOINT, no_healthy_devices
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.guard(240)]
@@ -164,7 +164,7 @@ async def test_restart_streams_end_the_dead_socket_stays_then_every_socket_is_de
         old = socket_identity(plugin.kubelet)
         assert planted["checkpoint"].is_file(), "the kubelet checkpoints allocations"
         await run(cluster.command, "stop kubelet")
-        await wait_until(lambda: plugin.ended, 30, "the stream to end")
+        await wait_until(lambda: bool(plugin.ended), 30, "the stream to end")
         assert plugin.ended[0][1], "the stream ended only after our socket was deleted"
         assert socket_identity(plugin.kubelet) == old and not listens(plugin.kubelet)
         assert plugin.socket.exists() and planted["foreign"].exists()
@@ -208,7 +208,7 @@ async def test_a_plugin_whose_stream_ended_fails_admission_at_once(cluster: Clus
             assert (await phase(cluster, "before-disconnect"))["phase"] == "Running"
             assert plugin.allocations == 1
             await plugin.server.stop(None)
-            await wait_until(lambda: plugin.ended, 30, "the stream ended")
+            await wait_until(lambda: bool(plugin.ended), 30, "the stream ended")
             await run(cluster.apply, bound_pod("after-disconnect", DISCONNECT))
             status = await phase(cluster, "after-disconnect")
             assert status["phase"] == "Failed" and status["message"] == refused(DISCONNECT), status
@@ -232,8 +232,8 @@ async def test_a_second_instance_registered_before_the_first_ends_is_disconnecte
         await second.serve_and_register()
         await see(lambda: second.streams == 1, "the second instance's ListAndWatch")
         await first.server.stop(None)
-        await see(lambda: first.ended, "the first stream ended")
-        await see(lambda: second.ended, "the second instance disconnected with the first")
+        await see(lambda: bool(first.ended), "the first stream ended")
+        await see(lambda: bool(second.ended), "the second instance disconnected with the first")
         assert second.streams == 0
 
 
@@ -253,7 +253,7 @@ async def test_an_instance_registered_after_the_first_stream_ended_is_served(clu
         await first.serve_and_register()
         await see(lambda: first.streams == 1, "the first instance's ListAndWatch")
         await first.server.stop(None)
-        await see(lambda: first.ended, "the first stream ended")
+        await see(lambda: bool(first.ended), "the first stream ended")
         await see(lambda: disconnected in cluster.log("kubelet")[offset:], "the kubelet's end of the first")
         await second.serve_and_register()
         await see(lambda: second.streams == 1, "the second instance's ListAndWatch")

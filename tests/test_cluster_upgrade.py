@@ -106,7 +106,7 @@ def vm_worker(cluster: Cluster) -> None:
                  "volumes": [{"name": "check", "configMap": {"name": "hyperlight-vm-check"}}]}})
 
     def running() -> bool:
-        return cluster.get("pod", VM_WORKER, "-n", "default")["status"].get("phase") == "Running"
+        return bool(cluster.get("pod", VM_WORKER, "-n", "default")["status"].get("phase") == "Running")
 
     cluster.until(running, 90, "the VM worker running")
 

