@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import socket
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -80,6 +81,13 @@ def bound_pod(name: str, resource: str = BARE) -> dict[str, Any]:
             "spec": {"nodeName": NODE, "restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
                      "containers": [{"name": "c", "image": PAUSE_IMAGE, "imagePullPolicy": "Never",
                                      "resources": {"limits": {resource: "1"}}}]}}
+
+
+def klog_time(line: str, near: float) -> float:
+    """A klog line's time (UTC, time of day only) as epoch seconds, on the day of ``near``."""
+    midnight = near - near % 86400
+    hours, minutes, rest = line.split()[1].split(":")
+    return midnight + int(hours) * 3600 + int(minutes) * 60 + float(rest)
 
 
 def kubelet_says(cluster: Cluster, resource: str = BARE) -> str:
@@ -254,7 +262,12 @@ async def test_an_instance_registered_after_the_first_stream_ended_is_served(clu
         await see(lambda: first.streams == 1, "the first instance's ListAndWatch")
         await first.server.stop(None)
         await see(lambda: bool(first.ended), "the first stream ended")
+        # When the plugin saw its stream end, on the wall clock the kubelet's log uses.
+        seen = time.time() - (asyncio.get_running_loop().time() - first.ended[0][0])
         await see(lambda: disconnected in cluster.log("kubelet")[offset:], "the kubelet's end of the first")
+        line = next(x for x in cluster.log("kubelet")[offset:].splitlines() if disconnected in x)
+        print(f"the kubelet logged the first's disconnect {(klog_time(line, seen) - seen) * 1000:+.1f} ms "
+              "after the plugin saw its stream end")
         await second.serve_and_register()
         await see(lambda: second.streams == 1, "the second instance's ListAndWatch")
         try:
