@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import hlplugin
+from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.names import DEVICE_ACCESS_RESOURCE, HYPERVISOR_RESOURCE
 from hlplugin.tools import drive
 from hlplugin.tools.drive import proc_status
@@ -229,7 +230,7 @@ async def measure_starts(tmp: Path, starts: int, make_node: Callable[[Path, str]
         "floor": (lambda n: ["-c", FLOOR_PLUGIN, str(n.plugin_dir), FLOOR_RESOURCE], FLOOR_RESOURCE, 1),
         "main": (lambda n: n.serve_args("--hypervisor", "kvm", "--device-count", "2000"),
                  HYPERVISOR_RESOURCE, 2000),
-        "bootstrap": (bootstrap_args, DEVICE_ACCESS_RESOURCE, 1),
+        "bootstrap": (bootstrap_args, DEVICE_ACCESS_RESOURCE, ACCESS_SLOTS),
     }
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
     order = list(kinds)

@@ -275,7 +275,7 @@ KNOWN_WARNING = re.compile(r"ERROR: <input>:\d+:\d+: undefined field '(requests|
 def type_warnings(cluster: Cluster, name: str) -> dict[str, list[str]]:
     def observed() -> bool:
         policy = cluster.get("validatingadmissionpolicy", name)
-        return policy.get("status", {}).get("observedGeneration") == policy["metadata"]["generation"]
+        return bool(policy.get("status", {}).get("observedGeneration") == policy["metadata"]["generation"])
 
     cluster.until(observed, 30, f"{name}'s type checking done")
     policy = cluster.get("validatingadmissionpolicy", name)

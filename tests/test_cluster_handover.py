@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from support.cluster import Cluster
-from test_handover import second_survives
+from support.handover import second_survives
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 

