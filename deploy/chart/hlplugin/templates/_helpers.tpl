@@ -106,15 +106,15 @@ tolerations:
 securityContext:
   seccompProfile:
     type: RuntimeDefault
-# Both daemons stop within 0.8 s of SIGTERM, or just after the next readiness probe when it is due
-# within 1.5 s: at most about 2.5 s (docs/operations.md "Probes and restarts"); more grace would
+# Both daemons stop within 0.8 s of SIGTERM, then answer the next readiness probe when it is due
+# within 6 s: at most about 7.5 s (docs/operations.md "Probes and restarts"); more grace would
 # only delay a hung one's restart.
-terminationGracePeriodSeconds: 5
+terminationGracePeriodSeconds: 10
 {{- end -}}
 
 {{/* The container settings both daemons share, after env and ports. */}}
 {{- define "hlplugin.probesAndSecurity" -}}
-# HTTP listens 0.9 s (median; 1.3 s at most) after the container starts under the 200m CPU limit:
+# HTTP listens 0.9 s (median; 1.3 s at most) after the container starts under a 200m CPU quota:
 # the first check at 2 s passes, so a normal start logs no probe failure, and a slow one has 30 s more.
 startupProbe:
   httpGet:
