@@ -6,9 +6,9 @@ went right. So the HTTP server's stop() leaves the port open until the next prob
 due within PROBE_CLEARANCE seconds, at most PROBE_SLACK past its due time, and the process exits
 just after answering it: the kubelet then has a whole period (5 s) to see the exit before it
 probes again. (A clearance of 1.5 s, counting on the kubelet to see an exit within that, still
-let 3 of 44 real-cluster terminations on a busy machine find the port closed.) Only a regular probe counts: two /readyz
-requests PROBE_PERIODS apart (the manifests probe every 5 s; a test polling in a loop is no
-probe, and a daemon nobody probes stops at once).
+let 3 of 44 real-cluster terminations on a busy machine find the port closed.) Only a regular
+probe counts: two /readyz requests PROBE_PERIODS apart (the manifests probe every 5 s; a test
+polling in a loop is no probe, and a daemon nobody probes stops at once).
 """
 
 from __future__ import annotations
