@@ -49,7 +49,7 @@ from hlplugin.deviceplugin.kubelet.kubeletsock import (
     listens,
 )
 from hlplugin.deviceplugin.kubelet.kubeletsock import socket_identity as _socket_identity
-from hlplugin.deviceplugin.kubelet.registration import RegistrationFailed, explain, register_with
+from hlplugin.deviceplugin.kubelet.registration import Outcome, RegistrationFailed, explain, register_with
 from hlplugin.deviceplugin.kubelet.role import Role
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.settings import KubeletSettings
@@ -57,6 +57,7 @@ from hlplugin.deviceplugin.settings import KubeletSettings
 log = logging.getLogger(__name__)
 
 KUBELET_SOCKET = "kubelet.sock"
+
 # A taken-over registration whose stream the kubelet ends this soon was disconnected by the old
 # instance's stream ending after our Register (the kubelet was slower than the settle): register
 # anew after TAKEOVER_GRACE, not after the stream grace, so the node's gap stays short.
@@ -166,13 +167,13 @@ class PluginLifecycle:
                     if took_over and (left := settled - asyncio.get_running_loop().time()) > 0:
                         await asyncio.sleep(left)  # the kubelet's read of the old stream's end
                     outcome = await self._register_when_possible(instance)
-                    if outcome != "registered":
+                    if outcome != Outcome.REGISTERED:
                         self._settled()
-                    if outcome == "registered":
+                    if outcome == Outcome.REGISTERED:
                         backoff = self._min_backoff
-                        if await self._wait_until_lost(instance, took_over) == "lost":
+                        if await self._wait_until_lost(instance, took_over) == Outcome.LOST:
                             log.info("kubelet restarted or our socket was removed; registering anew")
-                    elif outcome == "failed":
+                    elif outcome == Outcome.FAILED:
                         await self._stop(instance)
                         await self._sleep_or_kubelet(backoff)
                         backoff = min(backoff * 2, self._max_backoff)
@@ -227,7 +228,7 @@ class PluginLifecycle:
         if took_over:
             log.info("the other instance serving %s went away; taking over", self.socket_path)
 
-    async def _register_when_possible(self, instance: _Instance) -> str:
+    async def _register_when_possible(self, instance: _Instance) -> Outcome:
         """Wait for a kubelet, then register; "lost" when our socket vanished meanwhile. Each
         backoff step spent without kubelet.sock counts as a failed attempt, after a first wait of
         one recheck interval: a restarting kubelet deletes our socket before it serves anew."""
@@ -235,7 +236,7 @@ class PluginLifecycle:
         backoff = self._min_backoff
         while True:
             if not instance.endpoint.ours():
-                return "lost"
+                return Outcome.LOST
             kubelet = _socket_identity(self.kubelet_path)
             quiet = self._quiet_until - asyncio.get_running_loop().time()
             dead = kubelet == self._dead_kubelet and not listens(self.kubelet_path)
@@ -259,7 +260,7 @@ class PluginLifecycle:
                 pulse = self._wakeup.pulse()
                 if not instance.endpoint.ours() or _socket_identity(self.kubelet_path) != kubelet:
                     log.info("socket changed while registering; starting a fresh server")
-                    return "lost"
+                    return Outcome.LOST
                 waiter = asyncio.create_task(self._wait(pulse))
                 await asyncio.wait({register, waiter}, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
@@ -274,22 +275,22 @@ class PluginLifecycle:
             kind = error.code if isinstance(error, RegistrationFailed) else type(error).__name__
             self._fail(f"register {kind}", f"registration of {self.resource_name} with the "
                        f"kubelet failed: {explain(error, self._register_timeout, self.kubelet_path)}")
-            return "failed"
+            return Outcome.FAILED
         self._count("success")
         self.registered = True
         self._kubelet_identity, self._dead_kubelet, self._quiet_until = kubelet, None, 0.0
         after = f" after {self._failures} failed attempts" if self._failures else ""
         self._problem, self._failures, self.problem, self._holder = "", 0, "", ""
         log.info("registered %s with the kubelet%s", self.resource_name, after)
-        return "registered"
+        return Outcome.REGISTERED
 
-    async def _wait_until_lost(self, instance: _Instance, took_over: bool = False) -> str:
+    async def _wait_until_lost(self, instance: _Instance, took_over: bool = False) -> Outcome:
         try:
             return await self._watch_registered(instance, took_over)
         finally:
             self._settled()
 
-    async def _watch_registered(self, instance: _Instance, took_over: bool) -> str:
+    async def _watch_registered(self, instance: _Instance, took_over: bool) -> Outcome:
         """"lost" when our socket or kubelet.sock changed; "stream_ended" when the kubelet has had
         no ListAndWatch stream open for the grace period and still listens (it opens one right
         after Register, and ends it when its endpoint fails while it stays up), which only a new
@@ -303,9 +304,9 @@ class PluginLifecycle:
         while True:
             pulse = self._wakeup.pulse()
             if not instance.endpoint.ours():
-                return "lost"
+                return Outcome.LOST
             if _socket_identity(self.kubelet_path) != self._kubelet_identity:
-                return "lost"
+                return Outcome.LOST
             limit: float | None = None
             if instance.servicer.open_streams:
                 self._settled()  # a take-over is done once the kubelet streams
@@ -328,7 +329,7 @@ class PluginLifecycle:
                 if limit <= 0 and streamed and not listens(self.kubelet_path):
                     limit = self._quiet_until - loop.time()  # the kubelet exited: await the next
                     if limit <= 0:
-                        return "kubelet_gone"  # the dead socket's failures now count, as any
+                        return Outcome.KUBELET_GONE  # the dead socket's failures now count, as any
                 elif limit <= 0:
                     self._dead_kubelet, self._quiet_until = None, 0.0
                     what = ("ended its ListAndWatch stream of %s and opened none for %.1f s"
@@ -338,7 +339,7 @@ class PluginLifecycle:
                                 grace, extra={"reason": "stream_ended"})
                     if self._metrics is not None:
                         self._metrics.reregistrations.labels(reason="stream_ended").inc()
-                    return "stream_ended"
+                    return Outcome.STREAM_ENDED
             await self._wait(pulse, limit)
 
     async def _sleep_or_kubelet(self, delay: float) -> None:

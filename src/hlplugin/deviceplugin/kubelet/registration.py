@@ -1,7 +1,9 @@
-"""One Register call to the kubelet, and what its failure means in words an operator can act on."""
+"""One Register call to the kubelet, what its failure means in words an operator can act on, and
+how a registered run ended (Outcome)."""
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 
 import grpc
@@ -43,3 +45,14 @@ def explain(error: BaseException, timeout: float, kubelet_path: Path) -> str:
     if error.code == "UNAVAILABLE":
         return f"the kubelet at {kubelet_path} is unreachable ({error})"
     return f"the kubelet refused with {error}"
+
+
+class Outcome(enum.StrEnum):
+    """How one registered instance's run ended (the steps' results; the values name the causes
+    the metrics and logs use)."""
+
+    REGISTERED = "registered"
+    FAILED = "failed"
+    LOST = "lost"  # our socket or kubelet.sock changed
+    STREAM_ENDED = "stream_ended"
+    KUBELET_GONE = "kubelet_gone"
