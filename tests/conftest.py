@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import faultreport
 from harness import Gate
 from support.clusterfixtures import cluster, installed, release  # noqa: F401  (fixtures)
+from support.loopstate import ProcessState
 
 # A guard, not a timing assertion: a test that hangs fails with its stack instead of stalling CI.
 ASYNC_GUARD_SECONDS = 90.0
@@ -50,6 +51,21 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
     asyncio.run(guarded())
     return True
+
+
+@pytest.fixture(scope="module", autouse=True)
+def leaves_nothing_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each module gives back the threads, sockets and signal handlers it found: what one leaves
+    changes the process under every module after it (fd numbers shifted by another module once
+    turned an emulator race into a failure of an unrelated test in every full run). The real
+    cluster's modules share session fixtures that live on by design, and are not checked."""
+    if request.node.get_closest_marker("cluster"):
+        yield
+        return
+    before = ProcessState.now()
+    yield
+    left = ProcessState.settled(before).left_since(before)
+    assert not left, f"{request.node.name} left behind: {'; '.join(left)}"
 
 
 @pytest.fixture(scope="session")

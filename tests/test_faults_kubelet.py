@@ -24,18 +24,11 @@ from support.faults import COUNT, DESIRED, GUARD, RESOURCE, SERVE, SOCKET, fresh
 
 from hlplugin.tools.emulator import KubeletEmulator
 
-# Known defect, open (session 34 closing note): after tests/test_dra_service.py in the same
-# pytest process, on a loaded machine, the daemon's recovery from a resetting kubelet misses the
-# 20 s guard (3 of 3 full CI runs; never alone, never after test_dra_service alone on a quiet
-# machine). Still run: an XPASS shows it passing.
-KNOWN_RESET_FLAKE = "recovery after a resetting kubelet times out after test_dra_service under load"
-
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180), pytest.mark.usefixtures("fault_report")]
 
 
 @pytest.mark.parametrize("kind, mode", [("no kubelet.sock", ""), ("never answers", "hang"),
-                                        pytest.param("resets connections", "reset", marks=pytest.mark.xfail(
-                                            strict=False, reason=KNOWN_RESET_FLAKE))],
+                                        ("resets connections", "reset")],
                          ids=lambda v: v or None)
 async def test_registration_failure_is_bounded_then_recovers(tmp_path: Path, kind: str,
                                                               mode: str) -> None:

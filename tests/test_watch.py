@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from harness import wait_until
+from support.loopstate import new_sockets_hear
 from support.waits import quiet
 
 from hlplugin.deviceplugin.health.watch import FILE_EVENTS, DirWatcher
@@ -179,3 +180,12 @@ def test_a_kernel_that_refuses_inotify_is_said_once_and_polled(tmp_path: Path, l
     assert len(warnings) == 1 and says in warnings[0] and str(watched) in warnings[0], warnings
     if limit == "watches":
         assert "No space left on device" in warnings[0] and "max_user_watches" in warnings[0]
+
+
+async def test_a_closed_watch_leaves_the_event_loop_nothing_of_its_inotify_fd(tmp_path: Path) -> None:
+    """Closing the watch removes its reader before the inotify fd closes: a file opened next
+    under the freed number must still get its events."""
+    changes = DirWatcher(tmp_path, None, use_inotify=True).changes()
+    await anext(changes)
+    await changes.aclose()
+    assert await new_sockets_hear(), "a new socket under the freed fd number saw no event"

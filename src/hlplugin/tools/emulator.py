@@ -154,7 +154,11 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             task.cancel()
         await asyncio.gather(*self._streams, return_exceptions=True)
         if self._raw_task is not None:
+            # The cancelled accept removes its reader from the event loop only when it runs: close
+            # the socket before that and a socket opened next under the same fd number (gRPC's
+            # wake-up socket, say) inherits the stale registration and never sees an event.
             self._raw_task.cancel()
+            await asyncio.wait({self._raw_task})
             self._raw_task = None
         if self._raw is not None:
             self._raw.close()  # closing a socket leaves its file

@@ -101,14 +101,18 @@ class DirWatcher:
                 log.warning("inotify unavailable (%s); polling %s every %.1fs", exc, self.directory,
                             self.poll_interval)
             else:
+                # Closed in this order: the inner generator removes its reader from the event loop
+                # before the inotify fd closes (a closed fd left registered deafens the next file
+                # opened under its number).
                 with inotify:
-                    async for batch in self._inotify(inotify):
-                        yield batch
+                    async with contextlib.aclosing(self._inotify(inotify)) as batches:
+                        async for batch in batches:
+                            yield batch
                 # Ended: the kernel would not add the watch (and said so once). Poll instead.
         async for batch in self._poll():
             yield batch
 
-    async def _inotify(self, inotify: inotify_simple.INotify) -> AsyncIterator[set[str]]:
+    async def _inotify(self, inotify: inotify_simple.INotify) -> AsyncGenerator[set[str], None]:
         loop = asyncio.get_running_loop()
         readable = asyncio.Event()
         fd = inotify.fileno()  # kept: the file may be closed before this generator is finalized
