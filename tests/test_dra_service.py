@@ -16,12 +16,20 @@ from typing import Any
 
 import pytest
 from harness import short_dir, wait_until
-from support.pluginwatcher import FakePluginWatcher
+from support.pluginwatcher import FakePluginWatcher, NoHealthStream
 from support.waits import quiet
 
 from hlplugin.deviceplugin.checkpoint import Checkpoint
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.kubelet.draservice import SERVICES, ClaimRef, PreparedDevice, new_dra_server
+from hlplugin.deviceplugin.kubelet.drahealth import HealthStream
+from hlplugin.deviceplugin.kubelet.draservice import (
+    DRA_SERVICES,
+    HEALTH_SERVICE,
+    SERVICES,
+    ClaimRef,
+    PreparedDevice,
+    new_dra_server,
+)
 from hlplugin.deviceplugin.kubelet.pluginwatcher import DRA_PLUGIN, WatcherPlugin
 from hlplugin.dra_claims import (
     CHECKPOINT_FILE,
@@ -77,15 +85,17 @@ class Pod:
 
 @contextlib.asynccontextmanager
 async def driver(node: Node, uid: str = UID, preparer: ClaimPreparer | None = None, *,
-                 fails: bool = False) -> AsyncIterator[Pod]:
+                 fails: bool = False, health: HealthStream | None = None) -> AsyncIterator[Pod]:
     """One driver pod's kubelet side, serving until the block ends (or its task is cancelled);
-    with ``fails``, its task is expected to have failed by then (the block awaits it)."""
+    with ``fails``, its task is expected to have failed by then (the block awaits it). With
+    ``health`` it serves the health stream and lists it, as the daemon does; without, it lists
+    only the DRAPlugin services."""
     preparer = preparer or node.preparer()
     await preparer.load()
     registration, service = dra_socket_names(uid)
     plugin = WatcherPlugin(node.registry, registration, node.plugin_dir / service, DRA_PLUGIN,
-                           DRA_DRIVER, SERVICES, functools.partial(new_dra_server, preparer),
-                           recheck=0.2)
+                           DRA_DRIVER, SERVICES if health else DRA_SERVICES,
+                           functools.partial(new_dra_server, preparer, health), recheck=0.2)
     task = asyncio.create_task(plugin.run())
     try:
         yield Pod(plugin, preparer, task)
@@ -397,19 +407,11 @@ async def test_a_removed_registration_socket_is_published_again() -> None:
 
 async def test_the_health_stream_reports_the_device_at_once_on_every_change_and_on_refresh() -> None:
     from hlplugin.api import dra_health_v1alpha1_pb2 as health_pb
-    from hlplugin.deviceplugin.kubelet.drahealth import HealthStream
 
     node = Node()
     health = HealthStream(node.tracker, lambda: [("node-a", "kvm")], refresh=0.5)
-    preparer = node.preparer()
-    await preparer.load()
-    registration, service = dra_socket_names(UID)
-    plugin = WatcherPlugin(node.registry, registration, node.plugin_dir / service, DRA_PLUGIN,
-                           DRA_DRIVER, SERVICES,
-                           functools.partial(new_dra_server, preparer, health), recheck=0.2)
-    task = asyncio.create_task(plugin.run())
     watcher = FakePluginWatcher(node.registry)
-    try:
+    async with driver(node, health=health) as (plugin, _):
         await registered(watcher, plugin)
         seen: list[tuple[int, str]] = []
         stream = watcher.watch_health(DRA_DRIVER)
@@ -429,9 +431,43 @@ async def test_the_health_stream_reports_the_device_at_once_on_every_change_and_
             assert (await anext(stream)).devices[0].health == health_pb.HealthStatus.HEALTHY
         assert seen == [(health_pb.HealthStatus.UNHEALTHY, "device: KVM_CREATE_VM failed: EIO")]
         await wait_until(lambda: health.open_streams == 0, 20, "the stream's end seen by the driver")
-    finally:
-        task.cancel()
-        await asyncio.wait({task})
+
+
+async def test_the_health_service_is_listed_after_the_dra_services_and_never_chosen_for_calls(
+        ) -> None:
+    """GetInfo lists v1alpha1.DRAResourceHealth after the DRAPlugin services (as the Go
+    kubeletplugin helper does), so a kubelet that opens the health stream only for a plugin that
+    lists it (newer than 1.36) watches ours; whichever DRAPlugin version a kubelet knows, that one
+    is chosen for Prepare, never the health service."""
+    node = Node()
+    health = HealthStream(node.tracker, lambda: [("node-a", "kvm")], refresh=0.5)
+    for services, chosen in ((("v1beta1.DRAPlugin",), "v1beta1.DRAPlugin"),
+                             (("v1.DRAPlugin", "v1beta1.DRAPlugin"), "v1.DRAPlugin")):
+        watcher = FakePluginWatcher(node.registry, services=services)
+        async with driver(node, health=health) as (plugin, _):
+            await registered(watcher, plugin)
+            (info,) = watcher.infos
+            assert list(info.supported_versions) == [
+                "v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth"]
+            assert HEALTH_SERVICE == "v1alpha1.DRAResourceHealth"
+            assert watcher.newest(DRA_DRIVER).service == chosen
+            assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
+            stream = watcher.watch_health(DRA_DRIVER)
+            async with contextlib.aclosing(stream):
+                assert (await anext(stream)).devices[0].device.device_name == "kvm"
+
+
+async def test_the_kubelet_opens_no_health_stream_on_a_plugin_that_does_not_list_it() -> None:
+    """The fake kubelet's rule, as upstream's TestHealthStreamRequiresAdvertisedService: a plugin
+    listing only DRAPlugin services is registered and called, and never watched."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as (plugin, _):
+        await registered(watcher, plugin)
+        assert list(watcher.infos[0].supported_versions) == list(DRA_SERVICES)
+        assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
+        with pytest.raises(NoHealthStream, match=r"does not list v1alpha1\.DRAResourceHealth"):
+            await anext(watcher.watch_health(DRA_DRIVER))
 
 
 async def test_the_liveness_call_is_answered_while_a_prepare_waits_and_fails_on_a_mute_server(
