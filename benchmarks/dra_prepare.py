@@ -35,7 +35,7 @@ import grpc
 from hlplugin.api import dra_v1_pb2 as pb
 from hlplugin.api import dra_v1_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.checkpoint import Checkpoint
-from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.health.conditions import Condition, HealthState, HealthTracker
 from hlplugin.deviceplugin.kubelet.draservice import new_dra_server
 from hlplugin.dra_claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, node_device
 from hlplugin.tools.drive import wait_until
@@ -99,8 +99,13 @@ async def service_run(root: Path, calls: int, repeated: bool) -> list[float]:
         return tracker.state
 
     state = root / uuid.uuid4().hex[:8]
+
+    async def cdi() -> Condition:
+        return Condition(True)
+
     preparer = ClaimPreparer(Checkpoint(state, CHECKPOINT_FILE, CHECKPOINT_KIND), gate,
-                             node_device("node-a", "kvm", "hyperlight.dev/hypervisor=kvm"))
+                             node_device("node-a", "kvm", "hyperlight.dev/hypervisor=kvm"),
+                             cdi=cdi)
     await preparer.load()
     async with serving(new_dra_server(preparer), state.with_suffix(".sock")) as endpoint:
         if repeated:

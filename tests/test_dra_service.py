@@ -20,7 +20,7 @@ from support.pluginwatcher import FakePluginWatcher, NoHealthStream
 from support.waits import quiet
 
 from hlplugin.deviceplugin.checkpoint import Checkpoint
-from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
+from hlplugin.deviceplugin.health.conditions import Condition, HealthState, HealthTracker
 from hlplugin.deviceplugin.kubelet.drahealth import HealthStream
 from hlplugin.deviceplugin.kubelet.draservice import (
     DRA_SERVICES,
@@ -48,26 +48,36 @@ CLAIM = ("team-a", "claim-uid-1", "vm-claim")
 
 
 class Node:
-    """The kubelet's two directories for one test, and a device whose health the test sets."""
+    """The kubelet's two directories for one test, and a CDI spec and a device whose health the
+    test sets; ``device_checks`` counts the gate's device checks."""
 
     def __init__(self) -> None:
         root = short_dir()
         self.registry = root / "plugins_registry"
         self.plugin_dir = root / "plugins" / DRA_DRIVER
         self.registry.mkdir()
-        self.tracker = HealthTracker(required=("device",))
+        self.tracker = HealthTracker(required=("cdi", "device"))
+        self.tracker.set_condition("cdi", True)
         self.tracker.set_condition("device", True)
+        self.device_checks = 0
 
     @property
     def checkpoint(self) -> Path:
         return self.plugin_dir / CHECKPOINT_FILE
 
     async def gate(self) -> HealthState:
+        self.device_checks += 1
         return self.tracker.state
 
-    def preparer(self, allocation: Allocation | None = None) -> ClaimPreparer:
-        return ClaimPreparer(Checkpoint(self.plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND),
-                             self.gate, allocation or node_device("node-a", "kvm", CDI_ID))
+    async def cdi(self) -> Condition:
+        return self.tracker.state.conditions["cdi"]
+
+    def preparer(self, allocation: Allocation | None = None, **options: Any) -> ClaimPreparer:
+        checkpoint = Checkpoint(self.plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND,
+                                **options.pop("checkpoint", {}))
+        return ClaimPreparer(checkpoint, options.pop("gate", self.gate),
+                             allocation or node_device("node-a", "kvm", CDI_ID), cdi=self.cdi,
+                             **options)
 
     def recorded(self) -> set[str]:
         return set(json.loads(self.checkpoint.read_bytes())["entries"])
@@ -275,6 +285,53 @@ async def test_an_unhealthy_device_refuses_every_claim_with_the_reason_and_recor
         assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
 
 
+async def test_a_recorded_claim_keeps_its_answer_on_an_unhealthy_device_a_new_one_is_refused(
+        ) -> None:
+    """After a kubelet restart the kubelet prepares every running pod's claims again: on a node
+    whose device turned unhealthy, a claim already recorded gets its recorded answer without a
+    device check (here, also by a restarted driver, from the checkpoint alone), while a new
+    claim of the same call is refused with the reason and not recorded."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as (plugin, _):
+        await registered(watcher, plugin)
+        before = devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
+        node.tracker.set_condition("device", False, "KVM_CREATE_VM failed: EIO")
+        checks = node.device_checks
+        assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1]) == before
+        assert node.device_checks == checks  # a recorded claim asks no device check
+        response = await watcher.prepare(DRA_DRIVER, CLAIM, ("ns", "new", "c"))
+        assert devices(response, CLAIM[1]) == before
+        error = response.claims["new"].error
+        assert "not usable on this node" in error and "KVM_CREATE_VM failed: EIO" in error
+        assert node.recorded() == {CLAIM[1]}
+    async with driver(node) as (plugin, _):  # the driver restarted too
+        await registered(watcher, plugin)
+        assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1]) == before
+        node.tracker.set_condition("device", True)
+        assert devices(await watcher.prepare(DRA_DRIVER, ("ns", "new", "c")), "new")
+        assert node.recorded() == {CLAIM[1], "new"}
+
+
+async def test_no_claim_recorded_or_new_is_answered_without_the_cdi_spec() -> None:
+    """The CDI check applies to every claim: a recorded claim is never answered with a CDI
+    device the node has no spec for (the runtime could not resolve it), and stays recorded."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as (plugin, _):
+        await registered(watcher, plugin)
+        before = devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
+        node.tracker.set_condition("cdi", False, "/var/run/cdi/hyperlight.json is missing")
+        response = await watcher.prepare(DRA_DRIVER, CLAIM, ("ns", "new", "c"))
+        for uid in (CLAIM[1], "new"):
+            error = response.claims[uid].error
+            assert "CDI spec cannot resolve" in error and "hyperlight.json is missing" in error
+            assert not response.claims[uid].devices
+        assert node.recorded() == {CLAIM[1]}
+        node.tracker.set_condition("cdi", True)
+        assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1]) == before
+
+
 async def test_prepared_claims_survive_a_restart_of_the_driver() -> None:
     """After a restart a claim prepared before gets its recorded answer, not a new one: here the
     new driver's allocation would refuse every claim, so only the checkpoint can answer."""
@@ -352,9 +409,7 @@ async def test_a_claim_that_cannot_be_recorded_is_not_answered_as_prepared() -> 
     claim with the reason (the kubelet retries); something not ours at the checkpoint's path
     after the start is refused when the record is read anew, and stays."""
     node = Node()
-    small = ClaimPreparer(Checkpoint(node.plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND,
-                                     max_bytes=256),
-                          node.gate, node_device("node-a", "kvm", CDI_ID))
+    small = node.preparer(checkpoint={"max_bytes": 256})
     watcher = FakePluginWatcher(node.registry)
     async with driver(node, preparer=small) as (plugin, _):
         await registered(watcher, plugin)
@@ -487,8 +542,7 @@ async def test_the_liveness_call_is_answered_while_a_prepare_waits_and_fails_on_
         await release.wait()
         return node.tracker.state
 
-    preparer = ClaimPreparer(Checkpoint(node.plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND),
-                             slow_gate, node_device("node-a", "kvm", CDI_ID))
+    preparer = node.preparer(gate=slow_gate)
     watcher = FakePluginWatcher(node.registry)
     async with driver(node, preparer=preparer) as (plugin, _):
         await registered(watcher, plugin)
@@ -572,8 +626,7 @@ async def test_a_lock_held_past_the_budget_fails_the_call_with_the_reason() -> N
     import fcntl
 
     node = Node()
-    preparer = ClaimPreparer(Checkpoint(node.plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND),
-                             node.gate, node_device("node-a", "kvm", CDI_ID), lock_wait=0.3)
+    preparer = node.preparer(lock_wait=0.3)
     await preparer.load()
     node.plugin_dir.mkdir(parents=True, exist_ok=True)
     other = os.open(node.plugin_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)

@@ -7,9 +7,14 @@ device plugin's spec over, and declares the device in no second spec). What a cl
 is what the checkpoint keeps, so that a repeated Prepare (the kubelet retries, and calls again
 after its own restart) gets the same devices, and an Unprepare knows what it undoes.
 
-- Prepare: every call first asks the gate (CDI read, device check begun after the call); an
-  unusable device refuses every claim of the call, with the reason, and records nothing. A claim
-  already prepared gets its recorded answer; a new one is recorded before it is answered.
+- Prepare: every call first asks for the CDI spec (the inotify-vouched read): without it no
+  claim is answered, recorded or new, since the runtime could not resolve the CDI device named.
+  A claim already recorded then gets its recorded answer, whatever the device's health: after a
+  kubelet restart the kubelet prepares every running pod's claims again, and refusing them would
+  fail pods that hold their device already (their health shows through the health stream). Only
+  a new claim passes the device check (begun after the call): an unusable device refuses the
+  call's new claims, with the reason, and records none of them; a usable one records each new
+  claim before it is answered.
 - Unprepare: forgets the claims it knows and accepts those it does not (the kubelet retries an
   Unprepare until it succeeds, and a pod's end must never wait on us for a claim we never had).
 - The checkpoint: a corrupt file is refused loudly (Prepare answers why, /readyz says it) and
@@ -29,7 +34,7 @@ from typing import Any
 
 from hlplugin.deviceplugin.checkpoint import Checkpoint, Corrupt, InstanceLock
 from hlplugin.deviceplugin.health.bounded import BoundedRunner, CheckFailed
-from hlplugin.deviceplugin.health.conditions import HealthState
+from hlplugin.deviceplugin.health.conditions import Condition, HealthState
 from hlplugin.deviceplugin.kubelet.draservice import ClaimRef, Prepared, PreparedDevice
 from hlplugin.deviceplugin.ownedfile import NotRegular
 from hlplugin.names import DRA_DRIVER
@@ -42,7 +47,10 @@ _LOCK_POLL = 0.01  # seconds between tries while another instance holds the lock
 CHECKPOINT_KIND = f"{DRA_DRIVER}/prepared-claims"
 CHECKPOINT_BUDGET = 5.0  # seconds one read or write of the checkpoint may take: hung storage
 
+# The main daemon's Allocate gate (CDI read, then a device check begun after the call): a new claim.
 Gate = Callable[[], Awaitable[HealthState]]
+# The CDI read alone (CdiReconciler.ensure): every claim, recorded or new.
+CdiCheck = Callable[[], Awaitable[Condition]]
 # The devices of ours a claim was allocated: the control plane's answer (issue 31, item 3).
 Allocation = Callable[[ClaimRef], Awaitable[tuple[PreparedDevice, ...]]]
 
@@ -98,21 +106,28 @@ def _entry(uid: str, value: Any) -> _Entry:
     return _Entry(ClaimRef(namespace, uid, name), tuple(devices))
 
 
+def _no_cdi(cdi: Condition) -> str:
+    return (f"{DRA_DRIVER}: the node's CDI spec cannot resolve the hypervisor device: "
+            f"cdi: {cdi.reason}")
+
+
 class ClaimPreparer:
     """The driver's Preparer (deviceplugin.kubelet.draservice): one call at a time, so the
     checkpoint on disk is always the record of every answer given."""
 
     def __init__(self, checkpoint: Checkpoint, gate: Gate, allocation: Allocation, *,
-                 budget: float = CHECKPOINT_BUDGET, lock_wait: float | None = None,
+                 cdi: CdiCheck, budget: float = CHECKPOINT_BUDGET, lock_wait: float | None = None,
                  on_change: Callable[[int], None] | None = None,
                  on_result: Callable[[str, str], None] | None = None) -> None:
-        """``budget``: of each read or write of the record; ``lock_wait``: how long a call waits
+        """``gate``: for a new claim; ``cdi``: for every claim (the module docstring says why);
+        ``budget``: of each read or write of the record; ``lock_wait``: how long a call waits
         for another instance's change (default: the budget); ``on_change(count)``: the number
         of prepared claims, after each change;
         ``on_result(call, result)``: each claim's outcome (prepare: success, refused, error;
         unprepare: success, error), for the metrics."""
         self.checkpoint = checkpoint
         self._gate = gate
+        self._cdi = cdi
         self._allocation = allocation
         self.runner = BoundedRunner(budget, name="dra-checkpoint")
         self._instances = InstanceLock(checkpoint.file.directory, LOCK_FILE)
@@ -191,20 +206,28 @@ class ClaimPreparer:
 
     async def _prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Prepared]:
         """Under both locks: read the record anew (another instance may have changed it), then
-        answer, recording the new claims."""
+        answer: every claim needs the CDI spec, a new one the device too, and is recorded."""
         if not await self.load():
             return self._all(claims, f"refusing to prepare: {self.problem}", "error")
-        state = await self._gate()
-        if not state.healthy:
-            return self._all(claims, f"{DRA_DRIVER}: the hypervisor device is not usable on "
-                             f"this node: {state.describe()}", "refused")
+        cdi = await self._cdi()
+        if not cdi.ok:
+            return self._all(claims, _no_cdi(cdi), "refused")
         assert self._claims is not None
         answers: dict[str, Prepared] = {}
         new: dict[str, _Entry] = {}
+        refused: set[str] = set()  # new claims the device check refused
+        state: HealthState | None = None  # the device check, asked once, at the first new claim
         for claim in claims:
             known = self._claims.get(claim.uid) or new.get(claim.uid)
             if known is not None:
                 answers[claim.uid] = Prepared(known.devices)
+                continue
+            if state is None:
+                state = await self._gate()
+            if not state.healthy:
+                answers[claim.uid] = Prepared(error=f"{DRA_DRIVER}: the hypervisor device is "
+                                              f"not usable on this node: {state.describe()}")
+                refused.add(claim.uid)
                 continue
             try:
                 devices = await self._allocation(claim)
@@ -222,8 +245,9 @@ class ClaimPreparer:
                 answers.update({uid: Prepared(entry.devices) for uid, entry in new.items()})
                 for entry in new.values():
                     log.info("prepared claim %s", entry.claim.describe())
-        for prepared in answers.values():
-            self._result("prepare", "error" if prepared.error else "success")
+        for uid, prepared in answers.items():
+            self._result("prepare", "refused" if uid in refused else
+                         "error" if prepared.error else "success")
         return answers
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
@@ -270,6 +294,7 @@ class ClaimPreparer:
         return f"cannot record the claim: {problem}"
 
     def _all(self, claims: Sequence[ClaimRef], error: str, result: str) -> dict[str, Prepared]:
+        """Every claim of the call answered ``error``, counted as ``result``."""
         for _ in claims:
             self._result("prepare", result)
         return {c.uid: Prepared(error=error) for c in claims}
