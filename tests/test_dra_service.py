@@ -655,3 +655,48 @@ async def test_a_symlink_at_the_lock_is_refused_and_its_target_untouched() -> No
     answers = await preparer.prepare([ClaimRef("ns", "c1", "c")])
     assert "is a symlink; refusing to use what we do not own" in answers["c1"].error
     assert target.read_text() == "not ours" and (node.plugin_dir / LOCK_FILE).is_symlink()
+
+
+async def test_a_recorded_claim_is_answered_from_memory_without_the_lock_or_a_write() -> None:
+    """The kubelet prepares a pod's claims again at every container restart and after its own:
+    a claim already recorded is answered from memory, even while another instance holds the
+    instances' lock, and the record is not rewritten; a new claim still waits for the lock."""
+    import fcntl
+
+    node = Node()
+    preparer = node.preparer(lock_wait=0.3)
+    await preparer.load()
+    first = await preparer.prepare([ClaimRef(*CLAIM)])
+    written = os.stat(node.checkpoint)
+    other = os.open(node.plugin_dir / LOCK_FILE, os.O_RDWR)
+    try:  # another instance, mid-change
+        fcntl.flock(other, fcntl.LOCK_EX)
+        again = await preparer.prepare([ClaimRef(*CLAIM)])
+        assert again == first and not again[CLAIM[1]].error
+        refused = await preparer.prepare([ClaimRef(*CLAIM), ClaimRef("ns", "new", "c")])
+        assert refused["new"].error.startswith("cannot prepare now: another instance")
+    finally:
+        os.close(other)
+    assert (os.stat(node.checkpoint).st_ino, os.stat(node.checkpoint).st_mtime_ns) == (
+        written.st_ino, written.st_mtime_ns)
+
+
+async def test_a_claim_another_instance_unprepared_is_recorded_again_not_answered_from_memory(
+        ) -> None:
+    """Memory answers only while it is the record: once the other instance of a surge has
+    unprepared a claim (a new record), preparing it here again records it again, so the kubelet
+    is never told "prepared" for a claim the record lacks; the same when the record was moved
+    aside by hand."""
+    node = Node()
+    old, new = node.preparer(), node.preparer()
+    await old.load()
+    await new.load()
+    claim = ClaimRef(*CLAIM)
+    assert not (await old.prepare([claim]))[CLAIM[1]].error
+    assert await new.unprepare([claim]) == {CLAIM[1]: ""}
+    assert node.recorded() == set()
+    assert not (await old.prepare([claim]))[CLAIM[1]].error
+    assert node.recorded() == {CLAIM[1]}
+    node.checkpoint.rename(node.plugin_dir / "checkpoint.json.aside")
+    assert not (await old.prepare([claim]))[CLAIM[1]].error
+    assert node.recorded() == {CLAIM[1]}
