@@ -16,12 +16,20 @@ from typing import Any
 
 import pytest
 from harness import short_dir, wait_until
-from support.pluginwatcher import FakePluginWatcher
+from support.pluginwatcher import FakePluginWatcher, NoHealthStream
 from support.waits import quiet
 
 from hlplugin.deviceplugin.checkpoint import Checkpoint
-from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.kubelet.draservice import SERVICES, ClaimRef, PreparedDevice, new_dra_server
+from hlplugin.deviceplugin.health.conditions import Condition, HealthState, HealthTracker
+from hlplugin.deviceplugin.kubelet.drahealth import HealthStream
+from hlplugin.deviceplugin.kubelet.draservice import (
+    DRA_SERVICES,
+    HEALTH_SERVICE,
+    SERVICES,
+    ClaimRef,
+    PreparedDevice,
+    new_dra_server,
+)
 from hlplugin.deviceplugin.kubelet.pluginwatcher import DRA_PLUGIN, WatcherPlugin
 from hlplugin.dra_claims import (
     CHECKPOINT_FILE,
@@ -40,26 +48,36 @@ CLAIM = ("team-a", "claim-uid-1", "vm-claim")
 
 
 class Node:
-    """The kubelet's two directories for one test, and a device whose health the test sets."""
+    """The kubelet's two directories for one test, and a CDI spec and a device whose health the
+    test sets; ``device_checks`` counts the gate's device checks."""
 
     def __init__(self) -> None:
         root = short_dir()
         self.registry = root / "plugins_registry"
         self.plugin_dir = root / "plugins" / DRA_DRIVER
         self.registry.mkdir()
-        self.tracker = HealthTracker(required=("device",))
+        self.tracker = HealthTracker(required=("cdi", "device"))
+        self.tracker.set_condition("cdi", True)
         self.tracker.set_condition("device", True)
+        self.device_checks = 0
 
     @property
     def checkpoint(self) -> Path:
         return self.plugin_dir / CHECKPOINT_FILE
 
     async def gate(self) -> HealthState:
+        self.device_checks += 1
         return self.tracker.state
 
-    def preparer(self, allocation: Allocation | None = None) -> ClaimPreparer:
-        return ClaimPreparer(Checkpoint(self.plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND),
-                             self.gate, allocation or node_device("node-a", "kvm", CDI_ID))
+    async def cdi(self) -> Condition:
+        return self.tracker.state.conditions["cdi"]
+
+    def preparer(self, allocation: Allocation | None = None, **options: Any) -> ClaimPreparer:
+        checkpoint = Checkpoint(self.plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND,
+                                **options.pop("checkpoint", {}))
+        return ClaimPreparer(checkpoint, options.pop("gate", self.gate),
+                             allocation or node_device("node-a", "kvm", CDI_ID), cdi=self.cdi,
+                             **options)
 
     def recorded(self) -> set[str]:
         return set(json.loads(self.checkpoint.read_bytes())["entries"])
@@ -77,15 +95,17 @@ class Pod:
 
 @contextlib.asynccontextmanager
 async def driver(node: Node, uid: str = UID, preparer: ClaimPreparer | None = None, *,
-                 fails: bool = False) -> AsyncIterator[Pod]:
+                 fails: bool = False, health: HealthStream | None = None) -> AsyncIterator[Pod]:
     """One driver pod's kubelet side, serving until the block ends (or its task is cancelled);
-    with ``fails``, its task is expected to have failed by then (the block awaits it)."""
+    with ``fails``, its task is expected to have failed by then (the block awaits it). With
+    ``health`` it serves the health stream and lists it, as the daemon does; without, it lists
+    only the DRAPlugin services."""
     preparer = preparer or node.preparer()
     await preparer.load()
     registration, service = dra_socket_names(uid)
     plugin = WatcherPlugin(node.registry, registration, node.plugin_dir / service, DRA_PLUGIN,
-                           DRA_DRIVER, SERVICES, functools.partial(new_dra_server, preparer),
-                           recheck=0.2)
+                           DRA_DRIVER, SERVICES if health else DRA_SERVICES,
+                           functools.partial(new_dra_server, preparer, health), recheck=0.2)
     task = asyncio.create_task(plugin.run())
     try:
         yield Pod(plugin, preparer, task)
@@ -265,6 +285,53 @@ async def test_an_unhealthy_device_refuses_every_claim_with_the_reason_and_recor
         assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
 
 
+async def test_a_recorded_claim_keeps_its_answer_on_an_unhealthy_device_a_new_one_is_refused(
+        ) -> None:
+    """After a kubelet restart the kubelet prepares every running pod's claims again: on a node
+    whose device turned unhealthy, a claim already recorded gets its recorded answer without a
+    device check (here, also by a restarted driver, from the checkpoint alone), while a new
+    claim of the same call is refused with the reason and not recorded."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as (plugin, _):
+        await registered(watcher, plugin)
+        before = devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
+        node.tracker.set_condition("device", False, "KVM_CREATE_VM failed: EIO")
+        checks = node.device_checks
+        assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1]) == before
+        assert node.device_checks == checks  # a recorded claim asks no device check
+        response = await watcher.prepare(DRA_DRIVER, CLAIM, ("ns", "new", "c"))
+        assert devices(response, CLAIM[1]) == before
+        error = response.claims["new"].error
+        assert "not usable on this node" in error and "KVM_CREATE_VM failed: EIO" in error
+        assert node.recorded() == {CLAIM[1]}
+    async with driver(node) as (plugin, _):  # the driver restarted too
+        await registered(watcher, plugin)
+        assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1]) == before
+        node.tracker.set_condition("device", True)
+        assert devices(await watcher.prepare(DRA_DRIVER, ("ns", "new", "c")), "new")
+        assert node.recorded() == {CLAIM[1], "new"}
+
+
+async def test_no_claim_recorded_or_new_is_answered_without_the_cdi_spec() -> None:
+    """The CDI check applies to every claim: a recorded claim is never answered with a CDI
+    device the node has no spec for (the runtime could not resolve it), and stays recorded."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as (plugin, _):
+        await registered(watcher, plugin)
+        before = devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
+        node.tracker.set_condition("cdi", False, "/var/run/cdi/hyperlight.json is missing")
+        response = await watcher.prepare(DRA_DRIVER, CLAIM, ("ns", "new", "c"))
+        for uid in (CLAIM[1], "new"):
+            error = response.claims[uid].error
+            assert "CDI spec cannot resolve" in error and "hyperlight.json is missing" in error
+            assert not response.claims[uid].devices
+        assert node.recorded() == {CLAIM[1]}
+        node.tracker.set_condition("cdi", True)
+        assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1]) == before
+
+
 async def test_prepared_claims_survive_a_restart_of_the_driver() -> None:
     """After a restart a claim prepared before gets its recorded answer, not a new one: here the
     new driver's allocation would refuse every claim, so only the checkpoint can answer."""
@@ -342,9 +409,7 @@ async def test_a_claim_that_cannot_be_recorded_is_not_answered_as_prepared() -> 
     claim with the reason (the kubelet retries); something not ours at the checkpoint's path
     after the start is refused when the record is read anew, and stays."""
     node = Node()
-    small = ClaimPreparer(Checkpoint(node.plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND,
-                                     max_bytes=256),
-                          node.gate, node_device("node-a", "kvm", CDI_ID))
+    small = node.preparer(checkpoint={"max_bytes": 256})
     watcher = FakePluginWatcher(node.registry)
     async with driver(node, preparer=small) as (plugin, _):
         await registered(watcher, plugin)
@@ -397,19 +462,11 @@ async def test_a_removed_registration_socket_is_published_again() -> None:
 
 async def test_the_health_stream_reports_the_device_at_once_on_every_change_and_on_refresh() -> None:
     from hlplugin.api import dra_health_v1alpha1_pb2 as health_pb
-    from hlplugin.deviceplugin.kubelet.drahealth import HealthStream
 
     node = Node()
     health = HealthStream(node.tracker, lambda: [("node-a", "kvm")], refresh=0.5)
-    preparer = node.preparer()
-    await preparer.load()
-    registration, service = dra_socket_names(UID)
-    plugin = WatcherPlugin(node.registry, registration, node.plugin_dir / service, DRA_PLUGIN,
-                           DRA_DRIVER, SERVICES,
-                           functools.partial(new_dra_server, preparer, health), recheck=0.2)
-    task = asyncio.create_task(plugin.run())
     watcher = FakePluginWatcher(node.registry)
-    try:
+    async with driver(node, health=health) as (plugin, _):
         await registered(watcher, plugin)
         seen: list[tuple[int, str]] = []
         stream = watcher.watch_health(DRA_DRIVER)
@@ -429,9 +486,43 @@ async def test_the_health_stream_reports_the_device_at_once_on_every_change_and_
             assert (await anext(stream)).devices[0].health == health_pb.HealthStatus.HEALTHY
         assert seen == [(health_pb.HealthStatus.UNHEALTHY, "device: KVM_CREATE_VM failed: EIO")]
         await wait_until(lambda: health.open_streams == 0, 20, "the stream's end seen by the driver")
-    finally:
-        task.cancel()
-        await asyncio.wait({task})
+
+
+async def test_the_health_service_is_listed_after_the_dra_services_and_never_chosen_for_calls(
+        ) -> None:
+    """GetInfo lists v1alpha1.DRAResourceHealth after the DRAPlugin services (as the Go
+    kubeletplugin helper does), so a kubelet that opens the health stream only for a plugin that
+    lists it (newer than 1.36) watches ours; whichever DRAPlugin version a kubelet knows, that one
+    is chosen for Prepare, never the health service."""
+    node = Node()
+    health = HealthStream(node.tracker, lambda: [("node-a", "kvm")], refresh=0.5)
+    for services, chosen in ((("v1beta1.DRAPlugin",), "v1beta1.DRAPlugin"),
+                             (("v1.DRAPlugin", "v1beta1.DRAPlugin"), "v1.DRAPlugin")):
+        watcher = FakePluginWatcher(node.registry, services=services)
+        async with driver(node, health=health) as (plugin, _):
+            await registered(watcher, plugin)
+            (info,) = watcher.infos
+            assert list(info.supported_versions) == [
+                "v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth"]
+            assert HEALTH_SERVICE == "v1alpha1.DRAResourceHealth"
+            assert watcher.newest(DRA_DRIVER).service == chosen
+            assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
+            stream = watcher.watch_health(DRA_DRIVER)
+            async with contextlib.aclosing(stream):
+                assert (await anext(stream)).devices[0].device.device_name == "kvm"
+
+
+async def test_the_kubelet_opens_no_health_stream_on_a_plugin_that_does_not_list_it() -> None:
+    """The fake kubelet's rule, as upstream's TestHealthStreamRequiresAdvertisedService: a plugin
+    listing only DRAPlugin services is registered and called, and never watched."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as (plugin, _):
+        await registered(watcher, plugin)
+        assert list(watcher.infos[0].supported_versions) == list(DRA_SERVICES)
+        assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
+        with pytest.raises(NoHealthStream, match=r"does not list v1alpha1\.DRAResourceHealth"):
+            await anext(watcher.watch_health(DRA_DRIVER))
 
 
 async def test_the_liveness_call_is_answered_while_a_prepare_waits_and_fails_on_a_mute_server(
@@ -451,8 +542,7 @@ async def test_the_liveness_call_is_answered_while_a_prepare_waits_and_fails_on_
         await release.wait()
         return node.tracker.state
 
-    preparer = ClaimPreparer(Checkpoint(node.plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND),
-                             slow_gate, node_device("node-a", "kvm", CDI_ID))
+    preparer = node.preparer(gate=slow_gate)
     watcher = FakePluginWatcher(node.registry)
     async with driver(node, preparer=preparer) as (plugin, _):
         await registered(watcher, plugin)
@@ -536,8 +626,7 @@ async def test_a_lock_held_past_the_budget_fails_the_call_with_the_reason() -> N
     import fcntl
 
     node = Node()
-    preparer = ClaimPreparer(Checkpoint(node.plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND),
-                             node.gate, node_device("node-a", "kvm", CDI_ID), lock_wait=0.3)
+    preparer = node.preparer(lock_wait=0.3)
     await preparer.load()
     node.plugin_dir.mkdir(parents=True, exist_ok=True)
     other = os.open(node.plugin_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
@@ -566,3 +655,48 @@ async def test_a_symlink_at_the_lock_is_refused_and_its_target_untouched() -> No
     answers = await preparer.prepare([ClaimRef("ns", "c1", "c")])
     assert "is a symlink; refusing to use what we do not own" in answers["c1"].error
     assert target.read_text() == "not ours" and (node.plugin_dir / LOCK_FILE).is_symlink()
+
+
+async def test_a_recorded_claim_is_answered_from_memory_without_the_lock_or_a_write() -> None:
+    """The kubelet prepares a pod's claims again at every container restart and after its own:
+    a claim already recorded is answered from memory, even while another instance holds the
+    instances' lock, and the record is not rewritten; a new claim still waits for the lock."""
+    import fcntl
+
+    node = Node()
+    preparer = node.preparer(lock_wait=0.3)
+    await preparer.load()
+    first = await preparer.prepare([ClaimRef(*CLAIM)])
+    written = os.stat(node.checkpoint)
+    other = os.open(node.plugin_dir / LOCK_FILE, os.O_RDWR)
+    try:  # another instance, mid-change
+        fcntl.flock(other, fcntl.LOCK_EX)
+        again = await preparer.prepare([ClaimRef(*CLAIM)])
+        assert again == first and not again[CLAIM[1]].error
+        refused = await preparer.prepare([ClaimRef(*CLAIM), ClaimRef("ns", "new", "c")])
+        assert refused["new"].error.startswith("cannot prepare now: another instance")
+    finally:
+        os.close(other)
+    assert (os.stat(node.checkpoint).st_ino, os.stat(node.checkpoint).st_mtime_ns) == (
+        written.st_ino, written.st_mtime_ns)
+
+
+async def test_a_claim_another_instance_unprepared_is_recorded_again_not_answered_from_memory(
+        ) -> None:
+    """Memory answers only while it is the record: once the other instance of a surge has
+    unprepared a claim (a new record), preparing it here again records it again, so the kubelet
+    is never told "prepared" for a claim the record lacks; the same when the record was moved
+    aside by hand."""
+    node = Node()
+    old, new = node.preparer(), node.preparer()
+    await old.load()
+    await new.load()
+    claim = ClaimRef(*CLAIM)
+    assert not (await old.prepare([claim]))[CLAIM[1]].error
+    assert await new.unprepare([claim]) == {CLAIM[1]: ""}
+    assert node.recorded() == set()
+    assert not (await old.prepare([claim]))[CLAIM[1]].error
+    assert node.recorded() == {CLAIM[1]}
+    node.checkpoint.rename(node.plugin_dir / "checkpoint.json.aside")
+    assert not (await old.prepare([claim]))[CLAIM[1]].error
+    assert node.recorded() == {CLAIM[1]}

@@ -60,6 +60,7 @@ class DraDriver:
         self.claims = ClaimPreparer(
             Checkpoint(plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND), self.gate,
             node_device(pool, hypervisor, cdi_spec.qualified_name(hypervisor)),
+            cdi=self.reconciler.ensure,
             on_change=metrics.dra_prepared_claims.set, on_result=metrics.claim_result)
         registration, service = dra_socket_names(settings.dra.pod_uid)
         self.health = HealthStream(tracker, lambda: [(pool, hypervisor)],

@@ -7,14 +7,22 @@ device plugin's spec over, and declares the device in no second spec). What a cl
 is what the checkpoint keeps, so that a repeated Prepare (the kubelet retries, and calls again
 after its own restart) gets the same devices, and an Unprepare knows what it undoes.
 
-- Prepare: every call first asks the gate (CDI read, device check begun after the call); an
-  unusable device refuses every claim of the call, with the reason, and records nothing. A claim
-  already prepared gets its recorded answer; a new one is recorded before it is answered.
+- Prepare: every call first asks for the CDI spec (the inotify-vouched read): without it no
+  claim is answered, recorded or new, since the runtime could not resolve the CDI device named.
+  A claim already recorded then gets its recorded answer, whatever the device's health: after a
+  kubelet restart the kubelet prepares every running pod's claims again, and refusing them would
+  fail pods that hold their device already (their health shows through the health stream). Only
+  a new claim passes the device check (begun after the call): an unusable device refuses the
+  call's new claims, with the reason, and records none of them; a usable one records each new
+  claim before it is answered.
 - Unprepare: forgets the claims it knows and accepts those it does not (the kubelet retries an
   Unprepare until it succeeds, and a pod's end must never wait on us for a claim we never had).
 - The checkpoint: a corrupt file is refused loudly (Prepare answers why, /readyz says it) and
-  left as it is for the operator; it is read again at every call, so moving it aside mends the
-  driver without a restart.
+  left as it is for the operator; a refused record is read again at every call (a trusted one
+  at every change, and whenever its file changed), so moving it aside mends the driver without a
+  restart.
+- Recorded claims only: answered from memory while memory is the record (ClaimPreparer says why
+  that holds with two instances sharing the record).
 """
 
 from __future__ import annotations
@@ -23,13 +31,16 @@ import asyncio
 import functools
 import logging
 import os
+import stat
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hlplugin.deviceplugin.checkpoint import Checkpoint, Corrupt, InstanceLock
 from hlplugin.deviceplugin.health.bounded import BoundedRunner, CheckFailed
-from hlplugin.deviceplugin.health.conditions import HealthState
+from hlplugin.deviceplugin.health.conditions import Condition, HealthState
 from hlplugin.deviceplugin.kubelet.draservice import ClaimRef, Prepared, PreparedDevice
 from hlplugin.deviceplugin.ownedfile import NotRegular
 from hlplugin.names import DRA_DRIVER
@@ -42,7 +53,10 @@ _LOCK_POLL = 0.01  # seconds between tries while another instance holds the lock
 CHECKPOINT_KIND = f"{DRA_DRIVER}/prepared-claims"
 CHECKPOINT_BUDGET = 5.0  # seconds one read or write of the checkpoint may take: hung storage
 
+# The main daemon's Allocate gate (CDI read, then a device check begun after the call): a new claim.
 Gate = Callable[[], Awaitable[HealthState]]
+# The CDI read alone (CdiReconciler.ensure): every claim, recorded or new.
+CdiCheck = Callable[[], Awaitable[Condition]]
 # The devices of ours a claim was allocated: the control plane's answer (issue 31, item 3).
 Allocation = Callable[[ClaimRef], Awaitable[tuple[PreparedDevice, ...]]]
 
@@ -61,6 +75,51 @@ def node_device(pool: str, hypervisor: str, cdi_name: str) -> Allocation:
         return (device,)
 
     return allocation
+
+
+class _Pin:
+    """The record's file as this instance last read or wrote it, held open (O_PATH, no I/O) so its
+    inode cannot be freed and its number handed to another file while we compare against it.
+
+    Every write of the record (ours or another instance's) is a new file exchanged into place,
+    never an edit in place, so "the file at the path is still this inode, with the size, mtime and
+    ctime we saw" means "the record is still the one our memory holds". ``current()`` is one
+    lstat(2) of a path in the node's local plugin directory, answered from the kernel's caches:
+    cheap enough for the event loop, as Endpoint.ours() is.
+    """
+
+    def __init__(self, path: Path, fd: int, st: os.stat_result) -> None:
+        self.path = path
+        self._key = _key(st)
+        self._close = weakref.finalize(self, os.close, fd)  # also when a timed-out read drops it
+
+    @classmethod
+    def take(cls, path: Path) -> _Pin | None:
+        """The regular file at ``path`` now, or None (missing, not a regular file, not to be
+        opened: never followed, never opened for I/O, so a FIFO cannot block). None only costs
+        the next Prepare the locked path."""
+        try:
+            fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return None
+        return cls(path, fd, st)
+
+    def current(self) -> bool:
+        try:
+            return _key(os.lstat(self.path)) == self._key
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        self._close()
+
+
+def _key(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 @dataclass(frozen=True)
@@ -98,26 +157,53 @@ def _entry(uid: str, value: Any) -> _Entry:
     return _Entry(ClaimRef(namespace, uid, name), tuple(devices))
 
 
+def _no_cdi(cdi: Condition) -> str:
+    return (f"{DRA_DRIVER}: the node's CDI spec cannot resolve the hypervisor device: "
+            f"cdi: {cdi.reason}")
+
+
 class ClaimPreparer:
-    """The driver's Preparer (deviceplugin.kubelet.draservice): one call at a time, so the
-    checkpoint on disk is always the record of every answer given."""
+    """The driver's Preparer (deviceplugin.kubelet.draservice): changes one call at a time, so the
+    checkpoint on disk is always the record of every answer given.
+
+    A Prepare whose claims are all recorded is answered from memory, without the instances'
+    lock, a read or a write (the kubelet calls again for every claim of a pod it restarts, and
+    after its own restart): only the CDI check is asked. Memory answers only while it is the
+    record: when the record's file is still the one we last read or wrote (``_Pin``), checked
+    after the last await, with nothing in between. Otherwise the call takes the locked path,
+    which reads the record anew. Why that is enough with two instances sharing the record:
+
+    - Another instance that unprepared one of our remembered claims wrote a new record, so the
+      file changed and we read anew: the claim is new again, passes the device check and is
+      recorded before it is answered. Answering it from stale memory instead would tell the
+      kubelet "prepared" for a claim the record no longer holds; after a restart of ours that
+      claim would no longer count as recorded (a device that is unhealthy by then would refuse
+      the running pod's claim when the kubelet prepares it again).
+    - Another instance's change that lands after our check is ordered after our answer, as it
+      would be had we held the lock: the kubelet does not unprepare a claim while it prepares it.
+    - A claim we answer from memory was recorded before it was first answered, so the answer is
+      the recorded one, byte for byte what the locked path would give.
+    """
 
     def __init__(self, checkpoint: Checkpoint, gate: Gate, allocation: Allocation, *,
-                 budget: float = CHECKPOINT_BUDGET, lock_wait: float | None = None,
+                 cdi: CdiCheck, budget: float = CHECKPOINT_BUDGET, lock_wait: float | None = None,
                  on_change: Callable[[int], None] | None = None,
                  on_result: Callable[[str, str], None] | None = None) -> None:
-        """``budget``: of each read or write of the record; ``lock_wait``: how long a call waits
+        """``gate``: for a new claim; ``cdi``: for every claim (the module docstring says why);
+        ``budget``: of each read or write of the record; ``lock_wait``: how long a call waits
         for another instance's change (default: the budget); ``on_change(count)``: the number
         of prepared claims, after each change;
         ``on_result(call, result)``: each claim's outcome (prepare: success, refused, error;
         unprepare: success, error), for the metrics."""
         self.checkpoint = checkpoint
         self._gate = gate
+        self._cdi = cdi
         self._allocation = allocation
         self.runner = BoundedRunner(budget, name="dra-checkpoint")
         self._instances = InstanceLock(checkpoint.file.directory, LOCK_FILE)
         self._lock_wait = budget if lock_wait is None else lock_wait
         self._claims: dict[str, _Entry] | None = None  # None: not loaded, or refused
+        self._pin: _Pin | None = None  # the record's file _claims came from, if any
         self.problem = "the checkpoint is not read yet"
         self._refused = False
         self._lock = asyncio.Lock()
@@ -136,7 +222,7 @@ class ClaimPreparer:
         """Read the checkpoint; False (and ``problem`` says why, loudly) when it is refused."""
         path = self.checkpoint.path
         try:
-            entries = await self.runner.run(self.checkpoint.load)
+            entries, pin = await self.runner.run(self._read)
             claims = {uid: _entry(uid, value) for uid, value in entries.items()}
         except Corrupt as exc:
             return self._refuse(f"{exc}")
@@ -148,15 +234,60 @@ class ClaimPreparer:
         if self._refused:
             log.info("the checkpoint %s is trusted again", path)
         self._claims, self.problem, self._refused = claims, "", False
+        self._repin(pin)
         self._changed()
         log.debug("%d prepared claims in %s", len(claims), path)
         return True
+
+    def _read(self) -> tuple[dict[str, Any], _Pin | None]:
+        """The record's entries and its file pinned, when the file read is the file pinned (the
+        path checked on both sides of the read; in the runner: blocking)."""
+        pin = _Pin.take(self.checkpoint.path)
+        entries = self.checkpoint.load()
+        if pin is not None and not pin.current():
+            pin.close()
+            pin = None
+        return entries, pin
+
+    def _write(self, entries: dict[str, Any]) -> _Pin | None:
+        """Save the record, then pin it (under the instances' lock: nobody else writes between)."""
+        self.checkpoint.save(entries)
+        return _Pin.take(self.checkpoint.path)
+
+    def _repin(self, pin: _Pin | None) -> None:
+        if self._pin is not None:
+            self._pin.close()
+        self._pin = pin
+
+    def _remembered(self, claims: Sequence[ClaimRef]) -> dict[str, _Entry] | None:
+        """Every claim's entry, when all are recorded and memory is the record right now."""
+        if self._claims is None or self._pin is None:
+            return None
+        entries = {c.uid: self._claims.get(c.uid) for c in claims}
+        if any(e is None for e in entries.values()) or not self._pin.current():
+            return None
+        return {uid: e for uid, e in entries.items() if e is not None}
+
+    async def _from_memory(self, claims: Sequence[ClaimRef]) -> dict[str, Prepared] | None:
+        """Recorded claims answered without the lock (see the class docstring), or None: the
+        locked path answers. The CDI check first, then memory judged with no await after it."""
+        if self._remembered(claims) is None:
+            return None
+        if not (await self._cdi()).ok:
+            return None  # the locked path refuses, with the reason
+        remembered = self._remembered(claims)
+        if remembered is None:
+            return None
+        for _ in claims:
+            self._result("prepare", "success")
+        return {uid: Prepared(entry.devices) for uid, entry in remembered.items()}
 
     def _refuse(self, problem: str) -> bool:
         if problem != self.problem:
             log.error("refusing the checkpoint of prepared claims: %s; claims are not prepared "
                       "until it is mended or moved aside", problem)
         self._claims, self.problem, self._refused = None, problem, True
+        self._repin(None)
         return False
 
     async def _acquire(self) -> tuple[int | None, str]:
@@ -180,6 +311,9 @@ class ClaimPreparer:
             await asyncio.sleep(_LOCK_POLL)
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Prepared]:
+        answers = await self._from_memory(claims)
+        if answers is not None:
+            return answers
         async with self._lock:
             fd, problem = await self._acquire()
             if fd is None:
@@ -191,20 +325,28 @@ class ClaimPreparer:
 
     async def _prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Prepared]:
         """Under both locks: read the record anew (another instance may have changed it), then
-        answer, recording the new claims."""
+        answer: every claim needs the CDI spec, a new one the device too, and is recorded."""
         if not await self.load():
             return self._all(claims, f"refusing to prepare: {self.problem}", "error")
-        state = await self._gate()
-        if not state.healthy:
-            return self._all(claims, f"{DRA_DRIVER}: the hypervisor device is not usable on "
-                             f"this node: {state.describe()}", "refused")
+        cdi = await self._cdi()
+        if not cdi.ok:
+            return self._all(claims, _no_cdi(cdi), "refused")
         assert self._claims is not None
         answers: dict[str, Prepared] = {}
         new: dict[str, _Entry] = {}
+        refused: set[str] = set()  # new claims the device check refused
+        state: HealthState | None = None  # the device check, asked once, at the first new claim
         for claim in claims:
             known = self._claims.get(claim.uid) or new.get(claim.uid)
             if known is not None:
                 answers[claim.uid] = Prepared(known.devices)
+                continue
+            if state is None:
+                state = await self._gate()
+            if not state.healthy:
+                answers[claim.uid] = Prepared(error=f"{DRA_DRIVER}: the hypervisor device is "
+                                              f"not usable on this node: {state.describe()}")
+                refused.add(claim.uid)
                 continue
             try:
                 devices = await self._allocation(claim)
@@ -222,8 +364,9 @@ class ClaimPreparer:
                 answers.update({uid: Prepared(entry.devices) for uid, entry in new.items()})
                 for entry in new.values():
                     log.info("prepared claim %s", entry.claim.describe())
-        for prepared in answers.values():
-            self._result("prepare", "error" if prepared.error else "success")
+        for uid, prepared in answers.items():
+            self._result("prepare", "refused" if uid in refused else
+                         "error" if prepared.error else "success")
         return answers
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
@@ -259,17 +402,19 @@ class ClaimPreparer:
         """Write the record; "" when done, else the error every affected claim answers."""
         entries = {uid: entry.to_json() for uid, entry in claims.items()}
         try:
-            await self.runner.run(functools.partial(self.checkpoint.save, entries))
+            pin = await self.runner.run(functools.partial(self._write, entries))
         except NotRegular as exc:
             problem = f"{self.checkpoint.path} is {exc}; refusing to replace what we do not own"
         except (OSError, CheckFailed) as exc:
             problem = f"cannot write {self.checkpoint.path}: {exc}"
         else:
+            self._repin(pin)  # the caller updates memory next, with no await between
             return ""
         log.error("%s", problem)
         return f"cannot record the claim: {problem}"
 
     def _all(self, claims: Sequence[ClaimRef], error: str, result: str) -> dict[str, Prepared]:
+        """Every claim of the call answered ``error``, counted as ``result``."""
         for _ in claims:
             self._result("prepare", result)
         return {c.uid: Prepared(error=error) for c in claims}

@@ -10,8 +10,11 @@ real gRPC (pkg/kubelet/pluginmanager and pkg/kubelet/cm/dra/plugin, v1.36):
   failed registration, with a backoff this fake leaves out);
 - a restarted kubelet (a new watcher) registers every socket it finds in the directory;
 - calls go to the newest registered plugin of a driver, over the service chosen at its
-  registration; the resource-health stream (dra-health v1alpha1, gate ResourceHealthStatus, on
-  in 1.36) is opened on the same endpoint, whatever the plugin listed.
+  registration (a DRAPlugin service: the health service, listed among them, is never chosen);
+- the resource-health stream (dra-health v1alpha1, gate ResourceHealthStatus, on in 1.36) is
+  opened on the same endpoint only for a plugin that lists ``v1alpha1.DRAResourceHealth``, as
+  newer kubelets do (upstream's TestHealthStreamRequiresAdvertisedService; the 1.36 kubelet
+  opens it whatever the plugin listed, so a driver must list it to be watched by both).
 
 ``sync()`` is one pass of the watcher's reconciler (the kubelet's runs every second and on
 inotify events); tests call it through the one poller, harness.wait_until.
@@ -37,6 +40,11 @@ from hlplugin.api import pluginregistration_pb2_grpc as reg_grpc
 
 KNOWN = {"v1.DRAPlugin": (dra_v1_pb2, dra_v1_pb2_grpc),
          "v1beta1.DRAPlugin": (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc)}
+HEALTH = "v1alpha1.DRAResourceHealth"
+
+
+class NoHealthStream(Exception):
+    """The kubelet opens no health stream on a plugin that did not list the health service."""
 
 
 @dataclass
@@ -47,6 +55,11 @@ class Registered:
     service: str  # the chosen "<version>.DRAPlugin"
 
     @property
+    def health(self) -> bool:
+        """The plugin listed the health service: the kubelet watches its devices' health."""
+        return HEALTH in self.info.supported_versions
+
+    @property
     def api(self) -> tuple[ModuleType, ModuleType]:
         return KNOWN[self.service]
 
@@ -54,7 +67,8 @@ class Registered:
 @dataclass
 class FakePluginWatcher:
     registry_dir: Path
-    services: tuple[str, ...] = ("v1.DRAPlugin", "v1beta1.DRAPlugin")  # what this kubelet knows
+    # The DRAPlugin services this kubelet knows (never the health service: it is no DRAPlugin).
+    services: tuple[str, ...] = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
     plugins: dict[Path, Registered] = field(default_factory=dict)
     refused: dict[Path, str] = field(default_factory=dict)  # socket -> the latest error notified
     infos: list[reg_pb.PluginInfo] = field(default_factory=list)  # every GetInfo answer
@@ -128,8 +142,12 @@ class FakePluginWatcher:
         return await self.call(driver, "NodeUnprepareResources", list(claims), plugin)
 
     async def watch_health(self, driver: str) -> AsyncIterator[health_pb.NodeWatchResourcesResponse]:
-        """The health stream of the newest plugin of ``driver``, as the kubelet reads it."""
+        """The health stream of the newest plugin of ``driver``, as the kubelet reads it; raises
+        NoHealthStream (at the first read) when that plugin did not list the health service."""
         plugin = self.newest(driver)
+        if not plugin.health:
+            raise NoHealthStream(f"{plugin.info.name} at {plugin.info.endpoint} does not list "
+                                 f"{HEALTH} in {list(plugin.info.supported_versions)}")
         async with grpc.aio.insecure_channel(f"unix://{plugin.info.endpoint}") as channel:
             stream = health_grpc.DRAResourceHealthStub(channel).NodeWatchResources(
                 health_pb.NodeWatchResourcesRequest())

@@ -34,9 +34,16 @@ from hlplugin.deviceplugin.kubelet.interfaces import Context
 
 log = logging.getLogger(__name__)
 
-# The services a plugin lists in its registration's supported versions, the preferred first: the
-# kubelet takes the first it knows (1.34 and later know both; 1.32 and 1.33 only v1beta1).
-SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+# The DRAPlugin services a plugin lists in its registration's supported versions, the preferred
+# first: the kubelet takes the first it knows (1.34 and later know both; 1.32 and 1.33 only v1beta1).
+DRA_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+# The resource-health stream (dra-health v1alpha1), listed too, after them, as the Go kubeletplugin
+# helper lists it: the 1.36 kubelet opens the stream on every plugin, newer kubelets only on one
+# that lists it (upstream's TestHealthStreamRequiresAdvertisedService). Not a DRAPlugin service, so
+# it is never the one chosen for Prepare.
+HEALTH_SERVICE = "v1alpha1.DRAResourceHealth"
+# What a driver serving both (new_dra_server with ``health``) lists.
+SERVICES = (*DRA_SERVICES, HEALTH_SERVICE)
 # A request names the claims of one pod: 4 MiB (gRPC's default) is thousands of them.
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
