@@ -31,11 +31,7 @@ import asyncio
 import functools
 import logging
 import os
-import stat
-import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from hlplugin.deviceplugin.checkpoint import Checkpoint, Corrupt, InstanceLock
@@ -43,6 +39,7 @@ from hlplugin.deviceplugin.health.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.health.conditions import Condition, HealthState
 from hlplugin.deviceplugin.kubelet.draservice import ClaimRef, Prepared, PreparedDevice
 from hlplugin.deviceplugin.ownedfile import NotRegular
+from hlplugin.dra_record import Entry, Pin, entry
 from hlplugin.names import DRA_DRIVER
 
 log = logging.getLogger(__name__)
@@ -77,86 +74,6 @@ def node_device(pool: str, hypervisor: str, cdi_name: str) -> Allocation:
     return allocation
 
 
-class _Pin:
-    """The record's file as this instance last read or wrote it, held open (O_PATH, no I/O) so its
-    inode cannot be freed and its number handed to another file while we compare against it.
-
-    Every write of the record (ours or another instance's) is a new file exchanged into place,
-    never an edit in place, so "the file at the path is still this inode, with the size, mtime and
-    ctime we saw" means "the record is still the one our memory holds". ``current()`` is one
-    lstat(2) of a path in the node's local plugin directory, answered from the kernel's caches:
-    cheap enough for the event loop, as Endpoint.ours() is.
-    """
-
-    def __init__(self, path: Path, fd: int, st: os.stat_result) -> None:
-        self.path = path
-        self._key = _key(st)
-        self._close = weakref.finalize(self, os.close, fd)  # also when a timed-out read drops it
-
-    @classmethod
-    def take(cls, path: Path) -> _Pin | None:
-        """The regular file at ``path`` now, or None (missing, not a regular file, not to be
-        opened: never followed, never opened for I/O, so a FIFO cannot block). None only costs
-        the next Prepare the locked path."""
-        try:
-            fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            return None
-        return cls(path, fd, st)
-
-    def current(self) -> bool:
-        try:
-            return _key(os.lstat(self.path)) == self._key
-        except OSError:
-            return False
-
-    def close(self) -> None:
-        self._close()
-
-
-def _key(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-@dataclass(frozen=True)
-class _Entry:
-    claim: ClaimRef
-    devices: tuple[PreparedDevice, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"namespace": self.claim.namespace, "name": self.claim.name,
-                "devices": [{"requests": list(d.requests), "pool": d.pool, "device": d.device,
-                             "ids": list(d.ids), "share": d.share} for d in self.devices]}
-
-
-def _strings(value: Any) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ValueError("not a list of strings")
-    return tuple(value)
-
-
-def _entry(uid: str, value: Any) -> _Entry:
-    """One checkpoint entry, checked field by field: a checksum proves the bytes are the ones we
-    wrote, not that a future or past version wrote the same shape."""
-    if not isinstance(value, dict):
-        raise ValueError("not an object")
-    devices = []
-    for device in value["devices"]:
-        pool, name, share = device["pool"], device["device"], device["share"]
-        if not all(isinstance(v, str) for v in (pool, name, share)):
-            raise ValueError("pool, device and share must be strings")
-        devices.append(PreparedDevice(_strings(device["requests"]), pool, name,
-                                      _strings(device["ids"]), share))
-    namespace, name = value["namespace"], value["name"]
-    if not isinstance(namespace, str) or not isinstance(name, str):
-        raise ValueError("namespace and name must be strings")
-    return _Entry(ClaimRef(namespace, uid, name), tuple(devices))
-
-
 def _no_cdi(cdi: Condition) -> str:
     return (f"{DRA_DRIVER}: the node's CDI spec cannot resolve the hypervisor device: "
             f"cdi: {cdi.reason}")
@@ -169,7 +86,7 @@ class ClaimPreparer:
     A Prepare whose claims are all recorded is answered from memory, without the instances'
     lock, a read or a write (the kubelet calls again for every claim of a pod it restarts, and
     after its own restart): only the CDI check is asked. Memory answers only while it is the
-    record: when the record's file is still the one we last read or wrote (``_Pin``), checked
+    record: when the record's file is still the one we last read or wrote (``Pin``), checked
     after the last await, with nothing in between. Otherwise the call takes the locked path,
     which reads the record anew. Why that is enough with two instances sharing the record:
 
@@ -202,8 +119,8 @@ class ClaimPreparer:
         self.runner = BoundedRunner(budget, name="dra-checkpoint")
         self._instances = InstanceLock(checkpoint.file.directory, LOCK_FILE)
         self._lock_wait = budget if lock_wait is None else lock_wait
-        self._claims: dict[str, _Entry] | None = None  # None: not loaded, or refused
-        self._pin: _Pin | None = None  # the record's file _claims came from, if any
+        self._claims: dict[str, Entry] | None = None  # None: not loaded, or refused
+        self._pin: Pin | None = None  # the record's file _claims came from, if any
         self.problem = "the checkpoint is not read yet"
         self._refused = False
         self._lock = asyncio.Lock()
@@ -211,7 +128,7 @@ class ClaimPreparer:
         self._on_result = on_result
 
     @property
-    def prepared(self) -> dict[str, _Entry]:
+    def prepared(self) -> dict[str, Entry]:
         return dict(self._claims or {})
 
     def condition(self) -> tuple[bool, str]:
@@ -223,7 +140,7 @@ class ClaimPreparer:
         path = self.checkpoint.path
         try:
             entries, pin = await self.runner.run(self._read)
-            claims = {uid: _entry(uid, value) for uid, value in entries.items()}
+            claims = {uid: entry(uid, value) for uid, value in entries.items()}
         except Corrupt as exc:
             return self._refuse(f"{exc}")
         except (KeyError, TypeError, ValueError) as exc:
@@ -239,27 +156,27 @@ class ClaimPreparer:
         log.debug("%d prepared claims in %s", len(claims), path)
         return True
 
-    def _read(self) -> tuple[dict[str, Any], _Pin | None]:
+    def _read(self) -> tuple[dict[str, Any], Pin | None]:
         """The record's entries and its file pinned, when the file read is the file pinned (the
         path checked on both sides of the read; in the runner: blocking)."""
-        pin = _Pin.take(self.checkpoint.path)
+        pin = Pin.take(self.checkpoint.path)
         entries = self.checkpoint.load()
         if pin is not None and not pin.current():
             pin.close()
             pin = None
         return entries, pin
 
-    def _write(self, entries: dict[str, Any]) -> _Pin | None:
+    def _write(self, entries: dict[str, Any]) -> Pin | None:
         """Save the record, then pin it (under the instances' lock: nobody else writes between)."""
         self.checkpoint.save(entries)
-        return _Pin.take(self.checkpoint.path)
+        return Pin.take(self.checkpoint.path)
 
-    def _repin(self, pin: _Pin | None) -> None:
+    def _repin(self, pin: Pin | None) -> None:
         if self._pin is not None:
             self._pin.close()
         self._pin = pin
 
-    def _remembered(self, claims: Sequence[ClaimRef]) -> dict[str, _Entry] | None:
+    def _remembered(self, claims: Sequence[ClaimRef]) -> dict[str, Entry] | None:
         """Every claim's entry, when all are recorded and memory is the record right now."""
         if self._claims is None or self._pin is None:
             return None
@@ -333,7 +250,7 @@ class ClaimPreparer:
             return self._all(claims, _no_cdi(cdi), "refused")
         assert self._claims is not None
         answers: dict[str, Prepared] = {}
-        new: dict[str, _Entry] = {}
+        new: dict[str, Entry] = {}
         refused: set[str] = set()  # new claims the device check refused
         state: HealthState | None = None  # the device check, asked once, at the first new claim
         for claim in claims:
@@ -353,7 +270,7 @@ class ClaimPreparer:
             except NotAllocated as exc:
                 answers[claim.uid] = Prepared(error=str(exc))
                 continue
-            new[claim.uid] = _Entry(claim, devices)
+            new[claim.uid] = Entry(claim, devices)
         if new:
             error = await self._save({**self._claims, **new})
             if error:
@@ -398,7 +315,7 @@ class ClaimPreparer:
         self._changed()
         return self._done(claims, "")
 
-    async def _save(self, claims: dict[str, _Entry]) -> str:
+    async def _save(self, claims: dict[str, Entry]) -> str:
         """Write the record; "" when done, else the error every affected claim answers."""
         entries = {uid: entry.to_json() for uid, entry in claims.items()}
         try:
