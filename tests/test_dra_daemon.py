@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import daemon, needs_kvm, short_dir, wait_until
+from harness import daemon, needs_kvm, scrape, short_dir, value, wait_until
 from support.pluginwatcher import FakePluginWatcher
 from support.waits import quiet
 
@@ -134,6 +134,32 @@ async def test_prepare_answers_the_cdi_device_the_nodes_one_spec_declares() -> N
         assert {"registered", "checkpoint", "cdi", "device"} <= set(conditions)
         assert CLAIM[1] in json.loads((node.plugin_dir / CHECKPOINT_FILE).read_bytes())["entries"]
     assert sorted(os.listdir(node.plugin_dir)) == [CHECKPOINT_FILE, LOCK_FILE]
+
+
+@needs_kvm
+async def test_readyz_lists_the_cdi_directorys_exposure_as_the_main_daemons_does() -> None:
+    """The driver keeps the main daemon's CDI spec, so it says what serve says of its directory
+    (tests/test_cdi_exposure.py): a note in every /readyz answer, not a failure, and the gauge."""
+    node = Node(dev_dir=Path("/dev"))
+    os.chmod(node.cdi_dir.parent, 0o755)
+    os.chmod(node.cdi_dir, 0o777)
+    directory = {"directory": str(node.cdi_dir)}
+    watcher = FakePluginWatcher(node.registry)
+    async with daemon(node.args(), graceful=True) as proc:
+        await registered(watcher)
+        ready = json.loads(await proc.wait_http("/readyz", 200))  # a note, not a failure
+        [warning] = ready["warnings"]
+        assert "writable by group and others (mode 0777)" in warning
+        assert warning in proc.messages()
+        assert value(await scrape(proc), "hyperlight_cdi_dir_exposed", **directory) == 1
+        os.chmod(node.cdi_dir, 0o755)  # fixed: inotify sees the change, the next pass says so
+
+        async def cleared() -> bool:
+            return json.loads((await proc.get("/readyz"))[1])["warnings"] == []
+
+        await wait_until(cleared, what="the warning gone from /readyz")
+        assert value(await scrape(proc), "hyperlight_cdi_dir_exposed", **directory) == 0
+        assert f"{node.cdi_dir} is no longer exposed to others than root" in proc.messages()
 
 
 async def test_a_corrupt_checkpoint_is_said_in_readyz_and_the_log_and_left_alone() -> None:
