@@ -21,10 +21,11 @@ from hlplugin.deviceplugin.checkpoint import Checkpoint
 from hlplugin.deviceplugin.kubelet.drahealth import HealthStream
 from hlplugin.deviceplugin.kubelet.draservice import SERVICES, answers, new_dra_server
 from hlplugin.deviceplugin.kubelet.pluginwatcher import DRA_PLUGIN, WatcherPlugin
+from hlplugin.deviceplugin.kubelet.writer import SharedWriter
 from hlplugin.deviceplugin.process.daemon import Daemon, Launch, Started
 from hlplugin.dra_claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, node_device
 from hlplugin.metrics import DraMetrics
-from hlplugin.names import DRA_DRIVER, REGISTRY_DIR_FLAG, dra_socket_names
+from hlplugin.names import CDI_WRITER_FILE, DRA_DRIVER, REGISTRY_DIR_FLAG, dra_socket_names
 from hlplugin.proofs import Proofs
 from hlplugin.settings import DraSettings
 
@@ -46,20 +47,26 @@ class DraDriver:
 
     def __init__(self, settings: DraSettings, hypervisor: str, proofs: Proofs,
                  metrics: DraMetrics) -> None:
-        self.checks = checks = proofs.build(hypervisor)
-        tracker = proofs.tracker
         plugin_dir = settings.dra.plugin_dir
+        registration, service = dra_socket_names(settings.dra.pod_uid)
+        # One CDI spec writer per node: the instance the kubelet registered last (a surge runs
+        # two, whose specs may differ), under a node-wide lock (docs/dra.md).
+        self.writer = SharedWriter(plugin_dir, CDI_WRITER_FILE, plugin_dir / service)
+        self.checks = checks = proofs.build(hypervisor, turn=self.writer.turn)
+        tracker = proofs.tracker
         pool = node_name(settings)
         self.claims = ClaimPreparer(
             Checkpoint(plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND), checks.gate,
             node_device(pool, hypervisor, cdi_spec.qualified_name(hypervisor)),
             on_change=metrics.dra_prepared_claims.set, on_result=metrics.claim_result)
-        registration, service = dra_socket_names(settings.dra.pod_uid)
         self.health = HealthStream(tracker, lambda: [(pool, hypervisor)],
                                    refresh=settings.health.interval)
 
         def status(registered: bool) -> None:
             metrics.registrations.labels(result="success" if registered else "failure").inc()
+            if registered:  # the hand-over point: the kubelet calls us from now on
+                self.writer.claim()
+                checks.reconciler.producer.wakeup.fire()  # that pass now; no earlier read vouches
 
         self.plugin = WatcherPlugin(
             settings.dra.registry_dir, registration, plugin_dir / service, DRA_PLUGIN, DRA_DRIVER,

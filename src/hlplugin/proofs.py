@@ -7,7 +7,7 @@ The DRA driver was first assembled by copying the main daemon's setup, and the c
 its parts (the CDI role and the exposure warnings: issue 38). Each daemon now composes these
 instead: ``Proofs`` is what exists before the hypervisor is known (the tracker and the warnings a
 DaemonSpec takes, so /readyz cannot forget them), ``Proofs.build`` what a daemon's setup makes
-once it is (``Checks``).
+once it is (``Checks``). What differs between daemons is only who may write the CDI spec.
 """
 
 from __future__ import annotations
@@ -68,13 +68,16 @@ class Proofs:
         self.tracker = HealthTracker(required=CONDITIONS)
         self.warnings: list[str] = []  # /readyz's: how the CDI directory is exposed, if it is
 
-    def build(self, hypervisor: str, *, role: Role | None = None) -> Checks:
-        """The reconciler and the monitor of ``hypervisor``. ``role``: the main daemon's (a
-        standby writes no spec)."""
+    def build(self, hypervisor: str, *, role: Role | None = None,
+              turn: cdi.Turn | None = None) -> Checks:
+        """The reconciler and the monitor of ``hypervisor``. Who writes the CDI spec: ``role``,
+        the main daemon's (a standby writes none); ``turn``, the DRA driver's (the instance the
+        kubelet registered last: deviceplugin/kubelet/writer.py)."""
         settings = self.cdi
         reconciler = cdi.CdiReconciler(
             settings, cdi_spec.render_spec(hypervisor, settings.device_uid, settings.device_gid),
-            tracker=self.tracker, metrics=self.metrics, warnings=self.warnings, role=role)
+            tracker=self.tracker, metrics=self.metrics, warnings=self.warnings, role=role,
+            turn=turn)
         return Checks(reconciler, DeviceMonitor(self.tracker, hypervisor, self.health,
                                                 metrics=self.metrics))
 
