@@ -1,7 +1,9 @@
 """`hlplugin dra` as a process, against the fake kubelet plugin watcher: the main daemon's proofs
 gate its Prepare (a device that fails its check is refused, naming why), /readyz says how it
-stands with the kubelet and its checkpoint, the CDI device it answers is declared by the node's
-one spec, and SIGTERM removes its sockets and nothing else."""
+stands with the kubelet and its checkpoint (and lists the CDI directory's exposure as serve's
+does), the CDI device it answers is declared by the node's one spec, two drivers of a surge hand
+that spec over once, at the new one's registration, and SIGTERM removes its sockets and nothing
+else."""
 
 from __future__ import annotations
 
