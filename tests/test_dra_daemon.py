@@ -1,7 +1,9 @@
 """`hlplugin dra` as a process, against the fake kubelet plugin watcher: the main daemon's proofs
 gate its Prepare (a device that fails its check is refused, naming why), /readyz says how it
-stands with the kubelet and its checkpoint, the CDI device it answers is declared by the node's
-one spec, and SIGTERM removes its sockets and nothing else."""
+stands with the kubelet and its checkpoint (and lists the CDI directory's exposure as serve's
+does), the CDI device it answers is declared by the node's one spec, two drivers of a surge hand
+that spec over once, at the new one's registration, and SIGTERM removes its sockets and nothing
+else."""
 
 from __future__ import annotations
 
@@ -9,20 +11,24 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
-from harness import daemon, needs_kvm, short_dir, wait_until
+from harness import daemon, needs_kvm, scrape, short_dir, value, wait_until
 from support.pluginwatcher import FakePluginWatcher
-from support.waits import quiet
+from support.waits import quiet, quiet_blocking
 
 from hlplugin import config
 from hlplugin.api import dra_health_v1alpha1_pb2 as health_pb
+from hlplugin.cdi_spec import SPEC_FILE
 from hlplugin.dra_claims import CHECKPOINT_FILE, LOCK_FILE
-from hlplugin.names import DRA_DRIVER
+from hlplugin.names import CDI_WRITER_FILE, DRA_DRIVER, dra_socket_names
+from hlplugin.tools.process import DaemonProcess
 
 UID = "5b8e0c6a-1f2d-4e3b-8a9c-0d1e2f3a4b5c"
 CLAIM = ("team-a", "claim-uid-1", "vm-claim")
@@ -38,18 +44,29 @@ class Node:
         for directory in (self.registry, self.cdi_dir, root / "dev"):
             directory.mkdir()
 
-    def args(self) -> list[str]:
+    def args(self, uid: str = UID) -> list[str]:
         return ["dra", "--registry-dir", str(self.registry), "--dra-dir", str(self.plugin_dir),
-                "--pod-uid", UID, "--node-name", "node-a", "--cdi-dir", str(self.cdi_dir),
+                "--pod-uid", uid, "--node-name", "node-a", "--cdi-dir", str(self.cdi_dir),
                 "--dev-dir", str(self.dev_dir), "--host-dev-dir", "", "--hypervisor", "kvm"]
 
+    def owner(self) -> int | None:
+        """The uid the CDI spec gives the device node in containers (None: no spec, or torn:
+        never, since every write is an atomic rename)."""
+        try:
+            spec = json.loads((self.cdi_dir / SPEC_FILE).read_bytes())
+        except FileNotFoundError:
+            return None
+        (device,) = spec["devices"]
+        (node,) = device["containerEdits"]["deviceNodes"]
+        return int(node["uid"])
 
-async def registered(watcher: FakePluginWatcher) -> None:
+
+async def registered(watcher: FakePluginWatcher, count: int = 1) -> None:
     async def done() -> bool:
         await watcher.sync()
-        return bool(watcher.plugins)
+        return len(watcher.plugins) >= count
 
-    await wait_until(done, 30, "the plugin watcher registered the driver")
+    await wait_until(done, 30, f"the plugin watcher registered {count} driver instance(s)")
 
 
 def readiness(body: bytes) -> dict[str, tuple[bool, str]]:
@@ -80,8 +97,8 @@ async def test_a_device_that_fails_its_check_refuses_prepare_naming_why() -> Non
         assert b'hyperlight_dra_prepares_total{result="refused"} 1.0' in metrics
     assert proc.exited() == 0
     assert os.listdir(node.registry) == []
-    # Its socket gone; no claim recorded, so no checkpoint (the instances' lock file stays).
-    assert os.listdir(node.plugin_dir) == [LOCK_FILE]
+    # Its socket gone; no claim recorded, so no checkpoint (the instances' lock files stay).
+    assert sorted(os.listdir(node.plugin_dir)) == [CDI_WRITER_FILE, LOCK_FILE]
     assert os.listdir(node.cdi_dir) == ["hyperlight.json"]  # stays, for running containers
 
 
@@ -133,7 +150,33 @@ async def test_prepare_answers_the_cdi_device_the_nodes_one_spec_declares() -> N
         await wait_until(live, 30, "/healthz after a self-check of the DRA service")
         assert {"registered", "checkpoint", "cdi", "device"} <= set(conditions)
         assert CLAIM[1] in json.loads((node.plugin_dir / CHECKPOINT_FILE).read_bytes())["entries"]
-    assert sorted(os.listdir(node.plugin_dir)) == [CHECKPOINT_FILE, LOCK_FILE]
+    assert sorted(os.listdir(node.plugin_dir)) == [CDI_WRITER_FILE, CHECKPOINT_FILE, LOCK_FILE]
+
+
+@needs_kvm
+async def test_readyz_lists_the_cdi_directorys_exposure_as_the_main_daemons_does() -> None:
+    """The driver keeps the main daemon's CDI spec, so it says what serve says of its directory
+    (tests/test_cdi_exposure.py): a note in every /readyz answer, not a failure, and the gauge."""
+    node = Node(dev_dir=Path("/dev"))
+    os.chmod(node.cdi_dir.parent, 0o755)
+    os.chmod(node.cdi_dir, 0o777)
+    directory = {"directory": str(node.cdi_dir)}
+    watcher = FakePluginWatcher(node.registry)
+    async with daemon(node.args(), graceful=True) as proc:
+        await registered(watcher)
+        ready = json.loads(await proc.wait_http("/readyz", 200))  # a note, not a failure
+        [warning] = ready["warnings"]
+        assert "writable by group and others (mode 0777)" in warning
+        assert warning in proc.messages()
+        assert value(await scrape(proc), "hyperlight_cdi_dir_exposed", **directory) == 1
+        os.chmod(node.cdi_dir, 0o755)  # fixed: inotify sees the change, the next pass says so
+
+        async def cleared() -> bool:
+            return json.loads((await proc.get("/readyz"))[1])["warnings"] == []
+
+        await wait_until(cleared, what="the warning gone from /readyz")
+        assert value(await scrape(proc), "hyperlight_cdi_dir_exposed", **directory) == 0
+        assert f"{node.cdi_dir} is no longer exposed to others than root" in proc.messages()
 
 
 async def test_a_corrupt_checkpoint_is_said_in_readyz_and_the_log_and_left_alone() -> None:
@@ -152,6 +195,96 @@ async def test_a_corrupt_checkpoint_is_said_in_readyz_and_the_log_and_left_alone
         response = await watcher.prepare(DRA_DRIVER, CLAIM)
         assert "refusing to prepare" in response.claims[CLAIM[1]].error
     assert checkpoint.read_bytes() == b"\0" * 64
+
+
+class Owners:
+    """Every owner the CDI spec names, in order, sampled in a thread of its own (every
+    millisecond, so a write that lasts longer is seen) for as long as the block runs."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.seen: list[int | None] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="cdi-owners", daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            owner = self.node.owner()
+            if not self.seen or self.seen[-1] != owner:
+                self.seen.append(owner)
+            quiet_blocking(0.001, "the sampler's pace")
+
+    def __enter__(self) -> Owners:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def repairs(proc: DaemonProcess) -> dict[str, float]:
+    samples = await scrape(proc)
+    return {cause: count for cause in ("missing", "malformed", "stale", "metadata")
+            if (count := value(samples, "hyperlight_cdi_repairs_total", cause=cause))}
+
+
+async def owned_by(node: Node, uid: int, what: str) -> None:
+    await wait_until(lambda: node.owner() == uid, 30, what)
+
+
+OLD, NEW = "aaaaaaaa-0000-4000-8000-000000000001", "bbbbbbbb-0000-4000-8000-000000000002"
+FAST = ["--cdi-interval", "1s"]  # a pass every second beside those inotify wakes: a fight shows
+
+
+async def test_two_drivers_of_different_device_uids_hand_the_cdi_spec_over_once_at_registration(
+        ) -> None:
+    """A surge that changes deviceUid (issue 38 item 2): the old and the new pod both run, and
+    only one writes the spec at any moment. The old one keeps its spec while the new one is not
+    yet registered (it only looks); the kubelet's registration of the new one hands the spec over
+    (the kubelet calls the newest), and the old one never writes it back, also once it goes."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with daemon([*node.args(OLD), *FAST, "--device-uid", "1000"], graceful=True) as old:
+        await registered(watcher)
+        await owned_by(node, 1000, "the old driver's spec, written once the kubelet registered it")
+        with Owners(node) as owners:
+            async with daemon([*node.args(NEW), *FAST, "--device-uid", "2000"],
+                              graceful=True) as new:
+                published = node.registry / dra_socket_names(NEW)[0]
+                await wait_until(published.exists, 30,
+                                 "the new driver serving, its registration socket published")
+                await quiet(3.0, "the new driver's passes while not registered: it writes none")
+                assert owners.seen == [1000]
+                await registered(watcher, 2)  # the kubelet calls the new one from now on
+                await owned_by(node, 2000, "the new driver's spec once the kubelet registered it")
+                await quiet(3.0, "both drivers' passes: the old one must not write its spec back")
+                assert await repairs(old) == {"missing": 1}
+                assert await repairs(new) == {"stale": 1}  # the one hand-over
+                assert old.exited() is None
+                await old.stop()  # the surge's end: the old pod goes
+                await quiet(2.0, "the new driver's passes once the old one is gone")
+                assert node.owner() == 2000
+        assert owners.seen == [1000, 2000], owners.seen
+        assert (node.plugin_dir / CDI_WRITER_FILE).read_text() == f"dra-{NEW}.sock\n"
+
+
+async def test_a_writer_that_dies_is_taken_over_by_the_driver_still_serving() -> None:
+    """The new driver is SIGKILLed after it took the spec over (nothing of it runs to hand back):
+    the old one, still serving, sees that nobody answers on the writer's socket and writes its
+    own spec again, so the node's spec is kept by a live driver."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with daemon([*node.args(OLD), *FAST, "--device-uid", "1000"], graceful=True) as old:
+        await registered(watcher)
+        await owned_by(node, 1000, "the old driver's spec")
+        async with daemon([*node.args(NEW), *FAST, "--device-uid", "2000"]) as new:
+            await registered(watcher, 2)
+            await owned_by(node, 2000, "the new driver's spec once the kubelet registered it")
+            await new.signal(signal.SIGKILL)
+        await owned_by(node, 1000, "the old driver's spec again, the writer being dead")
+        assert (node.plugin_dir / CDI_WRITER_FILE).read_text() == f"dra-{OLD}.sock\n"
+        assert await repairs(old) == {"missing": 1, "stale": 1}
 
 
 def test_a_registry_dir_too_long_for_its_socket_exits_2_naming_the_flag(tmp_path: Path) -> None:

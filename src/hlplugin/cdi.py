@@ -13,6 +13,12 @@ deviceplugin/kubelet/role.py) a pass only looks: the other release may render a 
 a write could not mend (not a regular file, unreadable storage, a spec of ours that is not well
 formed), so a broken release stays NotReady and halts its rollout; taking over, the instance
 writes its spec before it registers.
+
+The DRA driver's instances hold no socket in common (each pod serves its own): a ``turn`` decides
+instead, in the pass's thread and around the whole pass (deviceplugin/kubelet/writer.py: the
+instance the kubelet registered last writes, under a node-wide lock). A pass outside its turn is a
+standby's look; the pass that gets the turn after another instance's first removes leftover
+temporary files (no other instance writes meanwhile).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import operator
 import os
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +56,8 @@ CONDITION = ConditionName.CDI
 DEFAULT_BUDGET = CdiSettings.budget  # the default of CdiSettings.budget, for the tests' guards
 # How long the pass's helper thread waits for the next read: one per Allocate needs no new thread.
 _LINGER = 1.0
+# In a pass's thread, around the whole pass: whether this instance writes (see the module docstring).
+Turn = Callable[[], AbstractContextManager[bool]]
 
 
 @dataclass(frozen=True)
@@ -78,10 +87,12 @@ class CdiReconciler:
         log_interval: float = repeats.INTERVAL,
         warnings: list[str] | None = None,
         role: Role | None = None,
+        turn: Turn | None = None,
     ) -> None:
         """``warnings``: kept, in place, the problems of the directory's exposure (see
         ``dirs.exposure``): the daemon's /readyz lists them without failing readiness.
-        ``role``: while it stands by, passes only look (see the module docstring)."""
+        ``role``: while it stands by, passes only look; ``turn``: a pass outside it only looks
+        (see the module docstring)."""
         self.cdi_dir = cdi_dir = settings.dir
         self.warnings = warnings
         self.exposed: dict[Path, str] = {}  # the latest pass's dirs.exposure
@@ -111,6 +122,8 @@ class CdiReconciler:
         # watch pulse taken just before it.
         self._verified: tuple[float, asyncio.Event] | None = None
         self._role = role
+        self._turn = turn
+        self._writing = False  # the latest pass had the turn (read and set in the pass's thread)
         if role is not None:
             role.on_take_over(self._take_over)
 
@@ -247,10 +260,25 @@ class CdiReconciler:
             self.warnings[:] = [problem for problem in exposed.values() if problem]
 
     def _inspect(self, standby: bool) -> tuple[_Outcome, dict[Path, str]]:
-        """In the runner's thread: the pass (a look only, while standing by), then how the
-        directory is exposed."""
-        outcome = self._look() if standby else self._check_and_repair()
+        """In the runner's thread: the pass (a look only, while standing by or outside our
+        turn), then how the directory is exposed."""
+        if self._turn is None:
+            outcome = self._look() if standby else self._check_and_repair()
+        else:
+            outcome = self._in_turn(self._turn)
         return outcome, exposure(self.cdi_dir, os.geteuid())
+
+    def _in_turn(self, turn: Turn) -> _Outcome:
+        try:
+            with turn() as mine:
+                if mine and not self._writing:  # another instance wrote until now
+                    self.file.cleanup_leftovers()
+                self._writing = mine
+                return self._check_and_repair() if mine else self._look()
+        except (OSError, NotRegular) as exc:  # the writers' record is not ours to use
+            self._writing = False
+            reason = f"cannot tell which instance writes {self.path}: {exc} (refusing to write)"
+            return _Outcome(Condition(False, reason))
 
     def _check_and_repair(self) -> _Outcome:
         """In the runner's thread (one at a time): inspect, and repair if needed."""
@@ -302,7 +330,8 @@ class CdiReconciler:
         """Reconcile on every change to our file or directory, every ``interval`` seconds, and,
         while failing, with capped exponential backoff (the first pass unless one already ran).
         Runs until cancelled."""
-        if self._role is None or not self._role.standby:  # a holder's temp file may be in flight
+        # A holder's temp file may be in flight; with a turn, a pass cleans up (in its turn).
+        if self._turn is None and (self._role is None or not self._role.standby):
             await self._clean_up()
         await self.producer.run()
 

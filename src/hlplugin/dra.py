@@ -16,20 +16,18 @@ import logging
 import socket
 from collections.abc import Callable
 
-from hlplugin import cdi, cdi_spec
-from hlplugin.detect import wait_for_hypervisor
+from hlplugin import cdi_spec
 from hlplugin.deviceplugin.checkpoint import Checkpoint
-from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.health.producer import Trigger
 from hlplugin.deviceplugin.kubelet.drahealth import HealthStream
 from hlplugin.deviceplugin.kubelet.draservice import SERVICES, answers, new_dra_server
 from hlplugin.deviceplugin.kubelet.pluginwatcher import DRA_PLUGIN, WatcherPlugin
-from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Launch, Started
+from hlplugin.deviceplugin.kubelet.writer import SharedWriter
+from hlplugin.deviceplugin.process.daemon import Daemon, Launch, Started
 from hlplugin.dra_claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, node_device
-from hlplugin.health import DeviceMonitor
 from hlplugin.metrics import DraMetrics
-from hlplugin.names import DRA_DRIVER, REGISTRY_DIR_FLAG, dra_socket_names
-from hlplugin.settings import DraSettings, show
+from hlplugin.names import CDI_WRITER_FILE, DRA_DRIVER, REGISTRY_DIR_FLAG, dra_socket_names
+from hlplugin.proofs import Proofs
+from hlplugin.settings import DraSettings
 
 log = logging.getLogger(__name__)
 
@@ -47,43 +45,38 @@ def node_name(settings: DraSettings) -> str:
 class DraDriver:
     """The driver's parts once the hypervisor is known: built by setup(), run by the Daemon."""
 
-    def __init__(self, settings: DraSettings, hypervisor: str, tracker: HealthTracker,
+    def __init__(self, settings: DraSettings, hypervisor: str, proofs: Proofs,
                  metrics: DraMetrics) -> None:
-        cdi_settings = settings.cdi
-        self.reconciler = cdi.CdiReconciler(
-            cdi_settings, cdi_spec.render_spec(hypervisor, cdi_settings.device_uid,
-                                               cdi_settings.device_gid),
-            tracker=tracker, metrics=metrics)
-        self.monitor = DeviceMonitor(tracker, hypervisor, settings.health, metrics=metrics)
         plugin_dir = settings.dra.plugin_dir
+        registration, service = dra_socket_names(settings.dra.pod_uid)
+        # One CDI spec writer per node: the instance the kubelet registered last (a surge runs
+        # two, whose specs may differ), under a node-wide lock (docs/dra.md).
+        self.writer = SharedWriter(plugin_dir, CDI_WRITER_FILE, plugin_dir / service)
+        self.checks = checks = proofs.build(hypervisor, turn=self.writer.turn)
+        tracker = proofs.tracker
         pool = node_name(settings)
         self.claims = ClaimPreparer(
-            Checkpoint(plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND), self.gate,
+            Checkpoint(plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND), checks.gate,
             node_device(pool, hypervisor, cdi_spec.qualified_name(hypervisor)),
-            cdi=self.reconciler.ensure,
+            cdi=checks.reconciler.ensure,
             on_change=metrics.dra_prepared_claims.set, on_result=metrics.claim_result)
-        registration, service = dra_socket_names(settings.dra.pod_uid)
         self.health = HealthStream(tracker, lambda: [(pool, hypervisor)],
                                    refresh=settings.health.interval)
 
         def status(registered: bool) -> None:
             metrics.registrations.labels(result="success" if registered else "failure").inc()
+            if registered:  # the hand-over point: the kubelet calls us from now on
+                self.writer.claim()
+                checks.reconciler.producer.wakeup.fire()  # that pass now; no earlier read vouches
 
         self.plugin = WatcherPlugin(
             settings.dra.registry_dir, registration, plugin_dir / service, DRA_PLUGIN, DRA_DRIVER,
             SERVICES, functools.partial(new_dra_server, self.claims, self.health), on_status=status,
             dir_setting=REGISTRY_DIR_FLAG)
 
-    async def gate(self) -> HealthState:
-        """The main daemon's Allocate gate: the inotify-vouched CDI read, then a device check
-        that began after the call."""
-        await self.reconciler.ensure()
-        return await self.monitor.for_allocate()
-
     async def start(self) -> None:
         """The first passes (CDI, device) and the checkpoint's read, before the kubelet can call."""
-        await asyncio.gather(self.reconciler.reconcile(Trigger.START), self.monitor.check(),
-                             self.claims.load())
+        await asyncio.gather(self.checks.first(), self.claims.load())
         await self.claims.runner.run(self.claims.checkpoint.cleanup_leftovers)
         if self.claims.condition()[0]:
             log.info("%d prepared claims in %s", len(self.claims.prepared),
@@ -112,22 +105,17 @@ def kubelet_conditions(driver: Callable[[], DraDriver | None]) -> Callable[
 async def dra(settings: DraSettings, launch: Launch | None = None) -> None:
     """`hlplugin dra`: the CDI reconciler, the device monitor and the DRA kubelet plugin."""
     metrics = DraMetrics()
-    tracker = HealthTracker(required=(*cdi.CdiReconciler.CONDITIONS, *DeviceMonitor.CONDITIONS))
+    proofs = Proofs(settings.cdi, settings.health, metrics)
     built: list[DraDriver] = []
 
     async def setup(hv: str) -> Started:
-        driver = DraDriver(settings, hv, tracker, metrics)
+        driver = DraDriver(settings, hv, proofs, metrics)
         await driver.start()
         built.append(driver)
-        return Started(None, {"cdi": driver.reconciler.run(),
-                              "device-health": driver.monitor.run(),
-                              "kubelet-plugin": driver.plugin.run()})
+        return Started(None, {**driver.checks.tasks(), "kubelet-plugin": driver.plugin.run()})
 
-    await Daemon(DaemonSpec(
-        "hlplugin dra", settings.http, tracker, metrics,
-        functools.partial(wait_for_hypervisor, settings.health), setup,
-        pending={"hypervisor": f"no mshv or kvm device under {show(settings.health.dev_dir)}"},
-        launch=launch or Launch(),
+    await Daemon(proofs.spec(
+        "hlplugin dra", settings.http, setup, launch,
         kubelet_conditions=kubelet_conditions(lambda: built[0] if built else None),
         self_check=lambda timeout: built[0].alive(timeout) if built else _answered())).run()
 

@@ -26,6 +26,11 @@ def dra_socket_names(pod_uid: str) -> tuple[str, str]:
     return f"{DRA_DRIVER}-reg.sock", "dra.sock"
 
 
+# In the DRA driver's directory: which of its instances writes the CDI spec (the one the kubelet
+# registered last), and the lock every instance's CDI pass holds (deviceplugin/kubelet/writer.py).
+CDI_WRITER_FILE = "cdi-writer"
+
+
 # What to look at when a machine has no hypervisor device, or one that does not work.
 NO_HYPERVISOR_HINT = ("is the kvm module loaded (modprobe kvm_intel or kvm_amd), virtualisation "
                       "turned on in the firmware, and, in a virtual machine, nested virtualisation "

@@ -7,28 +7,25 @@ module adds only the device IDs, the Allocate that hands out CDI references, and
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from hlplugin import cdi, cdi_spec
+from hlplugin import cdi_spec
 from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.detect import wait_for_hypervisor
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.health.producer import Trigger
 from hlplugin.deviceplugin.kubelet.devicelist import DeviceList, NumberedIds
 from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.kubelet.role import Role
 from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
-from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Launch, Started
-from hlplugin.health import DeviceMonitor
+from hlplugin.deviceplugin.process.daemon import Daemon, Launch, Started
 from hlplugin.metrics import Metrics
 from hlplugin.names import HYPERVISOR_RESOURCE as RESOURCE
 from hlplugin.names import HYPERVISOR_SOCKET as SOCKET
 from hlplugin.names import PLUGIN_DIR_FLAG
-from hlplugin.settings import ServeSettings, show
+from hlplugin.proofs import Proofs
+from hlplugin.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
@@ -79,47 +76,27 @@ async def serve(settings: ServeSettings, launch: Launch | None = None) -> None:
     # each of its syscalls; while the event loop is busy (concurrent Allocates), each of those
     # would wait out the interpreter's 5 ms switch interval. A shorter one bounds that wait.
     sys.setswitchinterval(SWITCH_INTERVAL)
-    metrics = Metrics()
-    tracker = HealthTracker(required=(*cdi.CdiReconciler.CONDITIONS, *DeviceMonitor.CONDITIONS))
-    warnings: list[str] = []  # /readyz's: how the CDI directory is exposed, if it is
+    proofs = Proofs(settings.cdi, settings.health, Metrics())
 
     async def setup(hv: str) -> Started:
-        cdi_settings = settings.cdi
         # A standby (another instance serves our socket: a surge rollout) leaves the CDI spec
         # alone until it takes over; the role is known before the reconciler's first pass.
         role = Role()
-        reconciler = cdi.CdiReconciler(
-            cdi_settings, cdi_spec.render_spec(hv, cdi_settings.device_uid, cdi_settings.device_gid),
-            tracker=tracker, metrics=metrics, warnings=warnings, role=role)
-        monitor = DeviceMonitor(tracker, hv, settings.health, metrics=metrics)
+        checks = proofs.build(hv, role=role)
         role.look(settings.kubelet.plugin_dir / SOCKET)
-        # The first pass of each: independent, in helper threads of their own, at once, while
-        # the plugin starts serving and registers; its first list waits for both, so the
-        # kubelet's first list is true.
-        cdi_first = asyncio.ensure_future(reconciler.reconcile(Trigger.START))
-        device_first = asyncio.ensure_future(monitor.check())
-        first = asyncio.gather(cdi_first, device_first)
+        # The first pass of each, at once, while the plugin starts serving and registers; its
+        # first list waits for both, so the kubelet's first list is true.
+        first = checks.first()
         # The lists that first list sends, serialized once the passes are done: by then the
         # plugin is serving, usually waiting for the kubelet to answer Register.
         devices = slots(hv, settings.device_count)
         first.add_done_callback(lambda _: devices.serialize())
-
-        async def gate() -> HealthState:
-            # CDI: the inotify-vouched read. The device: a check that began after this Allocate.
-            await reconciler.ensure()
-            return await monitor.for_allocate()
-
         lifecycle = PluginLifecycle(
             settings.kubelet, SOCKET, RESOURCE,
-            lambda: HypervisorPlugin(hv, devices, tracker, gate, first=first,
-                                     cdi_annotations=cdi_settings.annotations, metrics=metrics),
-            dir_setting=PLUGIN_DIR_FLAG, metrics=metrics, role=role)
-        # Each run() goes on from its first pass (Producer.run waits for the one in flight).
-        return Started(lifecycle, {"cdi": reconciler.run(), "device-health": monitor.run(),
-                                   "plugin": lifecycle.run()})
+            lambda: HypervisorPlugin(hv, devices, proofs.tracker, checks.gate, first=first,
+                                     cdi_annotations=settings.cdi.annotations,
+                                     metrics=proofs.metrics),
+            dir_setting=PLUGIN_DIR_FLAG, metrics=proofs.metrics, role=role)
+        return Started(lifecycle, {**checks.tasks(), "plugin": lifecycle.run()})
 
-    await Daemon(DaemonSpec(
-        "hlplugin serve", settings.http, tracker, metrics,
-        functools.partial(wait_for_hypervisor, settings.health), setup,
-        pending={"hypervisor": f"no mshv or kvm device under {show(settings.health.dev_dir)}"},
-        launch=launch or Launch(), warnings=warnings)).run()
+    await Daemon(proofs.spec("hlplugin serve", settings.http, setup, launch)).run()
