@@ -4,7 +4,8 @@ dra.v1beta1: the same messages under two packages), turned into calls of one ``P
 The wire rules are the kubelet's (pkg/kubelet/cm/dra): every claim of a request gets an entry in
 the answer, keyed by its UID; a claim that cannot be prepared gets an entry with an error, which
 the kubelet reports in the pod's events and retries; a gRPC error fails every claim of the call.
-So a Preparer's refusal is an entry's error, and only a bug of ours is a gRPC error.
+So a Preparer's refusal is an entry's error, and only a bug of ours is a gRPC error, or a call
+refused whole before any work, being past a bound no kubelet call reaches (``check_request``).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import grpc
 
@@ -25,6 +27,7 @@ from hlplugin.api import (
     dra_v1beta1_pb2,
     dra_v1beta1_pb2_grpc,
 )
+from hlplugin.deviceplugin.health import repeats
 from hlplugin.deviceplugin.kubelet.grpcserver import (
     MAX_CONNECTIONS,
     MAX_DEALLOCATING_STREAMS,
@@ -44,8 +47,21 @@ DRA_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 HEALTH_SERVICE = "v1alpha1.DRAResourceHealth"
 # What a driver serving both (new_dra_server with ``health``) lists.
 SERVICES = (*DRA_SERVICES, HEALTH_SERVICE)
-# A request names the claims of one pod: 4 MiB (gRPC's default) is thousands of them.
-MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# Bounds on what a DRAPlugin client may ask (docs/security.md, "Bounds on the DRA socket"). Ours,
+# not the API's: one NodePrepareResources of 100,000 claims (1.6 MB) took the driver from 43 to
+# 391 MiB peak memory, and answered after 3.5 s.
+# Claims per NodePrepareResources or NodeUnprepareResources: the kubelet sends one pod's claims for
+# our driver in a call, and the API sets no limit on a pod's spec.resourceClaims; 256 matches a
+# ResourceClaim's status.reservedFor (at most 256 consumers) and is far above any real pod. Past
+# it a call is refused whole at once (INVALID_ARGUMENT, as the device plugin's Allocate refuses a
+# request past its bounds), before its claims are read, a lock taken or the checkpoint touched.
+MAX_CLAIMS_PER_CALL = 256
+# The request size, refused by gRPC before it is parsed (RESOURCE_EXHAUSTED): the count above is
+# seen only after parsing, which costs the memory: a 4 MiB message (gRPC's default bound) of
+# 2,000,000 empty claims took the driver +142 MiB before our handler refused it. The largest call
+# the kubelet can send, 256 claims at the API's longest names (namespace 63, name 253, UID 36),
+# is 92,672 bytes; this leaves room over it (a UID of up to 180 bytes).
+MAX_REQUEST_BYTES = 128 * 1024
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,13 @@ class Preparer(Protocol):
         ...
 
 
+class RefusalKind(StrEnum):
+    """Why a call was refused whole: the log's cause (field ``kind``), one per kind whatever the
+    request said, so a client varying its claims takes one line a minute (repeats.RepeatedLines)."""
+
+    MALFORMED = "malformed"  # past a bound
+
+
 def _claims(request: Any) -> list[ClaimRef]:
     return [ClaimRef(c.namespace, c.uid, c.name) for c in request.claims]
 
@@ -103,13 +126,31 @@ def _missing(claims: Sequence[ClaimRef], answered: dict[str, Any]) -> list[str]:
 class DraServicer:
     """One API version's DRAPlugin servicer over a shared Preparer (``api``: its messages)."""
 
-    def __init__(self, api: ModuleType, preparer: Preparer) -> None:
+    def __init__(self, api: ModuleType, preparer: Preparer,
+                 refusals: repeats.RepeatedLines | None = None) -> None:
+        """``refusals``: the log of refused calls, shared by the servers' API versions."""
         self.api = api
         self.preparer = preparer
+        self.refusals = refusals or repeats.RepeatedLines(log)
         self.version = api.DESCRIPTOR.package.rsplit(".", 1)[-1]
         self._shares = "share_id" in api.Device.DESCRIPTOR.fields_by_name
 
+    async def check_request(self, method: str, request: Any, context: Context) -> None:
+        """Refuse (INVALID_ARGUMENT) a call past the bounds, before any work: its claims are
+        counted, not turned into objects of ours."""
+        count = len(request.claims)
+        if count > MAX_CLAIMS_PER_CALL:
+            await self._refuse(context, method, f"{count} claims in one {method}; at most "
+                               f"{MAX_CLAIMS_PER_CALL} are served (the kubelet sends one pod's "
+                               f"claims for this driver)")
+
+    async def _refuse(self, context: Context, method: str, message: str) -> NoReturn:
+        self.refusals.log(RefusalKind.MALFORMED, logging.WARNING, "refused %s: %s", method, message,
+                          extra={"kind": str(RefusalKind.MALFORMED)})
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
     async def NodePrepareResources(self, request: Any, context: Context) -> Any:
+        await self.check_request("NodePrepareResources", request, context)
         claims = _claims(request)
         answers = await self.preparer.prepare(claims) if claims else {}
         response = self.api.NodePrepareResourcesResponse()
@@ -128,6 +169,7 @@ class DraServicer:
         return response
 
     async def NodeUnprepareResources(self, request: Any, context: Context) -> Any:
+        await self.check_request("NodeUnprepareResources", request, context)
         claims = _claims(request)
         # No claims, nothing to wait for: the self-check's call, never queued behind a Prepare.
         errors = await self.preparer.unprepare(claims) if claims else {}
@@ -166,8 +208,9 @@ def new_dra_server(preparer: Preparer,
         ("grpc.http2.max_deallocating_streams", MAX_DEALLOCATING_STREAMS),
         ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
     ])
+    refusals = repeats.RepeatedLines(log)
     for api, api_grpc in _VERSIONS:
-        api_grpc.add_DRAPluginServicer_to_server(DraServicer(api, preparer), server)
+        api_grpc.add_DRAPluginServicer_to_server(DraServicer(api, preparer, refusals), server)
     if health is not None:
         dra_health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(health, server)
     return server
