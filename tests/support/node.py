@@ -83,8 +83,10 @@ class Loop:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
     def close(self) -> None:
+        """Stop the loop, then close it: a stopped loop still holds its self-pipe (two sockets)."""
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.loop.close()
 
 
 @dataclass
