@@ -1,15 +1,17 @@
-"""What a Kubernetes client would add to the DRA driver (issue 31, item 3): import time and
-resident memory on top of `import hlplugin.dra`, each in a fresh interpreter, medians of N runs,
-beside the standard library's TLS (what any client pays) measured in the same run.
+"""What a Kubernetes client adds to the DRA driver (issue 31, item 3; issue 41, item 1): import
+time and resident memory on top of `import hlplugin.dra`, each in a fresh interpreter, medians of
+N runs, beside the standard library's TLS (what any client pays) measured in the same run.
 
-Neither client is a dependency of the project: install each into a scratch virtual environment
-and name its site-packages directory (docs/dra.md says how, and what was measured):
+Our own client (`hlplugin.kubeapi`, built from an in-cluster configuration: a service account
+directory with one CA and a token, the service's address in the environment) is always measured.
+The others are not dependencies of the project: install each into a scratch virtual environment
+and name its site-packages directory (docs/dra.md says what was measured):
 
-    python benchmarks/dra_clients.py --lightkube /tmp/lk/lib/python3.11/site-packages \
-        --kubernetes-asyncio /tmp/ka/lib/python3.11/site-packages [--runs 7]
+    python benchmarks/dra_clients.py [--runs 3] [--lightkube /tmp/lk/lib/python3.11/site-packages] \
+        [--kubernetes-asyncio /tmp/ka/lib/python3.11/site-packages]
 
 A case whose directory is not given is left out. Run it with the project's interpreter (it
-imports hlplugin.dra from the source tree beside it).
+imports hlplugin from the source tree beside it).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -48,6 +51,13 @@ async def build():  # its aiohttp session wants a running loop
     return ResourceV1Api(ApiClient(configuration))
 api = asyncio.run(build())
 """
+# What the driver will do at start: import the client, build it for the pod's service account.
+_KUBEAPI = """
+from pathlib import Path
+from hlplugin.kubeapi import Client, Config
+client = Client(Config.in_cluster({{"KUBERNETES_SERVICE_HOST": "127.0.0.1",
+                                   "KUBERNETES_SERVICE_PORT": "9"}}, Path({account!r})))
+"""
 _TLS = """
 import ssl
 context = ssl.create_default_context(cafile={ca!r})
@@ -58,11 +68,11 @@ import hlplugin.dra
 def rss():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:"))
 gc.collect()
-before, began = rss(), time.perf_counter()
+before, modules, began = rss(), len(sys.modules), time.perf_counter()
 {code}
 took = time.perf_counter() - began
 gc.collect()
-print(json.dumps({{"seconds": took, "kib": rss() - before, "modules": len(sys.modules)}}))
+print(json.dumps({{"seconds": took, "kib": rss() - before, "modules": len(sys.modules) - modules}}))
 """
 
 
@@ -75,6 +85,14 @@ def one_ca() -> str:
     with os.fdopen(handle, "w") as out:
         out.write(first + "\n")
     return name
+
+
+def service_account(ca: str) -> str:
+    """A directory shaped as a pod's service account mount: ca.crt (one CA) and a token."""
+    account = tempfile.mkdtemp()
+    Path(account, "ca.crt").write_text(Path(ca).read_text())
+    Path(account, "token").write_text("x" * 1000 + "\n")  # a bound token's size
+    return account
 
 
 def measure(code: str, site: str, runs: int) -> dict[str, float]:
@@ -91,11 +109,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lightkube", default="", help="site-packages with lightkube and its models")
     parser.add_argument("--kubernetes-asyncio", default="", help="site-packages with kubernetes_asyncio")
-    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     ca = one_ca()
+    account = service_account(ca)
     try:
-        cases = [("standard library TLS (ssl, one CA)", _TLS, "")]
+        cases = [("standard library TLS (ssl, one CA)", _TLS, ""),
+                 ("hlplugin.kubeapi Client, in-cluster", _KUBEAPI, "")]
         if args.lightkube:
             cases.append(("lightkube AsyncClient + ResourceSlice", _LIGHTKUBE, args.lightkube))
         if args.kubernetes_asyncio:
@@ -103,11 +123,12 @@ def main() -> int:
                           args.kubernetes_asyncio))
         print(f"on top of import hlplugin.dra, medians of {args.runs} fresh interpreters")
         for name, code, site in cases:
-            m = measure(code.format(ca=ca), site, args.runs)
+            m = measure(code.format(ca=ca, account=account), site, args.runs)
             print(f"{name:40s} +{m['kib'] / 1024:5.1f} MiB RSS  {m['seconds'] * 1000:6.0f} ms  "
-                  f"{m['modules']:5.0f} modules loaded")
+                  f"+{m['modules']:4.0f} modules")
     finally:
         os.unlink(ca)
+        shutil.rmtree(account)
     return 0
 
 

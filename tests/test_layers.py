@@ -1,5 +1,7 @@
 """The tools (emulator, process driver, demo, doctor) sit beside the daemons, never under them:
-no daemon module imports ``hlplugin.tools``; only the CLI reaches it, lazily, per subcommand."""
+no daemon module imports ``hlplugin.tools``; only the CLI reaches it, lazily, per subcommand.
+The Kubernetes API client (``hlplugin.kubeapi``) is a wing beside the kubelet protocols: the
+kubelet side never imports it, and it imports nothing of ours but itself."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import hlplugin
 
 PACKAGE = Path(hlplugin.__file__).parent
 TOOLS = "hlplugin.tools"
+KUBEAPI = "hlplugin.kubeapi"
 
 
 def daemon_modules() -> list[Path]:
@@ -42,6 +45,38 @@ def test_the_check_sees_an_import_of_the_tools(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("from hlplugin.tools.emulator import KubeletEmulator\nfrom hlplugin import tools\n")
     assert {"hlplugin.tools.emulator", "hlplugin.tools"} <= set(imported_modules(sample))
+
+
+def inside(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def api_client_offenders(root: Path) -> list[str]:
+    """Imports that break the API client's wing under ``root`` (a tree shaped as the package):
+    the kubelet side (deviceplugin/) importing the client, or the client importing any of our
+    modules but its own. The kubelet side serves the kubelet while the API server is unreachable
+    (issue 41 item 2), so nothing of the client's may be on its path, not even by import."""
+    kubelet_side = [(p, name) for p in sorted((root / "deviceplugin").rglob("*.py"))
+                    for name in imported_modules(p) if inside(name, KUBEAPI)]
+    client_side = [(p, name) for p in sorted((root / "kubeapi").rglob("*.py"))
+                   for name in imported_modules(p)
+                   if inside(name, "hlplugin") and not inside(name, KUBEAPI)]
+    return [f"{p.relative_to(root)}: {name}" for p, name in kubelet_side + client_side]
+
+
+def test_the_kubelet_side_never_imports_the_api_client() -> None:
+    assert len(list((PACKAGE / "kubeapi").glob("*.py"))) >= 5
+    assert api_client_offenders(PACKAGE) == []
+
+
+def test_the_api_client_check_sees_both_directions(tmp_path: Path) -> None:
+    for wing, line in (("deviceplugin/kubelet", "from hlplugin.kubeapi import Client\n"),
+                       ("kubeapi", "from hlplugin.deviceplugin import files\n")):
+        (tmp_path / wing).mkdir(parents=True)
+        (tmp_path / wing / "sample.py").write_text(line)
+    assert api_client_offenders(tmp_path) == [
+        "deviceplugin/kubelet/sample.py: hlplugin.kubeapi",
+        "kubeapi/sample.py: hlplugin.deviceplugin"]
 
 
 MAX_LINES = 400

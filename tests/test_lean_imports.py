@@ -61,6 +61,18 @@ def test_a_daemon_start_loads_nothing_it_uses_later(daemon: str) -> None:
     assert not offenders(modules, later)
 
 
+def test_the_api_client_loads_only_itself_h11_and_the_standard_library() -> None:
+    """What `import hlplugin.kubeapi` costs a node (docs/dra.md, "Client") holds only while it
+    pulls in no third-party package but h11 and none of the daemons' modules (beyond the
+    package's own start, which every daemon pays)."""
+    modules = loaded_after("import hlplugin.kubeapi") - loaded_after("import hlplugin")
+    third_party = {m.split(".")[0] for m in modules} - set(sys.stdlib_module_names) - {"hlplugin"}
+    assert third_party == {"h11"}, sorted(third_party)
+    ours = {m for m in modules if m.startswith("hlplugin.")}
+    assert "hlplugin.kubeapi.client" in ours
+    assert all(m.startswith("hlplugin.kubeapi") for m in ours), sorted(ours)
+
+
 def test_the_start_freezes_its_imports_and_turns_the_gc_back_on() -> None:
     """The entry point (the `hlplugin` command, `python -m hlplugin`) turns the cyclic GC off for
     a start's imports; when the daemon begins to run, their objects are frozen (out of every
