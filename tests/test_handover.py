@@ -293,14 +293,16 @@ async def test_a_standby_reconciler_only_looks_then_writes_when_it_takes_over(tm
         assert tracker.state.healthy
 
 
-async def get_status(port: int, path: str = "/readyz") -> int:
-    """One HTTP/1.1 GET as the kubelet's probe makes it: the status, or 0 when refused."""
+async def get_status(port: int, path: str = "/readyz", agent: str = "") -> int:
+    """One HTTP/1.1 GET as the kubelet's probe makes it (``agent``, its User-Agent, e.g.
+    kube-probe/1.36): the status, or 0 when refused."""
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
     except ConnectionRefusedError:
         return 0
+    ua = f"User-Agent: {agent}\r\n" if agent else ""
     try:
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n{ua}Connection: close\r\n\r\n".encode())
         line = await reader.readline()
         return int(line.split()[1]) if line else 0
     finally:
@@ -336,3 +338,30 @@ async def test_the_http_port_stays_open_for_a_readiness_probe_due_soon(
         assert stopping.done()
         # Probed: the next probe was answered before the port closed; else it was closed at once.
         assert answer == (200 if probed else 0), probed
+
+
+async def test_one_kubelet_probe_is_enough_to_wait_for_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod stopped before its second readiness probe (a rollout rolled back at once) has seen one
+    probe only: from the kubelet (its User-Agent), the next is due the manifests' period later and
+    is answered before the port closes; one request from anything else is no probe."""
+    from prometheus_client import CollectorRegistry
+
+    from hlplugin.deviceplugin.process import http, probeclearance
+
+    period = 0.3
+    monkeypatch.setattr(probeclearance, "MANIFEST_PERIOD", period)
+    monkeypatch.setattr(probeclearance, "PROBE_PERIODS", (0.2, 30.0))
+
+    def ready() -> dict[str, tuple[bool, str]]:
+        return {"registered": (True, "")}
+
+    for agent in ("kube-probe/1.36", "curl/8.5"):
+        server = http.HttpServer(ready, lambda: (True, ""), CollectorRegistry())
+        await server.start(("127.0.0.1", 0))
+        assert await get_status(server.port, agent=agent) == 200
+        stopping = asyncio.create_task(server.stop())
+        await asyncio.sleep(period)  # the kubelet's probe period: the emulated world's time
+        answer = await get_status(server.port, agent=agent)
+        await asyncio.wait({stopping}, timeout=GUARD)
+        assert stopping.done()
+        assert answer == (200 if agent.startswith("kube-probe/") else 0), agent

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from hlplugin import config
+from hlplugin.deviceplugin.process import probeclearance
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -206,6 +207,8 @@ def check_plugin_daemonsets(objs: list[dict[str, Any]], kustomization: str) -> N
         # Grace and liveness from the measured figures: a hung daemon's worst case, stated.
         grace = pod["terminationGracePeriodSeconds"]
         assert 3 * MEASURED_STOP_S <= grace <= 10, where
+        # A stop waits for the next readiness probe, due this period after a pod's only one.
+        assert c["readinessProbe"]["periodSeconds"] == probeclearance.MANIFEST_PERIOD, where
         live = c["livenessProbe"]
         assert live["timeoutSeconds"] > HEALTHZ_BUDGET_S, "the 503 must arrive before the timeout"
         assert live["failureThreshold"] >= 2, "one slow answer must not restart a node's plugin"

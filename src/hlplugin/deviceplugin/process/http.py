@@ -251,6 +251,8 @@ class _Connection(asyncio.Protocol):
             return _text(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED)
         headers = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in request.headers}
+        if urlsplit(request.target.decode("ascii", "replace")).path == "/readyz":
+            self.server.probes.seen(headers.get("user-agent", ""))
         try:
             return self.server.app(request.method.decode("ascii"),
                                    request.target.decode("ascii"), headers)
@@ -309,12 +311,7 @@ class HttpServer:
                  limits: Limits | None = None, clock: Callable[[], float] = time.monotonic,
                  details: Mapping[str, object] | None = None) -> None:
         self.probes = ProbeClearance()
-
-        def probed() -> Mapping[str, tuple[bool, str]]:
-            self.probes.seen()
-            return readiness()
-
-        self.app = App(probed, liveness, registry, details)
+        self.app = App(readiness, liveness, registry, details)
         self.limits = limits if limits is not None else Limits(max_connections=connection_cap())
         self.clock = clock
         self.port = 0
