@@ -31,6 +31,7 @@ from hlplugin.settings import (
     LOG_FORMATS,
     LOG_LEVELS,
     MAX_DEVICE_COUNT,
+    MAX_SLOTS,
     TIMEOUT_RANGE,
     UINT32_MAX,
     BootstrapSettings,
@@ -170,6 +171,7 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
     Option("dra.plugin_dir", "--dra-dir", "HYPERLIGHT_DRA_DIR", parsers.path, "DIR"),
     Option("dra.pod_uid", "--pod-uid", "HYPERLIGHT_POD_UID", parsers.pod_uid, "UID"),
     Option("dra.node_name", "--node-name", "HYPERLIGHT_NODE_NAME", parsers.node_name, "NAME"),
+    Option("dra.slots", "--slots", "HYPERLIGHT_SLOTS", parsers.slots, "N", bounds=f"1-{MAX_SLOTS}"),
 )}
 
 SERVE_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor", "device_count",
@@ -178,7 +180,7 @@ SERVE_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor
                  "guest_check", "register_timeout")
 BOOTSTRAP_OPTIONS = ("plugin_dir", "dev_dir", "hypervisor", "http_address", "log_format",
                      "log_level", "register_timeout")
-DRA_OPTIONS = ("registry_dir", "dra_dir", "pod_uid", "node_name", "cdi_dir", "dev_dir",
+DRA_OPTIONS = ("registry_dir", "dra_dir", "pod_uid", "node_name", "slots", "cdi_dir", "dev_dir",
                "host_dev_dir", "hypervisor", "device_uid", "device_gid", "http_address",
                "log_format", "log_level", "cdi_interval", "health_interval", "probe_timeout",
                "guest_check")

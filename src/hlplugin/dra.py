@@ -4,8 +4,9 @@ service in both API versions (deviceplugin.kubelet.pluginwatcher, draservice); i
 main daemon's: the CDI reconciler keeps the node's one hyperlight.json (taken over, never a
 second spec declaring the device) and the device monitor checks the device before every Prepare.
 
-Not yet here: the control-plane side (ResourceSlices, reading a claim's allocation): until it
-lands a claim is answered with the node's one device (dra_claims.node_device).
+Its control-plane side, in a cluster only: this node's ResourceSlice (dra_slices.py), one more
+root task that the kubelet side never waits on. Not yet here: reading a claim's allocation; until
+it lands a claim is answered with the node's one device (dra_claims.node_device).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from hlplugin import cdi_spec
 from hlplugin.deviceplugin.checkpoint import Checkpoint
@@ -29,7 +33,37 @@ from hlplugin.names import CDI_WRITER_FILE, DRA_DRIVER, REGISTRY_DIR_FLAG, dra_s
 from hlplugin.proofs import Proofs
 from hlplugin.settings import DraSettings
 
+if TYPE_CHECKING:
+    from hlplugin.dra_slices import Slices
+    from hlplugin.kubeapi import Config
+
 log = logging.getLogger(__name__)
+
+# kubeapi.config.SERVICE_ACCOUNT's token, named here so that a driver outside a cluster finds
+# it missing without importing the client (tests/test_dra_slices.py holds the two equal).
+SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+
+
+def cluster_api(environ: Mapping[str, str] = os.environ,
+                token: Path = SERVICE_ACCOUNT_TOKEN) -> Config | None:
+    """The API server as a pod reaches it, or None (said once, at info) where the driver runs
+    outside a cluster: no ResourceSlice then, and everything else as in one. In a pod whose
+    in-cluster config is unusable (no CA, a bad port) the reason is a warning: the chart broke."""
+    if not environ.get("KUBERNETES_SERVICE_HOST"):
+        why = "KUBERNETES_SERVICE_HOST is not set (not running in a pod)"
+    elif not token.is_file():
+        why = f"no service-account token at {token} (none mounted into the pod)"
+    else:
+        from hlplugin import kubeapi  # the API client's wing: loaded only in a cluster
+
+        try:
+            return kubeapi.Config.in_cluster(environ, token.parent)
+        except kubeapi.ConfigError as exc:
+            log.warning("no ResourceSlice is published: %s; the kubelet side serves without it",
+                        exc)
+            return None
+    log.info("no ResourceSlice is published: %s; the kubelet side serves without it", why)
+    return None
 
 
 def node_name(settings: DraSettings) -> str:
@@ -46,7 +80,7 @@ class DraDriver:
     """The driver's parts once the hypervisor is known: built by setup(), run by the Daemon."""
 
     def __init__(self, settings: DraSettings, hypervisor: str, proofs: Proofs,
-                 metrics: DraMetrics) -> None:
+                 metrics: DraMetrics, api: Config | None = None) -> None:
         plugin_dir = settings.dra.plugin_dir
         registration, service = dra_socket_names(settings.dra.pod_uid)
         # One CDI spec writer per node: the instance the kubelet registered last (a surge runs
@@ -69,6 +103,12 @@ class DraDriver:
                 self.writer.claim()
                 checks.reconciler.producer.wakeup.fire()  # that pass now; no earlier read vouches
 
+        self.slices: Slices | None = None  # this node's ResourceSlice: in a cluster only
+        if api is not None:
+            from hlplugin.dra_slices import Slices
+
+            self.slices = Slices(api, pool, hypervisor, settings.health.dev_dir,
+                                 slots=settings.dra.slots, tracker=tracker)
         self.plugin = WatcherPlugin(
             settings.dra.registry_dir, registration, plugin_dir / service, DRA_PLUGIN, DRA_DRIVER,
             SERVICES, functools.partial(new_dra_server, self.claims, self.health), on_status=status,
@@ -86,9 +126,23 @@ class DraDriver:
         """/healthz: the DRA service answers on its socket (nothing to ask between servers)."""
         return not self.plugin.serving or await answers(self.plugin.endpoint_path, timeout)
 
+    def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:
+        """The root tasks: the proofs', the kubelet plugin, and in a cluster the slice's."""
+        tasks = {**self.checks.tasks(), "kubelet-plugin": self.plugin.run()}
+        if self.slices is not None:
+            tasks["slices"] = self.slices.run()
+        return tasks
+
     def conditions(self) -> dict[str, tuple[bool, str]]:
         return {"registered": (self.plugin.registered, self.plugin.status),
                 "checkpoint": self.claims.condition()}
+
+    def advisory(self) -> dict[str, tuple[bool, str]]:
+        """/readyz's ``slices``, shown but not gating readiness: the kubelet calls the driver
+        for claims already allocated whether or not the API server answers us (an outage of
+        the control plane, a 403 before RBAC is fixed), so an unready driver pod would fail
+        nothing the kubelet does and only alarm; the slice's state is said here instead."""
+        return {"slices": self.slices.condition()} if self.slices is not None else {}
 
 
 def kubelet_conditions(driver: Callable[[], DraDriver | None]) -> Callable[
@@ -102,22 +156,29 @@ def kubelet_conditions(driver: Callable[[], DraDriver | None]) -> Callable[
     return conditions
 
 
-async def dra(settings: DraSettings, launch: Launch | None = None) -> None:
-    """`hlplugin dra`: the CDI reconciler, the device monitor and the DRA kubelet plugin."""
+async def dra(settings: DraSettings, launch: Launch | None = None,
+              api: Callable[[], Config | None] = cluster_api) -> None:
+    """`hlplugin dra`: the CDI reconciler, the device monitor and the DRA kubelet plugin, and
+    the ResourceSlice where ``api`` finds an API server (in a pod; a test names its own)."""
     metrics = DraMetrics()
     proofs = Proofs(settings.cdi, settings.health, metrics)
+    server = api()
     built: list[DraDriver] = []
 
     async def setup(hv: str) -> Started:
-        driver = DraDriver(settings, hv, proofs, metrics)
+        driver = DraDriver(settings, hv, proofs, metrics, server)
         await driver.start()
         built.append(driver)
-        return Started(None, {**driver.checks.tasks(), "kubelet-plugin": driver.plugin.run()})
+        return Started(None, driver.tasks())
 
     await Daemon(proofs.spec(
         "hlplugin dra", settings.http, setup, launch,
         kubelet_conditions=kubelet_conditions(lambda: built[0] if built else None),
-        self_check=lambda timeout: built[0].alive(timeout) if built else _answered())).run()
+        self_check=lambda timeout: built[0].alive(timeout) if built else _answered(),
+        advisory=(lambda: built[0].advisory() if built else WAITING) if server else None)).run()
+
+
+WAITING = {"slices": (False, "not published yet: no hypervisor yet")}
 
 
 async def _answered() -> bool:

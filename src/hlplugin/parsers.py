@@ -13,7 +13,14 @@ from pathlib import Path
 from hlplugin import durations
 from hlplugin.deviceplugin import files
 from hlplugin.deviceplugin.quoting import quote
-from hlplugin.settings import INTERVAL_RANGE, MAX_DEVICE_COUNT, MAX_POD_UID, TIMEOUT_RANGE, UINT32_MAX
+from hlplugin.settings import (
+    INTERVAL_RANGE,
+    MAX_DEVICE_COUNT,
+    MAX_POD_UID,
+    MAX_SLOTS,
+    TIMEOUT_RANGE,
+    UINT32_MAX,
+)
 
 # ASCII only: int() also takes Arabic-Indic and full-width digits, and "1_000".
 DIGITS = re.compile(r"[0-9]{1,20}")
@@ -32,6 +39,7 @@ def int_range(low: int, high: int, why: str = "") -> Callable[[str], int]:
 
 device_count = int_range(1, MAX_DEVICE_COUNT,
                            " (a longer device list nears the kubelet's 4 MiB message limit)")
+slots = int_range(1, MAX_SLOTS, " (more containers than a node runs)")
 uint32 = int_range(0, UINT32_MAX, " (the CDI uint32 range)")
 
 

@@ -84,13 +84,14 @@ class Proofs:
     def spec(self, name: str, http: HttpSettings, setup: Callable[[str], Awaitable[Started]],
              launch: Launch | None, *,
              kubelet_conditions: Callable[[], dict[str, tuple[bool, str]]] | None = None,
-             self_check: Callable[[float], Awaitable[bool]] | None = None) -> DaemonSpec[str]:
+             self_check: Callable[[float], Awaitable[bool]] | None = None,
+             advisory: Callable[[], dict[str, tuple[bool, str]]] | None = None) -> DaemonSpec[str]:
         """The daemon's spec: it waits for the hypervisor, says so in /readyz meanwhile, and
         lists the exposure warnings. ``kubelet_conditions``, ``self_check``: a kubelet side that
-        is no device plugin's (see DaemonSpec)."""
+        is no device plugin's; ``advisory``: conditions shown, not gating (see DaemonSpec)."""
         return DaemonSpec(
             name, http, self.tracker, self.metrics,
             functools.partial(wait_for_hypervisor, self.health), setup,
             pending={"hypervisor": f"no mshv or kvm device under {show(self.health.dev_dir)}"},
             launch=launch or Launch(), kubelet_conditions=kubelet_conditions,
-            self_check=self_check, warnings=self.warnings)
+            self_check=self_check, warnings=self.warnings, advisory=advisory)

@@ -26,6 +26,10 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # "Unhealthy", the longest form) serialize to 1.24 MB: 3.4x under the limit. The daemon's peak RSS
 # at that count is in docs/security.md (it, not the message, is what a larger count would cost).
 MAX_DEVICE_COUNT = 50_000
+# The DRA driver's device shares the same bound (no message limit applies to a slice's capacity,
+# but no node runs more containers than that): a node moved between the device plugin and the
+# driver can be given the same count.
+MAX_SLOTS = MAX_DEVICE_COUNT
 
 # Durations: a tiny interval makes a periodic check a busy loop (a device check runs a VM, about
 # 1.3 ms: at 1 s that is 0.1 % of a core); a timeout under 0.1 s fails checks on a loaded
@@ -122,6 +126,9 @@ class DraPluginSettings:
     node_name: str = ""
     """This node's name (the downward API's spec.nodeName): the device pool every answer names.
     Empty: the host name."""
+    slots: int = 2000
+    """Shareable slots of the one device in the node's ResourceSlice (its capacity, slots; a
+    claim consumes one): how many containers may hold it at once, as --device-count for serve."""
 
 
 # Letters, digits and hyphens (a UID is 36 of them): it goes into two socket names.

@@ -52,10 +52,12 @@ from hlplugin.kubeapi import (
 )
 from hlplugin.names import DRA_DRIVER
 from hlplugin.nodefacts import NodeDevice
+from hlplugin.settings import DraPluginSettings
 
 log = logging.getLogger(__name__)
 
-SLOTS = 2000  # allocations one device takes at once: a claim consumes one slot by default
+# Allocations one device takes at once (a claim consumes one slot by default): --slots's default.
+SLOTS = DraPluginSettings().slots
 UNHEALTHY_TAINT = {"key": f"{DRA_DRIVER}/unhealthy", "effect": "NoSchedule"}
 MAX_NAME = 253  # a DNS subdomain
 MAX_BACKOFF_STEP = 16  # past this the back-off is at its cap anyway

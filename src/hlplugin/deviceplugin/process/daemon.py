@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -81,6 +82,9 @@ class DaemonSpec(Generic[T]):
     # Listed under ``warnings`` in every /readyz answer, without failing readiness: what an
     # operator should fix though the daemon serves. The daemon's parts keep it up to date in place.
     warnings: list[str] = field(default_factory=list)
+    # Listed under ``advisory`` in every /readyz answer, each as a condition, without failing
+    # readiness: parts the kubelet side does not depend on (the DRA driver's ResourceSlice).
+    advisory: Callable[[], dict[str, tuple[bool, str]]] | None = None
 
 
 def await_chain(task: asyncio.Task[Any]) -> list[str]:
@@ -321,9 +325,11 @@ class Daemon(Generic[T]):
             lambda: float(all(ok for ok, _ in self.readiness().values())))
         checker = SelfCheck(self.lifecycle, spec.http.self_check_fresh_for,
                             spec.http.self_check_timeout, answers=spec.self_check)
-        http = HttpServer(self.readiness, checker.liveness, spec.metrics.registry,
-                          details={"ignored_settings": sorted(spec.launch.ignored_settings),
-                                   "warnings": spec.warnings})  # the list itself: kept current
+        details: dict[str, object] = {"ignored_settings": sorted(spec.launch.ignored_settings),
+                                      "warnings": spec.warnings}  # the list itself: kept current
+        if spec.advisory is not None:
+            details["advisory"] = functools.partial(_advisory, spec.advisory)  # read per answer
+        http = HttpServer(self.readiness, checker.liveness, spec.metrics.registry, details=details)
         try:
             try:
                 await http.start(spec.http.address)
@@ -371,6 +377,10 @@ def _log_failures(name: str, roots: list[asyncio.Task[None]], group: BaseExcepti
     error = group.exceptions[0]
     log.error("%s: a root task failed: %s: %s; exiting", name, type(error).__name__, error,
               exc_info=error, extra={"error": type(error).__name__})
+
+
+def _advisory(conditions: Callable[[], dict[str, tuple[bool, str]]]) -> dict[str, object]:
+    return {name: {"ok": ok, "reason": reason} for name, (ok, reason) in conditions().items()}
 
 
 def _os_reason(exc: OSError) -> str:

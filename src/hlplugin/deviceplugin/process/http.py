@@ -99,7 +99,8 @@ class App:
         self.readiness = readiness
         self.liveness = liveness
         self.registry = registry
-        self.details = dict(details or {})  # fixed at start; in every /readyz answer
+        # Fixed at start, in every /readyz answer; a callable's value is read at each answer.
+        self.details = dict(details or {})
 
     def __call__(self, method: str, target: str, headers: Mapping[str, str]) -> Answer:
         if method not in ("GET", "HEAD"):
@@ -118,7 +119,7 @@ class App:
             conditions = self.readiness()
             ready = all(ok for ok, _ in conditions.values())
             return self._json(ready, {
-                **self.details,
+                **{name: value() if callable(value) else value for name, value in self.details.items()},
                 "status": "ready" if ready else "not ready",
                 "conditions": {name: {"ok": ok, "reason": reason}
                                for name, (ok, reason) in conditions.items()},
