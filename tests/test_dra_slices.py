@@ -10,17 +10,15 @@ cluster (`hlplugin dra` itself) no controller runs and one line says why."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import daemon, mknod_char, needs_kvm, short_dir, wait_until
-from support.dracluster import DriverProcess
+from harness import daemon, mknod_char, needs_kvm, wait_until
+from support.dracluster import Node, driver, readyz
 from support.fakeapi import FakeApiServer
 from support.fakeslices import NODE, add_node
 from support.pluginwatcher import FakePluginWatcher
@@ -33,39 +31,6 @@ from hlplugin.tools.process import free_port
 
 NAME = f"{NODE}-{DRA_DRIVER}"
 pytestmark = pytest.mark.guard(60)
-
-
-class Node:
-    """Scratch directories for one driver."""
-
-    def __init__(self) -> None:
-        root = short_dir()
-        self.registry, self.plugin_dir = root / "registry", root / "plugins" / DRA_DRIVER
-        self.cdi_dir, self.dev_dir = root / "cdi", root / "dev"
-        for directory in (self.registry, self.cdi_dir, self.dev_dir):
-            directory.mkdir()
-
-    def args(self, *more: str) -> list[str]:
-        return ["dra", "--registry-dir", str(self.registry), "--dra-dir", str(self.plugin_dir),
-                "--node-name", NODE, "--cdi-dir", str(self.cdi_dir), "--dev-dir", str(self.dev_dir),
-                "--host-dev-dir", "", "--hypervisor", "kvm", "--health-interval", "1s", *more]
-
-
-@contextlib.asynccontextmanager
-async def driver(node: Node, url: str, *more: str) -> AsyncIterator[DriverProcess]:
-    """`hlplugin dra` for the block, its API server at ``url`` (support/dracluster.py); then
-    stopped with SIGTERM, as the kubelet stops it."""
-    proc = await DriverProcess(url, node.args(*more)).start()
-    try:
-        yield proc
-    finally:
-        assert await proc.stop() == 0, proc.raw
-
-
-async def readyz(proc: DriverProcess) -> tuple[int, dict[str, Any]]:
-    """/readyz's status and body; (0, {}) before the driver serves HTTP."""
-    code, body = await proc.get("/readyz")
-    return code, json.loads(body) if code else {}
 
 
 def slices_note(body: dict[str, Any]) -> dict[str, Any]:
@@ -101,8 +66,9 @@ async def test_the_running_driver_publishes_its_slice_and_readyz_notes_it_withou
 
             await wait_until(noted, 10, "/readyz noting the slice published")
             status, body = await readyz(proc)
-            assert body["advisory"] == {"slices": {
-                "ok": True, "reason": f"slice {NAME} published (pool generation 1)"}}
+            assert body["advisory"] == {
+                "slices": {"ok": True, "reason": f"slice {NAME} published (pool generation 1)"},
+                "claims": {"ok": True, "reason": "no claim read yet"}}
             assert status == 503 and "slices" not in body["conditions"]
             assert [name for name, c in body["conditions"].items() if not c["ok"]] == ["device", "registered"]
 

@@ -5,8 +5,9 @@ main daemon's: the CDI reconciler keeps the node's one hyperlight.json (taken ov
 second spec declaring the device) and the device monitor checks the device before every Prepare.
 
 Its control-plane side, in a cluster only: this node's ResourceSlice (dra_slices.py), one more
-root task that the kubelet side never waits on. Not yet here: reading a claim's allocation; until
-it lands a claim is answered with the node's one device (dra_claims.node_device).
+root task that the kubelet side never waits on, and each new claim's allocation read in Prepare
+(dra_allocation.py), the record's leftovers pruned. Run by hand, outside a cluster, a claim is
+answered with the node's one device (dra_claims.node_device).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from hlplugin.proofs import Proofs
 from hlplugin.settings import DraSettings
 
 if TYPE_CHECKING:
+    from hlplugin.dra_allocation import AllocationReader
     from hlplugin.dra_slices import Slices
     from hlplugin.kubeapi import Config
 
@@ -89,9 +91,16 @@ class DraDriver:
         self.checks = checks = proofs.build(hypervisor, turn=self.writer.turn)
         tracker = proofs.tracker
         pool = node_name(settings)
+        cdi_name = cdi_spec.qualified_name(hypervisor)
+        self.reader: AllocationReader | None = None  # claims read from the API: in a cluster
+        if api is not None:
+            from hlplugin.dra_allocation import AllocationReader
+            from hlplugin.kubeapi import Client
+
+            self.reader = AllocationReader(Client(api), pool, hypervisor, cdi_name)
         self.claims = ClaimPreparer(
             Checkpoint(plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND), checks.gate,
-            node_device(pool, hypervisor, cdi_spec.qualified_name(hypervisor)),
+            self.reader or node_device(pool, hypervisor, cdi_name),
             cdi=checks.reconciler.ensure,
             on_change=metrics.dra_prepared_claims.set, on_result=metrics.claim_result)
         self.health = HealthStream(tracker, lambda: [(pool, hypervisor)],
@@ -131,6 +140,10 @@ class DraDriver:
         tasks = {**self.checks.tasks(), "kubelet-plugin": self.plugin.run()}
         if self.slices is not None:
             tasks["slices"] = self.slices.run()
+        if self.reader is not None:
+            from hlplugin.dra_allocation import keep_pruned
+
+            tasks["claims-prune"] = keep_pruned(self.claims, self.reader)
         return tasks
 
     def conditions(self) -> dict[str, tuple[bool, str]]:
@@ -138,11 +151,15 @@ class DraDriver:
                 "checkpoint": self.claims.condition()}
 
     def advisory(self) -> dict[str, tuple[bool, str]]:
-        """/readyz's ``slices``, shown but not gating readiness: the kubelet calls the driver
-        for claims already allocated whether or not the API server answers us (an outage of
-        the control plane, a 403 before RBAC is fixed), so an unready driver pod would fail
-        nothing the kubelet does and only alarm; the slice's state is said here instead."""
-        return {"slices": self.slices.condition()} if self.slices is not None else {}
+        """/readyz's ``slices`` and ``claims`` (the last read of a claim), shown but not gating
+        readiness: the kubelet calls the driver for claims already recorded whether or not the
+        API server answers us (an outage of the control plane, a 403 before RBAC is fixed), so
+        an unready driver pod would fail nothing the kubelet does and only alarm; their state is
+        said here instead."""
+        notes = {"slices": self.slices.condition()} if self.slices is not None else {}
+        if self.reader is not None:
+            notes["claims"] = self.reader.condition()
+        return notes
 
 
 def kubelet_conditions(driver: Callable[[], DraDriver | None]) -> Callable[

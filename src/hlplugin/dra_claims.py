@@ -250,27 +250,29 @@ class ClaimPreparer:
             return self._all(claims, _no_cdi(cdi), "refused")
         assert self._claims is not None
         answers: dict[str, Prepared] = {}
-        new: dict[str, Entry] = {}
-        refused: set[str] = set()  # new claims the device check refused
-        state: HealthState | None = None  # the device check, asked once, at the first new claim
+        pending: dict[str, ClaimRef] = {}  # new claims, once each
         for claim in claims:
-            known = self._claims.get(claim.uid) or new.get(claim.uid)
+            known = self._claims.get(claim.uid)
             if known is not None:
                 answers[claim.uid] = Prepared(known.devices)
-                continue
-            if state is None:
-                state = await self._gate()
+            else:
+                pending.setdefault(claim.uid, claim)
+        new: dict[str, Entry] = {}
+        refused: set[str] = set()  # new claims the device check refused
+        if pending:
+            state = await self._gate()  # the device check, once for the call's new claims
             if not state.healthy:
-                answers[claim.uid] = Prepared(error=f"{DRA_DRIVER}: the hypervisor device is "
-                                              f"not usable on this node: {state.describe()}")
-                refused.add(claim.uid)
-                continue
-            try:
-                devices = await self._allocation(claim)
-            except NotAllocated as exc:
-                answers[claim.uid] = Prepared(error=str(exc))
-                continue
-            new[claim.uid] = Entry(claim, devices)
+                error = (f"{DRA_DRIVER}: the hypervisor device is not usable on this node: "
+                         f"{state.describe()}")
+                answers.update({uid: Prepared(error=error) for uid in pending})
+                refused.update(pending)
+            else:  # read at once: each may wait on the API server
+                found = await asyncio.gather(*(self._allocated(c) for c in pending.values()))
+                for claim, devices in zip(pending.values(), found, strict=True):
+                    if isinstance(devices, str):
+                        answers[claim.uid] = Prepared(error=devices)
+                    else:
+                        new[claim.uid] = Entry(claim, devices)
         if new:
             error = await self._save({**self._claims, **new})
             if error:
@@ -285,6 +287,13 @@ class ClaimPreparer:
             self._result("prepare", "refused" if uid in refused else
                          "error" if prepared.error else "success")
         return answers
+
+    async def _allocated(self, claim: ClaimRef) -> tuple[PreparedDevice, ...] | str:
+        """The claim's devices, or why it has none of ours (NotAllocated's words)."""
+        try:
+            return await self._allocation(claim)
+        except NotAllocated as exc:
+            return str(exc)
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
         async with self._lock:
@@ -301,19 +310,53 @@ class ClaimPreparer:
             log.warning("unprepared %d claims without recording it: %s", len(claims), self.problem)
             return self._done(claims, "")
         assert self._claims is not None
-        gone = {c.uid for c in claims if c.uid in self._claims}
-        if not gone:
-            return self._done(claims, "")
-        error = await self._save({k: v for k, v in self._claims.items() if k not in gone})
+        error = await self._drop({c.uid for c in claims}, "unprepared")
         if error:
-            answers = {c.uid: error if c.uid in gone else "" for c in claims}
+            answers = {c.uid: error if c.uid in self._claims else "" for c in claims}
             for answer in answers.values():
                 self._result("unprepare", "error" if answer else "success")
             return answers
-        for uid in gone:
-            log.info("unprepared claim %s", self._claims.pop(uid).claim.describe())
-        self._changed()
         return self._done(claims, "")
+
+    async def prune(self, gone: Callable[[ClaimRef], Awaitable[bool]]) -> int:
+        """Forget the recorded claims that ``gone`` says are gone from the API server, whose
+        Unprepare will never come (their pods were deleted while the node was down, or while the
+        driver was away past the kubelet's retries): else the record would fill its bound.
+        Asked outside the locks, one claim at a time, so Prepares go on meanwhile; dropped
+        under both, the record read anew. Answers how many were forgotten."""
+        recorded = [entry.claim for entry in (self._claims or {}).values()]
+        stale = {claim.uid for claim in recorded if await gone(claim)}
+        if not stale:
+            return 0
+        async with self._lock:
+            fd, problem = await self._acquire()
+            if fd is None:
+                log.warning("cannot prune %d claims gone from the API server now: %s",
+                            len(stale), problem)
+                return 0
+            try:
+                if not await self.load():
+                    return 0
+                before = len(self._claims or {})
+                await self._drop(stale, "pruned (gone from the API server, never unprepared)")
+                return before - len(self._claims or {})
+            finally:
+                os.close(fd)
+
+    async def _drop(self, uids: set[str], what: str) -> str:
+        """Under both locks, the record just read: the entries of ``uids`` removed and saved;
+        "" when done (none recorded included), else the error (memory then unchanged)."""
+        assert self._claims is not None
+        gone = uids & self._claims.keys()
+        if not gone:
+            return ""
+        error = await self._save({k: v for k, v in self._claims.items() if k not in gone})
+        if error:
+            return error
+        for uid in sorted(gone):
+            log.info("%s claim %s", what, self._claims.pop(uid).claim.describe())
+        self._changed()
+        return ""
 
     async def _save(self, claims: dict[str, Entry]) -> str:
         """Write the record; "" when done, else the error every affected claim answers."""

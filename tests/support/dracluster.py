@@ -12,19 +12,57 @@ a free HTTP port, JSON log lines kept, SIGTERM to stop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
-from hlplugin.tools.drive import Daemon
+from hlplugin.names import DRA_DRIVER
+from hlplugin.tools.drive import Daemon, short_dir
 
 SCRIPT = Path(__file__).resolve()
+NODE = "node-a"  # the node a driver of these tests runs on (its pool)
 
 
 class DriverProcess(Daemon):
     def __init__(self, url: str, args: Sequence[str], env: dict[str, str] | None = None) -> None:
         super().__init__(args, env)
         self.args = [sys.executable, str(SCRIPT), url, *self.args[3:]]  # after `-m hlplugin`
+
+
+class Node:
+    """Scratch directories for one driver."""
+
+    def __init__(self) -> None:
+        root = short_dir()
+        self.registry, self.plugin_dir = root / "registry", root / "plugins" / DRA_DRIVER
+        self.cdi_dir, self.dev_dir = root / "cdi", root / "dev"
+        for directory in (self.registry, self.cdi_dir, self.dev_dir):
+            directory.mkdir()
+
+    def args(self, *more: str) -> list[str]:
+        return ["dra", "--registry-dir", str(self.registry), "--dra-dir", str(self.plugin_dir),
+                "--node-name", NODE, "--cdi-dir", str(self.cdi_dir), "--dev-dir", str(self.dev_dir),
+                "--host-dev-dir", "", "--hypervisor", "kvm", "--health-interval", "1s", *more]
+
+
+@contextlib.asynccontextmanager
+async def driver(node: Node, url: str, *more: str) -> AsyncIterator[DriverProcess]:
+    """`hlplugin dra` for the block, its API server at ``url`` (support/dracluster.py); then
+    stopped with SIGTERM, as the kubelet stops it."""
+    proc = await DriverProcess(url, node.args(*more)).start()
+    try:
+        yield proc
+    finally:
+        assert await proc.stop() == 0, proc.raw
+
+
+async def readyz(proc: DriverProcess) -> tuple[int, dict[str, Any]]:
+    """/readyz's status and body; (0, {}) before the driver serves HTTP."""
+    code, body = await proc.get("/readyz")
+    return code, json.loads(body) if code else {}
 
 
 def main(url: str, argv: Sequence[str]) -> None:

@@ -9,9 +9,10 @@ import asyncio
 from typing import Any
 
 from hlplugin.kubeapi import NODES
+from support.dracluster import NODE
 from support.fakeapi import FakeApiServer, Seen
 
-NODE = "node-a"
+__all__ = ["NODE", "GateOffApiServer", "PortApiServer", "add_node"]
 
 
 def add_node(server: FakeApiServer, name: str = NODE) -> str:
