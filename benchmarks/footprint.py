@@ -136,10 +136,13 @@ def process_figures(pid: int) -> dict[str, float]:
 class Process:
     """One measured process: a daemon (drive.Daemon) or a floor script, in its own cgroup."""
 
-    def __init__(self, who: str, argv: Sequence[str], limit: int | None = None) -> None:
+    def __init__(self, who: str, argv: Sequence[str], limit: int | None = None,
+                 daemon: drive.Daemon | None = None) -> None:
+        """``daemon``: one built already (the DRA driver with its API server named), run in
+        place of ``argv``."""
         self.who = who
         self.cgroup = MemoryCgroup(who, limit)
-        self.daemon: drive.Daemon | None = None
+        self.daemon: drive.Daemon | None = daemon
         self.child: asyncio.subprocess.Process | None = None
         self.argv = list(argv)
         self.started = 0.0
@@ -147,8 +150,8 @@ class Process:
     async def start(self) -> Process:
         """Start it; ``started`` is taken just before the spawn, and a floor script runs under
         the same parent-death wrapper as a daemon (setpriv): the two start alike."""
-        if self.argv[0] in ("serve", "bootstrap"):
-            self.daemon = drive.Daemon(self.argv)
+        if self.daemon is not None or self.argv[0] in ("serve", "bootstrap"):
+            self.daemon = self.daemon or drive.Daemon(self.argv)
             self.daemon.args = self.cgroup.wrap(self.daemon.args)
             await self.daemon.start()
             self.started = self.daemon.started

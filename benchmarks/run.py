@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import footprint  # beside this script: on sys.path as the script's directory
+import dra_figures  # beside this script: on sys.path as the script's directory
+import footprint
 import grpc
 import inotify_simple
 
@@ -605,6 +606,19 @@ async def bench_footprint(tmp: Path, p: Profile) -> None:
            load="first list, 2 transitions, a kubelet restart")
 
 
+async def bench_dra(tmp: Path, p: Profile) -> None:
+    """The DRA driver (benchmarks/dra_figures.py): start -> first slice, NodePrepareResources
+    against a floor, idle CPU and working set beside the main daemon's."""
+    root = Path(tempfile.mkdtemp(dir=tmp))
+
+    def main() -> tuple[Node, list[str]]:
+        node = make_node(root, "dra-main")
+        return node, node.serve_args("--hypervisor", "kvm", "--device-count", "2000")
+
+    await dra_figures.bench(root, record, starts=p.footprint_starts, calls=p.allocs // 10,
+                            repeats=p.repeats, idle=p.footprint_idle, make_main=main)
+
+
 def table(figures: list[dict[str, Any]]) -> str:
     head = ("figure", "value", "baseline", "ratio", "goal", "met")
     rows = [(f["name"], f"{f['value']:g} {f['unit']}", "-" if f["baseline"] is None else f"{f['baseline']:g}",
@@ -620,7 +634,8 @@ STEPS: dict[str, Callable[[Path, Profile], Awaitable[None]]] = {
     bench.__name__.removeprefix("bench_").replace("_", "-"): bench for bench in (
         bench_allocate, bench_broadcast, bench_cdi, bench_kubelet_restart, bench_handover, bench_start,
         bench_memory,
-        bench_ceiling, bench_bootstrap_memory, bench_idle, bench_probes, bench_footprint, bench_starts)}
+        bench_ceiling, bench_bootstrap_memory, bench_idle, bench_probes, bench_footprint, bench_starts,
+        bench_dra)}
 # Steps run only when named with --only (a full run has their figures from another step).
 OPT_IN = {"starts"}
 

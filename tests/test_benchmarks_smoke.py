@@ -30,6 +30,11 @@ FIGURES = (
         "process start -> Register", "working set idle", "working set after load and a scrape",
         "peak RSS (VmHWM) after load")),
     "working set at DEVICE_COUNT",
+    # The DRA driver (benchmarks/dra_figures.py).
+    "process start -> first ResourceSlice, DRA driver",
+    *(f"NodePrepareResources {q}, DRA driver, {what}" for q in ("p50", "p99")
+      for what in ("a new claim", "the same claim again")),
+    "idle CPU, DRA driver", "working set idle, DRA driver",
 )
 
 
