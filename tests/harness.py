@@ -259,15 +259,16 @@ def kustomize(directory: Path) -> str:
 
 
 def helm_template(chart: Path, namespace: str, values: dict[str, Any] | None = None,
-                  ) -> subprocess.CompletedProcess[str]:
+                  *options: str) -> subprocess.CompletedProcess[str]:
     """`helm template` of ``chart`` into ``namespace`` with ``values`` (a values file, so YAML
-    types reach the schema as they are); the caller judges the result (skips without helm)."""
+    types reach the schema as they are) and helm's ``options``; the caller judges the result
+    (skips without helm)."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as file:
         yaml.safe_dump(values or {}, file)
         file.flush()
         return subprocess.run([tool("helm"), "template", "hlplugin", str(chart), "--namespace", namespace,
-                               "--values", file.name], capture_output=True, text=True, check=False,
-                              timeout=100)
+                               "--values", file.name, *options], capture_output=True, text=True,
+                              check=False, timeout=100)
 
 
 def documents(text: str) -> list[dict[str, Any]]:

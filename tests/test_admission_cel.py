@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 from harness import documents, kustomize
-from support.admission import Denied, admit, defaulted
+from support.admission import KUBERNETES_ONLY, Denied, admit, defaulted
 
 celpy = pytest.importorskip("celpy", reason="cel-python is not installed: pip install -e '.[test]'")
 
@@ -36,11 +36,6 @@ ROOT = Path(__file__).resolve().parent.parent
 OVERLAY = ROOT / "deploy/overlays/kind"
 EXAMPLES = ROOT / "deploy/overlays/kind/examples"
 RESERVED = "hyperlight.dev/device-access"
-
-# Kubernetes CEL functions and syntax that celpy does not implement.
-KUBERNETES_ONLY = ("quantity(", "isQuantity(", "url(", "isURL(", "ip(", "isIP(", "cidr(", "isCIDR(",
-                   "isSorted(", ".sum(", ".min(", ".max(", ".indexOf(", ".lastIndexOf(", ".find(",
-                   ".findAll(", "format(", "authorizer", "?.", ".orValue(", "optional.", "semver(")
 
 
 @pytest.fixture(scope="module")

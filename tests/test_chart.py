@@ -27,6 +27,7 @@ from support.chart import (
     CHART,
     CRD_GROUP,
     DEPLOY,
+    DRA_ON,
     MAIN,
     README,
     TEST_POD,
@@ -39,6 +40,7 @@ from support.chart import (
     kinds,
     kustomized,
     leaves,
+    merged,
     render,
 )
 from support.deploy import CHECKOV_ENV, NAMESPACE, check_plugin_daemonsets
@@ -115,11 +117,13 @@ def test_drift_is_caught_whichever_side_changes(tmp_path: Path) -> None:
 # --- helm lint and the analysers, on the default rendering and with every toggle on ---------------
 
 RENDERINGS = {"defaults": {}, "every toggle": TOGGLES}
+# With the DRA driver too (its properties: tests/test_chart_dra.py); resource.k8s.io/v1 needs 1.34.
+WITH_DRA = {**RENDERINGS, "dra and every toggle": merged(TOGGLES, DRA_ON)}
 
 
-@pytest.mark.parametrize("rendering", RENDERINGS)
+@pytest.mark.parametrize("rendering", WITH_DRA)
 def test_helm_lint_strict(rendering: str, tmp_path: Path) -> None:
-    (tmp_path / "values.yaml").write_text(yaml.safe_dump(RENDERINGS[rendering]))
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump(WITH_DRA[rendering]))
     result = subprocess.run([tool("helm"), "lint", "--strict", "--namespace", NAMESPACE, str(CHART),
                              "--values", str(tmp_path / "values.yaml")],
                             capture_output=True, text=True, timeout=100, check=False)
@@ -140,7 +144,7 @@ def test_chart_daemonsets_have_the_deploy_properties(rendering: str) -> None:
 def test_renderings_validate_against_kubernetes_schemas(version: str, tmp_path: Path) -> None:
     validate = tool("kubernetes-validate")
     count = 0
-    for name, values in RENDERINGS.items():
+    for name, values in (WITH_DRA if version >= "1.34" else RENDERINGS).items():
         objs = render(values)
         (tmp_path / f"{name.replace(' ', '-')}.yaml").write_text(yaml.safe_dump_all(objs))
         count += sum(not o["apiVersion"].startswith(CRD_GROUP) for o in objs)
@@ -151,14 +155,14 @@ def test_renderings_validate_against_kubernetes_schemas(version: str, tmp_path: 
     assert output.count("passed for resource") == count, output
     # The Prometheus Operator's kinds have no schema there: only they may be unchecked.
     unchecked = re.findall(r"Couldn't find schema for kind (\w+)", output)
-    assert sorted(unchecked) == ["PodMonitor", "PrometheusRule"], output
+    assert set(unchecked) == {"PodMonitor", "PrometheusRule"}, output
 
 
 def test_checkov_finds_nothing_in_the_renderings(tmp_path: Path) -> None:
     """Both renderings, and one with the image pinned by digest, which needs no CKV_K8S_43 skip."""
     checkov = tool("checkov")
     pinned = {"image": {"digest": "sha256:" + "0" * 64}}
-    for name, values in {**RENDERINGS, "digest": pinned}.items():
+    for name, values in {**WITH_DRA, "digest": merged(pinned, DRA_ON)}.items():
         (tmp_path / f"{name.replace(' ', '-')}.yaml").write_text(yaml.safe_dump_all(render(values)))
     result = subprocess.run([checkov, "--directory", str(tmp_path), "--framework", "kubernetes",
                              "--skip-download", "--output", "json", "--compact"],

@@ -20,6 +20,8 @@ from support.chart import (
     BOOTSTRAP,
     CHART,
     DEPLOY,
+    DRA,
+    DRA_ON,
     MAIN,
     ROOT,
     SCHEMA,
@@ -48,11 +50,13 @@ pytestmark = pytest.mark.deploy
 def test_config_values_are_the_daemons_settings_with_their_defaults() -> None:
     """Every setting of either daemon that the chart does not set itself is a config value, named
     in camelCase after its flag, and its default renders what the daemon's parser reads as the
-    daemon's own default (a setting added to the daemons and not to the chart fails here)."""
+    daemon's own default (a setting added to the daemons and not to the chart fails here). The
+    DRA driver on: its DaemonSet is judged with the other two."""
     assert set(VALUES["config"]) == {camel(d) for d in SETTINGS}
     for dest in SETTINGS:
         assert config.OPTIONS[dest].flag == "--" + dest.replace("_", "-")
-    rendered = daemonsets(render())
+    rendered = daemonsets(render(DRA_ON))
+    assert set(rendered) == set(SUBCOMMAND_OPTIONS)
     for dest in SETTINGS:
         option = config.OPTIONS[dest]
         for name, ds in rendered.items():
@@ -79,7 +83,8 @@ def other_value(dest: str) -> Any:
 @pytest.mark.parametrize("dest", SETTINGS)
 def test_config_value_reaches_the_daemons_that_take_it(dest: str) -> None:
     option, value = config.OPTIONS[dest], other_value(dest)
-    rendered = daemonsets(render({"config": {camel(dest): value}}))
+    rendered = daemonsets(render({**DRA_ON, "config": {camel(dest): value}}))
+    assert DRA in rendered
     for name, ds in rendered.items():
         if dest in SUBCOMMAND_OPTIONS[name]:
             parsed = daemon_parse(dest, env(ds)[option.env])

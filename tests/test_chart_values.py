@@ -14,6 +14,8 @@ from support.chart import (
     APP_VERSION,
     BOOTSTRAP,
     DEPLOY,
+    DRA,
+    DRA_ON,
     MAIN,
     PLUGIN_DIR,
     ROOT,
@@ -74,6 +76,23 @@ BOOTSTRAP_RESOURCES = {"requests": {"cpu": "5m", "memory": "50Mi"},
                        "limits": {"cpu": "100m", "memory": "80Mi"}}
 
 
+API_CIDRS = ["192.0.2.10/32", "2001:db8::1/128"]
+DRA_RESOURCES = {"requests": {"cpu": "20m", "memory": "70Mi"}, "limits": {"cpu": "1", "memory": "100Mi"}}
+
+
+def dra_egress(objs: Objects) -> dict[str, Any]:
+    """The DRA driver's one egress rule (KeyError where there is no driver)."""
+    policies = [o for o in objs if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == DRA]
+    if not policies:
+        raise KeyError(DRA)
+    (rule,) = policies[0]["spec"]["egress"]
+    return rule  # type: ignore[no-any-return]
+
+
+def dra_on(values: dict[str, Any]) -> dict[str, Any]:
+    return {"dra": {"enabled": True, **values}}
+
+
 def pod_meta(ds: dict[str, Any], field: str) -> dict[str, str]:
     return ds["spec"]["template"]["metadata"][field]  # type: ignore[no-any-return]
 
@@ -132,6 +151,15 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[Objects], bool]]] = {
                   and env(daemonsets(objs)[MAIN])["HYPERLIGHT_CDI_DIR"] == "/var/run/cdi"),
     "paths.dev": ({"paths": {"dev": "/host/dev"}},
                   on_both(lambda ds: host_paths(ds)["host-dev"] == "/host/dev")),
+    "dra.enabled": (DRA_ON, lambda objs: DRA in daemonsets(objs) and kinds(objs) - kinds(render()) == {
+        "ClusterRole", "ClusterRoleBinding", "DeviceClass"}),
+    "dra.resources": (dra_on({"resources": DRA_RESOURCES}),
+                      lambda objs: container(daemonsets(objs)[DRA])["resources"] == {
+                          k: {**v, "hyperlight.dev/device-access": "1"} for k, v in DRA_RESOURCES.items()}),
+    "dra.apiServer.cidrs": (dra_on({"apiServer": {"cidrs": API_CIDRS}}),
+                            lambda objs: [p["ipBlock"]["cidr"] for p in dra_egress(objs)["to"]] == API_CIDRS),
+    "dra.apiServer.ports": (dra_on({"apiServer": {"ports": [8443]}}),
+                            lambda objs: dra_egress(objs)["ports"] == [{"protocol": "TCP", "port": 8443}]),
     "monitoring.podMonitor.enabled": ({"monitoring": {"podMonitor": {"enabled": True}}},
                                       lambda objs: kinds(objs) - kinds(render()) == {"PodMonitor"}),
     "monitoring.prometheusRule.enabled": ({"monitoring": {"prometheusRule": {"enabled": True}}},
@@ -163,8 +191,10 @@ def test_value_takes_effect(name: str) -> None:
     objs = render(values)
     assert check(objs), f"{name}: {values} did not take effect"
     if name != "updateStrategy.rollingUpdate.maxSurge":  # always 0: the schema refuses any other
+        # The driver's own values are judged against the driver with its defaults.
+        baseline = DRA_ON if name.startswith("dra.") and name != "dra.enabled" else {}
         try:
-            already = check(render())
+            already = check(render(baseline))
         except KeyError:  # the default does not even have the field
             already = False
         assert not already, f"{name}: the default rendering already shows it"

@@ -12,6 +12,13 @@ import pytest
 celpy = pytest.importorskip("celpy", reason="cel-python is not installed: pip install -e '.[test]'")
 
 
+# Kubernetes CEL functions and syntax that celpy does not implement: a policy using one cannot be
+# judged here (tests/test_admission_cel.py, tests/test_chart_dra_policy.py).
+KUBERNETES_ONLY = ("quantity(", "isQuantity(", "url(", "isURL(", "ip(", "isIP(", "cidr(", "isCIDR(",
+                   "isSorted(", ".sum(", ".min(", ".max(", ".indexOf(", ".lastIndexOf(", ".find(",
+                   ".findAll(", "format(", "authorizer", "?.", ".orValue(", "optional.", "semver(")
+
+
 def defaulted(pod: dict[str, Any]) -> dict[str, Any]:
     """What admission sees after the API server's defaulting: every container has resources."""
     pod = copy.deepcopy(pod)

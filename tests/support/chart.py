@@ -14,8 +14,8 @@ import yaml
 from harness import documents, helm_template, kustomize
 
 from hlplugin import config
-from hlplugin.settings import ServeSettings
-from support.deploy import BOOTSTRAP, MAIN, NAMESPACE
+from hlplugin.settings import DraSettings, ServeSettings
+from support.deploy import BOOTSTRAP, DRA, MAIN, NAMESPACE
 
 # --- the daemons' own ranges and defaults, read in one place -------------------------------------
 # hlplugin.config is being regrouped: when its names move, repoint these and nothing else.
@@ -31,10 +31,10 @@ def daemon_duration_ranges() -> dict[str, tuple[float, float]]:
 
 def daemon_integer_ranges() -> dict[str, tuple[int, int]]:
     """Each whole-number setting's range (both bounds allowed), by its option name."""
-    from hlplugin.settings import MAX_DEVICE_COUNT, UINT32_MAX
+    from hlplugin.settings import MAX_DEVICE_COUNT, MAX_SLOTS, UINT32_MAX
 
-    return {"device_count": (1, MAX_DEVICE_COUNT), "device_uid": (0, UINT32_MAX),
-            "device_gid": (0, UINT32_MAX)}
+    return {"device_count": (1, MAX_DEVICE_COUNT), "slots": (1, MAX_SLOTS),
+            "device_uid": (0, UINT32_MAX), "device_gid": (0, UINT32_MAX)}
 
 
 def daemon_parse(dest: str, text: str) -> Any:
@@ -43,8 +43,11 @@ def daemon_parse(dest: str, text: str) -> Any:
 
 
 def daemon_default(dest: str) -> Any:
-    """The daemons' default of a setting: its hlplugin.settings field's (the main daemon's)."""
-    return config.value_at(ServeSettings(), config.OPTIONS[dest].path)
+    """The daemons' default of a setting: its hlplugin.settings field's (the main daemon's; for
+    one only the DRA driver takes, the driver's)."""
+    if dest in config.SERVE_OPTIONS:
+        return config.value_at(ServeSettings(), config.OPTIONS[dest].path)
+    return config.value_at(DraSettings(), config.OPTIONS[dest].path)
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,15 +58,20 @@ VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 TEST_POD = "hyperlight-test-vm"  # templates/tests/vm-check.yaml, what `helm test` runs
-SUBCOMMAND_OPTIONS = {MAIN: config.SERVE_OPTIONS, BOOTSTRAP: config.BOOTSTRAP_OPTIONS}
+SUBCOMMAND_OPTIONS = {MAIN: config.SERVE_OPTIONS, BOOTSTRAP: config.BOOTSTRAP_OPTIONS,
+                      DRA: config.DRA_OPTIONS}
 # Every toggle on (networkPolicy and admissionPolicy are on by default).
 TOGGLES = {"namespace": {"create": True},
            "monitoring": {"podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}}
+# The DRA driver on, alone and with every toggle (not in TOGGLES: deploy/ has no driver yet).
+DRA_ON = {"dra": {"enabled": True}}
 CRD_GROUP = "monitoring.coreos.com/"
 # The daemons' settings the chart sets itself, to match its mounts, probes and network policies;
 # every other setting of either daemon is a config.* value.
-CHART_OWNED = {"plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "http_address"}
-SETTINGS = sorted((set(config.SERVE_OPTIONS) | set(config.BOOTSTRAP_OPTIONS)) - CHART_OWNED)
+CHART_OWNED = {"plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "http_address", "registry_dir",
+               "dra_dir", "pod_uid", "node_name"}
+SETTINGS = sorted((set(config.SERVE_OPTIONS) | set(config.BOOTSTRAP_OPTIONS) | set(config.DRA_OPTIONS))
+                  - CHART_OWNED)
 
 Objects = list[dict[str, Any]]
 
@@ -129,7 +137,7 @@ def closed_objects(node: dict[str, Any] = SCHEMA, pointer: str = "") -> Iterator
 
 def daemonsets(objs: Objects) -> dict[str, dict[str, Any]]:
     found = {o["metadata"]["name"]: o for o in objs if o["kind"] == "DaemonSet"}
-    assert set(found) == {BOOTSTRAP, MAIN}, found.keys()
+    assert set(found) - {DRA} == {BOOTSTRAP, MAIN}, found.keys()
     return found
 
 
@@ -143,7 +151,8 @@ def container(ds: dict[str, Any]) -> dict[str, Any]:
 
 
 def env(ds: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container(ds)["env"]}
+    """The container's environment given as values (not those from the downward API)."""
+    return {e["name"]: e["value"] for e in container(ds)["env"] if "value" in e}
 
 
 def host_paths(ds: dict[str, Any]) -> dict[str, str]:

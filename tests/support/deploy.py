@@ -24,8 +24,9 @@ K8S_VERSION = "1.34"
 NAMESPACE = "hyperlight-system"
 BOOTSTRAP = "hyperlight-device-access"
 MAIN = "hyperlight-device-plugin"
-SUBCOMMAND = {MAIN: "serve", BOOTSTRAP: "bootstrap"}
-HTTP_PORT = {MAIN: 8080, BOOTSTRAP: 8081}
+DRA = "hyperlight-dra"  # the DRA driver's DaemonSet, the chart's only (dra.enabled)
+SUBCOMMAND = {MAIN: "serve", BOOTSTRAP: "bootstrap", DRA: "dra"}
+HTTP_PORT = {MAIN: 8080, BOOTSTRAP: 8081, DRA: 8082}
 # Peak RSS (VmHWM) in MiB as measured by benchmarks/run.py, recorded in docs/benchmarks.md.
 MEASURED_PEAK_MIB = {MAIN: 48.2, BOOTSTRAP: 45.0}
 # Seconds from container start to /healthz answering, at most, under the 200m CPU limit (a
@@ -100,16 +101,20 @@ PLUGIN_MOUNTS = {  # name: {mountPath: (hostPath, type, readOnly)}
     MAIN: {KUBELET_DIR: (KUBELET_DIR, "Directory", False), "/host-dev": ("/dev", "Directory", True),
            "/var/run/cdi": ("/var/run/cdi", "DirectoryOrCreate", False)},
 }
+CLUSTER_SCOPED = {"Namespace", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+                  "ClusterRole", "ClusterRoleBinding", "DeviceClass"}
 SCRAPERS = {"namespaceSelector": {"matchLabels": {"hyperlight.dev/metrics-scraper": "true"}}}
 
 
 def check_plugin_daemonsets(objs: list[dict[str, Any]], kustomization: str) -> None:
     """The DaemonSets' properties (shared with tests/test_chart.py, which checks the chart's)."""
     for obj in objs:
-        if obj["kind"] != "Namespace" and not obj["kind"].startswith("ValidatingAdm"):
+        if obj["kind"] not in CLUSTER_SCOPED:
             assert obj["metadata"].get("namespace") == NAMESPACE, obj["metadata"]["name"]
     operations = (ROOT / "docs/operations.md").read_text()
-    policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    # The DRA driver's policy, which lets it reach the API server, is tests/test_chart_dra.py's.
+    policies = [o for o in objs if o["kind"] == "NetworkPolicy"
+                and o["spec"]["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/name") != DRA]
     # Network policies: no egress, and ingress only over TCP from namespaces an administrator
     # labelled, not every pod in the cluster (the kubelet's probes come from the node, which a
     # NetworkPolicy never blocks).

@@ -77,29 +77,50 @@ rollingUpdate:
 {{- end }}
 {{- end -}}
 
-{{/* The pod-level settings both DaemonSets share. */}}
+{{/* The pod-level settings every DaemonSet shares: (list $ component), the component being
+"device-plugin", "bootstrap" or "dra". The DRA driver runs only on nodes also labelled
+hyperlight.dev/dra=true, and while it is enabled the main daemon stays off them: a node has two
+hyperlight.dev/device-access, one consumer's and its surge's. */}}
 {{- define "hlplugin.podScheduling" -}}
+{{- $root := index . 0 -}}
+{{- $component := index . 1 -}}
+{{- $nodeSelector := $root.Values.nodeSelector -}}
+{{- $affinity := deepCopy $root.Values.affinity -}}
+{{- if eq $component "dra" -}}
+{{- $nodeSelector = merge (dict "hyperlight.dev/dra" "true") $root.Values.nodeSelector -}}
+{{- else if and $root.Values.dra.enabled (eq $component "device-plugin") -}}
+{{- $elsewhere := dict "key" "hyperlight.dev/dra" "operator" "NotIn" "values" (list "true") -}}
+{{- $node := get $affinity "nodeAffinity" | default (dict) -}}
+{{- $required := get $node "requiredDuringSchedulingIgnoredDuringExecution" | default (dict) -}}
+{{- $terms := list -}}
+{{- range $term := get $required "nodeSelectorTerms" | default (list (dict)) -}}
+{{- $terms = append $terms (set $term "matchExpressions" (append (get $term "matchExpressions" | default (list)) $elsewhere)) -}}
+{{- end -}}
+{{- $_ := set $required "nodeSelectorTerms" $terms -}}
+{{- $_ = set $node "requiredDuringSchedulingIgnoredDuringExecution" $required -}}
+{{- $_ = set $affinity "nodeAffinity" $node -}}
+{{- end -}}
 automountServiceAccountToken: false
 enableServiceLinks: false
 hostNetwork: false
 hostPID: false
 hostIPC: false
-{{- with .Values.priorityClassName }}
+{{- with $root.Values.priorityClassName }}
 priorityClassName: {{ . }}
 {{- end }}
-{{- with .Values.imagePullSecrets }}
+{{- with $root.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.nodeSelector }}
+{{- with $nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.affinity }}
+{{- with $affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.tolerations }}
+{{- with $root.Values.tolerations }}
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
@@ -172,4 +193,16 @@ labels:
   {{- toYaml (merge (dict) $labels (dict "app.kubernetes.io/part-of" "hyperlight") $root.Values.podLabels) | nindent 2 }}
 annotations:
   {{- toYaml (merge (dict) $root.Values.podAnnotations (dict "prometheus.io/scrape" "true" "prometheus.io/port" (toString $port) "prometheus.io/path" "/metrics")) | nindent 2 }}
+{{- end -}}
+
+{{/* The DRA driver's ServiceAccount: the DaemonSet runs as it, RBAC grants it, and the
+ResourceSlice policy matches it by this one name. */}}
+{{- define "hlplugin.draServiceAccount" -}}
+hyperlight-dra
+{{- end -}}
+
+{{/* The lifetime the DRA driver's projected token asks for, in seconds: an hour, as the
+kubelet's own kube-api-access volume asks; the kubelet rotates it at 80% of that. */}}
+{{- define "hlplugin.draTokenSeconds" -}}
+3600
 {{- end -}}
