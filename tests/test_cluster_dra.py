@@ -1,0 +1,240 @@
+"""The DRA driver on the real v1.36 cluster (issue 41, item 5), installed as a user installs it:
+the chart with ``dra.enabled=true`` and the node labelled ``hyperlight.dev/dra=true`` (the main
+daemon then leaves it). The driver publishes the node's ResourceSlice; a pod whose claim comes
+from a ResourceClaimTemplate is allocated a share of the one device and creates a VM through CDI
+as UID 65534; its claim and VM survive the driver's and the kubelet's restarts; a deleted slice
+is put back; a device that fails its proofs takes no new claim while the running pod keeps its
+VM; a claim whose selector matches nothing stays Pending with the scheduler's reason.
+
+One module fixture moves the node to DRA and back (the release as ``installed`` left it), so
+the tests share one switch. Budget: about 5 minutes for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from support.cluster import NODE, Cluster
+from support.clusterfixtures import NAMESPACE, RELEASE, Installed
+
+from hlplugin.names import DRA_DRIVER
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.guard(540)]
+
+LABEL = "hyperlight.dev/dra"
+DRIVER = "hyperlight-dra"
+NS = "default"
+# A VM made at once, then one more made and closed every second: a container that holds its
+# device through everything the tests do to the node prints "ok" lines as long as it can.
+HOLD = ("import fcntl, os, time\n"
+        "fd = os.open('/dev/kvm', os.O_RDWR | os.O_CLOEXEC)\n"
+        "assert fcntl.ioctl(fd, 0xAE00) == 12\n"
+        "vm = fcntl.ioctl(fd, 0xAE01, 0)\n"
+        "print('created a VM as', os.getuid(), flush=True)\n"
+        "while True:\n"
+        "    os.close(fcntl.ioctl(fd, 0xAE01, 0))\n"
+        "    print('ok', flush=True)\n"
+        "    time.sleep(1)\n")
+
+
+def template(name: str, selector: str = "") -> dict[str, Any]:
+    """A ResourceClaimTemplate asking one slot of the driver's device (capacity, shared)."""
+    exactly: dict[str, Any] = {"deviceClassName": DRA_DRIVER, "capacity": {"requests": {"slots": "1"}}}
+    if selector:
+        exactly["selectors"] = [{"cel": {"expression": selector}}]
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"spec": {"devices": {"requests": [{"name": "hv", "exactly": exactly}]}}}}
+
+
+def claim_pod(name: str, claim_template: str) -> dict[str, Any]:
+    """A pod as the examples' (UID 65534, every capability dropped), its device from a claim."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS},
+            "spec": {"terminationGracePeriodSeconds": 1,
+                     "securityContext": {"runAsNonRoot": True, "runAsUser": 65534, "runAsGroup": 65534},
+                     "resourceClaims": [{"name": "hv", "resourceClaimTemplateName": claim_template}],
+                     "containers": [{"name": "vm", "image": Cluster.chart_image(),
+                                     "imagePullPolicy": "IfNotPresent",
+                                     "command": ["python3", "-c", HOLD],
+                                     "securityContext": {"allowPrivilegeEscalation": False,
+                                                         "capabilities": {"drop": ["ALL"]}},
+                                     "resources": {"claims": [{"name": "hv"}]}}]}}
+
+
+def our_slices(c: Cluster) -> list[dict[str, Any]]:
+    return [s for s in c.get("resourceslices")["items"] if s["spec"]["driver"] == DRA_DRIVER]
+
+
+def driver_pods(c: Cluster) -> list[dict[str, Any]]:
+    return [p for p in c.pods(NAMESPACE) if p["metadata"]["name"].startswith(f"{DRIVER}-")]
+
+
+def main_pods(c: Cluster) -> list[dict[str, Any]]:
+    return [p for p in c.pods(NAMESPACE) if p["metadata"]["name"].startswith("hyperlight-device-plugin-")]
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True"
+               for c in pod["status"].get("conditions", []))
+
+
+def phase(c: Cluster, name: str) -> str:
+    return str(c.get("pod", name, "-n", NS)["status"].get("phase", ""))
+
+
+def oks(c: Cluster, name: str) -> int:
+    """The pod's "ok" lines; -1 while the kubelet does not serve its logs (restarting)."""
+    result = c.kubectl("logs", "-n", NS, f"pod/{name}", check=False)
+    return result.stdout.count("ok\n") if result.returncode == 0 else -1
+
+
+def holding(c: Cluster, name: str) -> None:
+    """The pod still runs its first container, which still makes VMs: new "ok" lines come."""
+    c.until(lambda: oks(c, name) >= 0, 60, f"the kubelet serving {name}'s logs")
+    pod = c.get("pod", name, "-n", NS)
+    assert pod["status"]["phase"] == "Running", pod["status"]
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == 0, pod["status"]
+    seen = oks(c, name)
+    c.until(lambda: oks(c, name) > seen, 30, f"{name} making VMs still")
+
+
+def scheduling_refusals(c: Cluster, name: str) -> list[str]:
+    return [e["message"] for e in c.events(NS)
+            if e["reason"] == "FailedScheduling" and e["involvedObject"]["name"] == name]
+
+
+def recorded_claims(c: Cluster) -> set[str]:
+    record = c.run / "kubelet" / "plugins" / DRA_DRIVER / "checkpoint.json"
+    return set(json.loads(record.read_text())["entries"]) if record.exists() else set()
+
+
+def delete(c: Cluster, kind: str, *names: str) -> None:
+    c.kubectl("delete", kind, "-n", NS, "--wait=false", "--ignore-not-found", *names)
+
+
+@pytest.fixture(scope="module")
+def dra(installed: Installed) -> Iterator[Cluster]:
+    """The node served by the driver for the module, then by the device plugin again."""
+    c = installed.cluster
+    installed.ensure()
+    try:
+        c.helm("upgrade", RELEASE, "deploy/chart/hlplugin", "-n", NAMESPACE, "--set", "dra.enabled=true",
+               timeout=180)
+        c.kubectl("label", "node", NODE, f"{LABEL}=true", "--overwrite")
+        c.until(lambda: not main_pods(c), 90, "the main daemon off the DRA node")
+        c.kubectl("-n", NAMESPACE, "rollout", "status", f"daemonset/{DRIVER}", "--timeout", "180s",
+                  timeout=200)
+        c.until(lambda: len(our_slices(c)) == 1, 60, "the node's ResourceSlice published")
+        c.apply({"apiVersion": "v1", "kind": "List", "items": [template("hv"), template(
+            "hv-nothing", 'device.attributes["hyperlight.dev"].hypervisor == "nothing"')]})
+        yield c
+    finally:
+        delete(c, "pods", "--all")
+        delete(c, "resourceclaimtemplates", "hv", "hv-nothing")
+        c.kubectl("label", "node", NODE, f"{LABEL}-")
+        installed.ensure()
+
+
+def test_the_driver_publishes_the_nodes_slice_as_the_reference_controller_does(dra: Cluster) -> None:
+    (found,) = our_slices(dra)
+    spec = found["spec"]
+    assert spec["nodeName"] == NODE and spec["pool"]["name"] == NODE
+    assert spec["pool"]["resourceSliceCount"] == 1
+    (device,) = spec["devices"]
+    assert device["name"] == "kvm" and device["allowMultipleAllocations"] is True
+    assert device["capacity"]["slots"]["value"] in ("2000", "2k")
+    assert device["attributes"]["hypervisor"] == {"string": "kvm"}
+    assert device["attributes"]["kvmApiVersion"] == {"int": 12}
+    assert not device.get("taints"), "the device passes its proofs: no taint"
+    (owner,) = found["metadata"]["ownerReferences"]
+    assert owner["kind"] == "Node" and owner["name"] == NODE
+    (pod,) = driver_pods(dra)
+    assert ready(pod) and pod["spec"]["nodeName"] == NODE
+
+
+def test_a_claim_pod_makes_a_vm_and_keeps_it_through_the_drivers_and_the_kubelets_restarts(
+        dra: Cluster) -> None:
+    c = dra
+    try:
+        c.apply(claim_pod("dra-vm", "hv"))
+        c.until(lambda: phase(c, "dra-vm") == "Running" and oks(c, "dra-vm") > 0, 120,
+                "the claim pod running and making VMs")
+        assert "created a VM as 65534" in c.kubectl("logs", "-n", NS, "pod/dra-vm").stdout
+        (claim,) = [k for k in c.get("resourceclaims", "-n", NS)["items"]
+                    if k["metadata"]["name"].startswith("dra-vm-")]
+        uid = claim["metadata"]["uid"]
+        (result,) = claim["status"]["allocation"]["devices"]["results"]
+        assert (result["driver"], result["pool"], result["device"]) == (DRA_DRIVER, NODE, "kvm")
+        assert uid in recorded_claims(c)
+        (old,) = driver_pods(c)
+        c.kubectl("delete", "pod", "-n", NAMESPACE, old["metadata"]["name"], "--wait=true", timeout=120)
+        c.until(lambda: [p for p in driver_pods(c) if ready(p)
+                         and p["metadata"]["uid"] != old["metadata"]["uid"]], 120, "a new driver pod ready")
+        holding(c, "dra-vm")
+        c.restart_kubelet()
+        c.until(c.node_ready, 120, "the node ready after the kubelet's restart")
+        holding(c, "dra-vm")
+        assert uid in recorded_claims(c), "the claim left the driver's record"
+        delete(c, "pod", "dra-vm")
+        c.until(lambda: uid not in recorded_claims(c), 60, "the claim unprepared when its pod went")
+    finally:
+        delete(c, "pod", "dra-vm")
+
+
+def test_a_deleted_slice_is_put_back(dra: Cluster) -> None:
+    c = dra
+    (old,) = our_slices(c)
+    c.kubectl("delete", "resourceslice", old["metadata"]["name"])
+    c.until(lambda: [s for s in our_slices(c) if s["metadata"]["uid"] != old["metadata"]["uid"]], 60,
+            "the slice put back")
+
+
+def test_a_device_failing_its_proofs_takes_no_new_claim_while_a_running_pod_keeps_its_vm(
+        dra: Cluster) -> None:
+    """The CDI spec's path taken by a directory the driver may not remove (a hostile node's
+    fault of tests/test_cdi_hostile.py): the driver's proofs fail, the device is tainted
+    NoSchedule, a new claim's pod stays Pending with the scheduler's reason, and the pod that
+    holds a claim keeps making VMs. The path given back, the taint goes and the pod is served."""
+    c = dra
+    spec = c.run / "run-cdi" / "hyperlight.json"
+    aside = spec.with_name("hyperlight.json.test-aside")
+    try:
+        c.apply(claim_pod("dra-before", "hv"))
+        c.until(lambda: phase(c, "dra-before") == "Running" and oks(c, "dra-before") > 0, 120,
+                "the first claim pod running")
+        spec.rename(aside)
+        spec.mkdir()
+        c.until(lambda: bool(our_slices(c)[0]["spec"]["devices"][0].get("taints")), 60,
+                "the device tainted")
+        c.apply(claim_pod("dra-after", "hv"))
+        c.until(lambda: bool(scheduling_refusals(c, "dra-after")), 60, "the scheduler's refusal")
+        assert phase(c, "dra-after") == "Pending"
+        print(f"refused while tainted: {scheduling_refusals(c, 'dra-after')[0]}")
+        holding(c, "dra-before")
+        spec.rmdir()
+        c.until(lambda: not our_slices(c)[0]["spec"]["devices"][0].get("taints"), 60, "the taint gone")
+        c.until(lambda: phase(c, "dra-after") == "Running", 120, "the second pod served once healthy")
+    finally:
+        if spec.is_dir():
+            spec.rmdir()
+        if aside.exists():
+            if spec.exists():
+                aside.unlink()
+            else:
+                shutil.move(aside, spec)
+        delete(c, "pods", "dra-before", "dra-after")
+
+
+def test_a_claim_whose_selector_matches_nothing_stays_pending_with_the_reason(dra: Cluster) -> None:
+    c = dra
+    try:
+        c.apply(claim_pod("dra-nothing", "hv-nothing"))
+        c.until(lambda: bool(scheduling_refusals(c, "dra-nothing")), 60, "the scheduler's refusal")
+        assert phase(c, "dra-nothing") == "Pending"
+        print(f"refused: {scheduling_refusals(c, 'dra-nothing')[0]}")
+    finally:
+        delete(c, "pod", "dra-nothing")
