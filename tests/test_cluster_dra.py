@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -135,7 +136,7 @@ def dra(installed: Installed) -> Iterator[Cluster]:
     finally:
         delete(c, "pods", "--all")
         delete(c, "resourceclaimtemplates", "hv", "hv-nothing")
-        c.kubectl("label", "node", NODE, f"{LABEL}-")
+        c.kubectl("label", "node", NODE, f"{LABEL}-", check=False)  # the last test may have
         installed.ensure()
 
 
@@ -238,3 +239,19 @@ def test_a_claim_whose_selector_matches_nothing_stays_pending_with_the_reason(dr
         print(f"refused: {scheduling_refusals(c, 'dra-nothing')[0]}")
     finally:
         delete(c, "pod", "dra-nothing")
+
+
+def test_the_driver_leaves_its_slice_and_the_kubelet_removes_it_after_its_grace(dra: Cluster) -> None:
+    """Last in the module: the node moved back (its label removed), the driver's pod is stopped
+    with SIGTERM and never deletes its slice (a restarting driver must not withdraw the node's
+    device); the kubelet removes a driver's slices once the driver has been gone for its grace
+    period. How long that took is printed (docs/dra.md)."""
+    c = dra
+    (before,) = our_slices(c)
+    c.kubectl("label", "node", NODE, f"{LABEL}-")
+    c.until(lambda: not driver_pods(c), 90, "the driver's pod gone")
+    gone = time.monotonic()
+    (after,) = our_slices(c)
+    assert after["metadata"]["uid"] == before["metadata"]["uid"], "the driver deleted its slice"
+    c.until(lambda: not our_slices(c), 150, "the kubelet removing the gone driver's slice")
+    print(f"slice removed by the kubelet {time.monotonic() - gone:.1f} s after the driver's pod went")
