@@ -72,6 +72,7 @@ COMMANDS = ("kubectl ", "python ", "python3 ", "pip ", "bash ", "git ", "ls ", "
 NOT_A_MESSAGE = re.compile(r"\s(?:==|!=|>=|<=|>|<|=)\s|^[A-Za-z_][\w.-]*: ")
 FOREIGN = {
     "Insufficient hyperlight.dev/hypervisor": "the scheduler's event",
+    "0/1 nodes are available: 1 cannot allocate all claims": "the scheduler's event (DRA)",
     'namespaces "hyperlight-system" not found': "the API server's, as helm install prints it",
     'namespaces "hyperlight-system" already exists': "the API server's, as Helm 3 prints it",
 }
