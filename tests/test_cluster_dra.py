@@ -42,9 +42,12 @@ HOLD = ("import fcntl, os, time\n"
         "    time.sleep(1)\n")
 
 
-def template(name: str, selector: str = "") -> dict[str, Any]:
-    """A ResourceClaimTemplate asking one slot of the driver's device (capacity, shared)."""
-    exactly: dict[str, Any] = {"deviceClassName": DRA_DRIVER, "capacity": {"requests": {"slots": "1"}}}
+def template(name: str, selector: str = "", *, capacity: bool = True) -> dict[str, Any]:
+    """A ResourceClaimTemplate asking one slot of the driver's device (capacity, shared), or
+    without ``capacity`` the device alone (the slice's requestPolicy: one slot)."""
+    exactly: dict[str, Any] = {"deviceClassName": DRA_DRIVER}
+    if capacity:
+        exactly["capacity"] = {"requests": {"slots": "1"}}
     if selector:
         exactly["selectors"] = [{"cel": {"expression": selector}}]
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
@@ -130,12 +133,14 @@ def dra(installed: Installed) -> Iterator[Cluster]:
         c.kubectl("-n", NAMESPACE, "rollout", "status", f"daemonset/{DRIVER}", "--timeout", "180s",
                   timeout=200)
         c.until(lambda: len(our_slices(c)) == 1, 60, "the node's ResourceSlice published")
-        c.apply({"apiVersion": "v1", "kind": "List", "items": [template("hv"), template(
-            "hv-nothing", 'device.attributes["hyperlight.dev"].hypervisor == "nothing"')]})
+        c.apply({"apiVersion": "v1", "kind": "List", "items": [
+            template("hv"), template("hv-plain", capacity=False),
+            template("hv-nothing", 'device.attributes["hyperlight.dev"].hypervisor == "nothing"')]})
         yield c
     finally:
+        delete(c, "deployments", "--all")
         delete(c, "pods", "--all")
-        delete(c, "resourceclaimtemplates", "hv", "hv-nothing")
+        delete(c, "resourceclaimtemplates", "hv", "hv-plain", "hv-nothing")
         c.kubectl("label", "node", NODE, f"{LABEL}-", check=False)  # the last test may have
         installed.ensure()
 
@@ -184,6 +189,45 @@ def test_a_claim_pod_makes_a_vm_and_keeps_it_through_the_drivers_and_the_kubelet
         c.until(lambda: uid not in recorded_claims(c), 60, "the claim unprepared when its pod went")
     finally:
         delete(c, "pod", "dra-vm")
+
+
+SHARERS = 10  # pods of each Deployment below: 20 claims on the one device at once
+
+
+def sharers(name: str, claim_template: str) -> dict[str, Any]:
+    """A Deployment of SHARERS pods, each with a claim of its own from ``claim_template``."""
+    pod = claim_pod(name, claim_template)
+    pod["spec"]["containers"][0]["command"] = ["sleep", "infinity"]
+    labels = {"app": name}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": NS},
+            "spec": {"replicas": SHARERS, "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels}, "spec": pod["spec"]}}}
+
+
+def test_many_claims_share_the_one_device_one_slot_each(dra: Cluster) -> None:
+    """20 claims at once, half asking one slot and half naming no capacity (the slice's
+    requestPolicy: one slot; without it such a claim would take the whole device): every pod
+    runs, every claim is a share of the one device consuming one slot, each recorded."""
+    c = dra
+    try:
+        c.apply({"apiVersion": "v1", "kind": "List",
+                 "items": [sharers("share-slot", "hv"), sharers("share-plain", "hv-plain")]})
+
+        def running() -> int:
+            return sum(p["status"].get("phase") == "Running" for p in c.pods(NS)
+                       if p["metadata"]["name"].startswith("share-"))
+
+        c.until(lambda: running() == 2 * SHARERS, 240, f"{2 * SHARERS} sharing pods running")
+        claims = [k for k in c.get("resourceclaims", "-n", NS)["items"]
+                  if k["metadata"]["name"].startswith("share-")]
+        results = [r for k in claims for r in k["status"]["allocation"]["devices"]["results"]]
+        assert len(results) == 2 * SHARERS
+        assert {(r["pool"], r["device"]) for r in results} == {(NODE, "kvm")}
+        assert len({r["shareID"] for r in results}) == 2 * SHARERS, "two claims share one share"
+        assert [r.get("consumedCapacity") for r in results] == [{"slots": "1"}] * (2 * SHARERS)
+        assert {k["metadata"]["uid"] for k in claims} <= recorded_claims(c)
+    finally:
+        delete(c, "deployments", "share-slot", "share-plain")
 
 
 def test_a_deleted_slice_is_put_back(dra: Cluster) -> None:
