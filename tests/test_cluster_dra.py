@@ -141,8 +141,8 @@ def dra(installed: Installed) -> Iterator[Cluster]:
         delete(c, "deployments", "--all")
         delete(c, "pods", "--all")
         delete(c, "resourceclaimtemplates", "hv", "hv-plain", "hv-nothing")
-        c.kubectl("label", "node", NODE, f"{LABEL}-", check=False)  # the last test may have
-        installed.ensure()
+        c.kubectl("label", "node", NODE, f"{LABEL}-", check=False)
+        installed.ensure()  # installs the release again after the uninstall test
 
 
 def test_the_driver_publishes_the_nodes_slice_as_the_reference_controller_does(dra: Cluster) -> None:
@@ -285,17 +285,22 @@ def test_a_claim_whose_selector_matches_nothing_stays_pending_with_the_reason(dr
         delete(c, "pod", "dra-nothing")
 
 
-def test_the_driver_leaves_its_slice_and_the_kubelet_removes_it_after_its_grace(dra: Cluster) -> None:
-    """Last in the module: the node moved back (its label removed), the driver's pod is stopped
-    with SIGTERM and never deletes its slice (a restarting driver must not withdraw the node's
-    device); the kubelet removes a driver's slices once the driver has been gone for its grace
-    period. How long that took is printed (docs/dra.md)."""
+def test_helm_uninstall_leaves_the_slice_for_the_kubelets_grace_and_the_nodes_state(
+        dra: Cluster) -> None:
+    """Last in the module (the fixture installs the release again): `helm uninstall` stops the
+    driver's pod with SIGTERM, which never deletes its slice (a restarting driver must not
+    withdraw the node's device); the kubelet removes a driver's slices once the driver has been
+    gone for its grace period (how long it took is printed: docs/dra.md). What stays on the
+    node, as docs/dra.md says: the claims' record and the CDI spec; the DeviceClass goes."""
     c = dra
     (before,) = our_slices(c)
-    c.kubectl("label", "node", NODE, f"{LABEL}-")
+    c.helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout=120s", timeout=150)
     c.until(lambda: not driver_pods(c), 90, "the driver's pod gone")
     gone = time.monotonic()
     (after,) = our_slices(c)
     assert after["metadata"]["uid"] == before["metadata"]["uid"], "the driver deleted its slice"
+    assert not c.kubectl("get", "deviceclass", DRA_DRIVER, "--ignore-not-found", "-o", "name").stdout.strip()
     c.until(lambda: not our_slices(c), 150, "the kubelet removing the gone driver's slice")
     print(f"slice removed by the kubelet {time.monotonic() - gone:.1f} s after the driver's pod went")
+    assert (c.run / "kubelet" / "plugins" / DRA_DRIVER / "checkpoint.json").is_file()
+    assert (c.run / "run-cdi" / "hyperlight.json").is_file()
