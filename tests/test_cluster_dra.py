@@ -42,9 +42,12 @@ HOLD = ("import fcntl, os, time\n"
         "    time.sleep(1)\n")
 
 
-def template(name: str, selector: str = "") -> dict[str, Any]:
-    """A ResourceClaimTemplate asking one slot of the driver's device (capacity, shared)."""
-    exactly: dict[str, Any] = {"deviceClassName": DRA_DRIVER, "capacity": {"requests": {"slots": "1"}}}
+def template(name: str, selector: str = "", *, capacity: bool = True) -> dict[str, Any]:
+    """A ResourceClaimTemplate asking one slot of the driver's device (capacity, shared), or
+    without ``capacity`` the device alone (the slice's requestPolicy: one slot)."""
+    exactly: dict[str, Any] = {"deviceClassName": DRA_DRIVER}
+    if capacity:
+        exactly["capacity"] = {"requests": {"slots": "1"}}
     if selector:
         exactly["selectors"] = [{"cel": {"expression": selector}}]
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
@@ -130,14 +133,16 @@ def dra(installed: Installed) -> Iterator[Cluster]:
         c.kubectl("-n", NAMESPACE, "rollout", "status", f"daemonset/{DRIVER}", "--timeout", "180s",
                   timeout=200)
         c.until(lambda: len(our_slices(c)) == 1, 60, "the node's ResourceSlice published")
-        c.apply({"apiVersion": "v1", "kind": "List", "items": [template("hv"), template(
-            "hv-nothing", 'device.attributes["hyperlight.dev"].hypervisor == "nothing"')]})
+        c.apply({"apiVersion": "v1", "kind": "List", "items": [
+            template("hv"), template("hv-plain", capacity=False),
+            template("hv-nothing", 'device.attributes["hyperlight.dev"].hypervisor == "nothing"')]})
         yield c
     finally:
+        delete(c, "deployments", "--all")
         delete(c, "pods", "--all")
-        delete(c, "resourceclaimtemplates", "hv", "hv-nothing")
-        c.kubectl("label", "node", NODE, f"{LABEL}-", check=False)  # the last test may have
-        installed.ensure()
+        delete(c, "resourceclaimtemplates", "hv", "hv-plain", "hv-nothing")
+        c.kubectl("label", "node", NODE, f"{LABEL}-", check=False)
+        installed.ensure()  # installs the release again after the uninstall test
 
 
 def test_the_driver_publishes_the_nodes_slice_as_the_reference_controller_does(dra: Cluster) -> None:
@@ -184,6 +189,45 @@ def test_a_claim_pod_makes_a_vm_and_keeps_it_through_the_drivers_and_the_kubelet
         c.until(lambda: uid not in recorded_claims(c), 60, "the claim unprepared when its pod went")
     finally:
         delete(c, "pod", "dra-vm")
+
+
+SHARERS = 10  # pods of each Deployment below: 20 claims on the one device at once
+
+
+def sharers(name: str, claim_template: str) -> dict[str, Any]:
+    """A Deployment of SHARERS pods, each with a claim of its own from ``claim_template``."""
+    pod = claim_pod(name, claim_template)
+    pod["spec"]["containers"][0]["command"] = ["sleep", "infinity"]
+    labels = {"app": name}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": NS},
+            "spec": {"replicas": SHARERS, "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels}, "spec": pod["spec"]}}}
+
+
+def test_many_claims_share_the_one_device_one_slot_each(dra: Cluster) -> None:
+    """20 claims at once, half asking one slot and half naming no capacity (the slice's
+    requestPolicy: one slot; without it such a claim would take the whole device): every pod
+    runs, every claim is a share of the one device consuming one slot, each recorded."""
+    c = dra
+    try:
+        c.apply({"apiVersion": "v1", "kind": "List",
+                 "items": [sharers("share-slot", "hv"), sharers("share-plain", "hv-plain")]})
+
+        def running() -> int:
+            return sum(p["status"].get("phase") == "Running" for p in c.pods(NS)
+                       if p["metadata"]["name"].startswith("share-"))
+
+        c.until(lambda: running() == 2 * SHARERS, 240, f"{2 * SHARERS} sharing pods running")
+        claims = [k for k in c.get("resourceclaims", "-n", NS)["items"]
+                  if k["metadata"]["name"].startswith("share-")]
+        results = [r for k in claims for r in k["status"]["allocation"]["devices"]["results"]]
+        assert len(results) == 2 * SHARERS
+        assert {(r["pool"], r["device"]) for r in results} == {(NODE, "kvm")}
+        assert len({r["shareID"] for r in results}) == 2 * SHARERS, "two claims share one share"
+        assert [r.get("consumedCapacity") for r in results] == [{"slots": "1"}] * (2 * SHARERS)
+        assert {k["metadata"]["uid"] for k in claims} <= recorded_claims(c)
+    finally:
+        delete(c, "deployments", "share-slot", "share-plain")
 
 
 def test_a_deleted_slice_is_put_back(dra: Cluster) -> None:
@@ -241,17 +285,22 @@ def test_a_claim_whose_selector_matches_nothing_stays_pending_with_the_reason(dr
         delete(c, "pod", "dra-nothing")
 
 
-def test_the_driver_leaves_its_slice_and_the_kubelet_removes_it_after_its_grace(dra: Cluster) -> None:
-    """Last in the module: the node moved back (its label removed), the driver's pod is stopped
-    with SIGTERM and never deletes its slice (a restarting driver must not withdraw the node's
-    device); the kubelet removes a driver's slices once the driver has been gone for its grace
-    period. How long that took is printed (docs/dra.md)."""
+def test_helm_uninstall_leaves_the_slice_for_the_kubelets_grace_and_the_nodes_state(
+        dra: Cluster) -> None:
+    """Last in the module (the fixture installs the release again): `helm uninstall` stops the
+    driver's pod with SIGTERM, which never deletes its slice (a restarting driver must not
+    withdraw the node's device); the kubelet removes a driver's slices once the driver has been
+    gone for its grace period (how long it took is printed: docs/dra.md). What stays on the
+    node, as docs/dra.md says: the claims' record and the CDI spec; the DeviceClass goes."""
     c = dra
     (before,) = our_slices(c)
-    c.kubectl("label", "node", NODE, f"{LABEL}-")
+    c.helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout=120s", timeout=150)
     c.until(lambda: not driver_pods(c), 90, "the driver's pod gone")
     gone = time.monotonic()
     (after,) = our_slices(c)
     assert after["metadata"]["uid"] == before["metadata"]["uid"], "the driver deleted its slice"
+    assert not c.kubectl("get", "deviceclass", DRA_DRIVER, "--ignore-not-found", "-o", "name").stdout.strip()
     c.until(lambda: not our_slices(c), 150, "the kubelet removing the gone driver's slice")
     print(f"slice removed by the kubelet {time.monotonic() - gone:.1f} s after the driver's pod went")
+    assert (c.run / "kubelet" / "plugins" / DRA_DRIVER / "checkpoint.json").is_file()
+    assert (c.run / "run-cdi" / "hyperlight.json").is_file()

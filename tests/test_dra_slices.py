@@ -58,7 +58,8 @@ async def test_the_running_driver_publishes_its_slice_and_readyz_notes_it_withou
             found = stored(server)
             assert found is not None
             (device,) = found["spec"]["devices"]
-            assert device["capacity"] == {"slots": {"value": "7"}}
+            assert device["capacity"] == {"slots": {"value": "7", "requestPolicy": {
+                "default": "1", "validRange": {"min": "1"}}}}
             assert taints(found) == [UNHEALTHY_TAINT]
 
             async def noted() -> bool:

@@ -80,7 +80,8 @@ async def test_the_slice_has_the_shape_tried_on_the_cluster() -> None:
             "driver": "hyperlight.dev", "nodeName": NODE,
             "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1},
             "devices": [{"name": "kvm", "allowMultipleAllocations": True,
-                         "capacity": {"slots": {"value": "2000"}},
+                         "capacity": {"slots": {"value": "2000", "requestPolicy": {
+                             "default": "1", "validRange": {"min": "1"}}}},
                          "attributes": {"hypervisor": {"string": "kvm"},
                                         "kvmApiVersion": {"int": 12},
                                         "nodeIsVirtual": {"bool": True},

@@ -58,6 +58,11 @@ log = logging.getLogger(__name__)
 
 # Allocations one device takes at once (a claim consumes one slot by default): --slots's default.
 SLOTS = DraPluginSettings().slots
+# What a request that names no capacity consumes: one slot. Without a policy it would consume the
+# whole device (KEP-5075), so a claim asking only for the DeviceClass, and every claim the
+# scheduler makes for a pod asking the extended resource (KEP-5004), would hold the node alone.
+# Quantities as the API server writes them back, so the stored slice matches the one sent.
+REQUEST_POLICY = {"default": "1", "validRange": {"min": "1"}}
 UNHEALTHY_TAINT = {"key": f"{DRA_DRIVER}/unhealthy", "effect": "NoSchedule"}
 MAX_NAME = 253  # a DNS subdomain
 MAX_BACKOFF_STEP = 16  # past this the back-off is at its cap anyway
@@ -157,7 +162,8 @@ class SliceController:
         """The slice wanted now, without metadata.resourceVersion or the pool's generation."""
         device: Object = {"name": self.device.hypervisor, "attributes": self.device.attributes(),
                           "allowMultipleAllocations": True,
-                          "capacity": {"slots": {"value": str(self.slots)}}}
+                          "capacity": {"slots": {"value": str(self.slots),
+                                                 "requestPolicy": dict(REQUEST_POLICY)}}}
         devices = [device]
         if not self.healthy:
             if self.taints_dropped:
