@@ -41,7 +41,7 @@ from hlplugin.cdi_spec import SPEC_FILE, TEMP_PREFIX, render_spec
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.kubelet.role import Role
-from hlplugin.deviceplugin.process.daemon import plugin_readiness
+from hlplugin.deviceplugin.process.daemon import daemon_readiness
 from hlplugin.deviceplugin.settings import KubeletSettings
 from hlplugin.plugin import HypervisorPlugin, slots
 from hlplugin.settings import CdiSettings
@@ -152,12 +152,12 @@ async def test_a_standby_takes_over_on_the_same_socket_after_the_old_stream_ende
             new_stack = AsyncExitStack()
             new = await new_stack.enter_async_context(instance(plugin_dir))
             await wait_until(lambda n=new: n.role.standby, what="the newcomer stands by")  # type: ignore[misc]
-            readiness = plugin_readiness(lambda n=new: n, healthy_tracker())  # type: ignore[misc]
+            readiness = daemon_readiness(lambda n=new: n, healthy_tracker())  # type: ignore[misc]
             assert all(ok for ok, _ in readiness().values()), readiness()
             assert kubelet.register_calls == round_ + 1  # the standby has not registered
             # Both stay Ready throughout: a probe failing on either would be a warning event.
             sampling = asyncio.create_task(unready_samples(
-                plugin_readiness(lambda o=old: o, healthy_tracker()), readiness))  # type: ignore[misc]
+                daemon_readiness(lambda o=old: o, healthy_tracker()), readiness))  # type: ignore[misc]
             await stack.aclose()  # SIGTERM to the old one
             await kubelet.wait_for(lambda n=new: n.open_streams == 1  # type: ignore[misc]
                                    and kubelet.allocatable(RESOURCE) == 4, timeout=GUARD)

@@ -35,7 +35,7 @@ from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.deviceplugin.health.conditions import HealthState
 from hlplugin.deviceplugin.kubelet.endpoint import Held, find_holder, private_path, publish
 from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
-from hlplugin.deviceplugin.process.daemon import plugin_readiness
+from hlplugin.deviceplugin.process.daemon import daemon_readiness
 from hlplugin.deviceplugin.settings import KubeletSettings
 from hlplugin.plugin import HypervisorPlugin, slots
 from hlplugin.tools.emulator import KubeletEmulator
@@ -94,7 +94,7 @@ async def test_a_second_instance_stands_by_naming_the_first_then_takes_over(
             # The newcomer looks every 20 ms: on main it took the socket at once, and the two
             # took turns for ever (4 -> 20 registrations in 10 s, allocatable 0).
             async with lifecycle(plugin_dir, recheck_interval=0.02) as second:
-                readiness = plugin_readiness(lambda: second, healthy_tracker())
+                readiness = daemon_readiness(lambda: second, healthy_tracker())
                 await wait_until(lambda: HELD in second.status, what="the newcomer names the other")
                 assert second.status == (f"{path} is served by another instance, pid {os.getpid()} "
                                          f"(uid {os.geteuid()}); waiting for it to go away")

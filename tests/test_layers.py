@@ -97,3 +97,31 @@ def test_no_test_module_imports_another() -> None:
     modules = {p.stem for p in tests.glob("test_*.py")}
     offenders = {p.name: sorted(set(imported_modules(p)) & modules) for p in tests.rglob("*.py")}
     assert {name: found for name, found in offenders.items() if found} == {}
+
+
+PROCESS = "hlplugin.deviceplugin.process"
+KUBELET_PROTOCOLS = ("hlplugin.deviceplugin.kubelet", "hlplugin.api")
+
+
+def process_wing_offenders(root: Path) -> list[str]:
+    """Imports of a kubelet protocol (the kubelet wing, the generated API) by the process wing
+    under ``root`` (a tree shaped as the package): the process serves any daemon, whatever its
+    kubelet side speaks, through daemon.KubeletSide (issue 39 item 1)."""
+    return [f"{p.relative_to(root)}: {name}"
+            for p in sorted((root / "deviceplugin" / "process").rglob("*.py"))
+            for name in imported_modules(p) if any(inside(name, k) for k in KUBELET_PROTOCOLS)]
+
+
+def test_the_process_wing_imports_no_kubelet_protocol() -> None:
+    assert len(list((PACKAGE / "deviceplugin" / "process").glob("*.py"))) >= 5
+    assert process_wing_offenders(PACKAGE) == []
+
+
+def test_the_process_wing_check_sees_a_protocol_import(tmp_path: Path) -> None:
+    wing = tmp_path / "deviceplugin" / "process"
+    wing.mkdir(parents=True)
+    (wing / "sample.py").write_text("from hlplugin.deviceplugin.kubelet.lifecycle import X\n"
+                                    "from hlplugin.api import deviceplugin_pb2\n")
+    assert process_wing_offenders(tmp_path) == [
+        "deviceplugin/process/sample.py: hlplugin.deviceplugin.kubelet.lifecycle",
+        "deviceplugin/process/sample.py: hlplugin.api"]

@@ -24,7 +24,7 @@ from hlplugin.deviceplugin.health.conditions import HealthTracker
 from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics as Metrics
-from hlplugin.deviceplugin.process.daemon import plugin_readiness
+from hlplugin.deviceplugin.process.daemon import daemon_readiness
 from hlplugin.deviceplugin.settings import KubeletSettings
 from hlplugin.tools.emulator import KubeletEmulator
 
@@ -238,7 +238,7 @@ async def test_a_stream_that_reopens_within_the_grace_changes_nothing() -> None:
         assert kubelet.register_calls == 1
         assert sample(metrics, "example_reregistrations_total",
                       reason="stream_ended") == 0
-        readiness = plugin_readiness(lambda: plugin, healthy_tracker())
+        readiness = daemon_readiness(lambda: plugin, healthy_tracker())
         assert readiness()["listandwatch"] == (False, "the kubelet has no ListAndWatch open")
         # Losing the kubelet: not registered either, and alive (not restarted).
         await kubelet.stop(remove_socket=True)
@@ -273,7 +273,7 @@ async def test_registration_failure_names_its_cause_and_counts_every_attempt(
             async with lifecycle(plugin_dir, resource, metrics, register_timeout=0.2,
                                  min_backoff=0.01, max_backoff=0.05, recheck_interval=0.1,
                                  ) as plugin:
-                readiness = plugin_readiness(lambda: plugin, healthy_tracker())
+                readiness = daemon_readiness(lambda: plugin, healthy_tracker())
                 failed = {"result": "failure"}
                 await wait_until(
                     lambda: sample(metrics, "example_registrations_total", **failed) >= 3)

@@ -23,7 +23,7 @@ from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.bootstrap import DeviceAccessPlugin
 from hlplugin.detect import detect_hypervisor, wait_for_hypervisor
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.kubelet.lifecycle import new_server
+from hlplugin.deviceplugin.kubelet.grpcserver import new_server
 from hlplugin.deviceplugin.kubelet.servicer import (
     MAX_CONTAINERS,
     MAX_ID_BYTES,

@@ -23,7 +23,7 @@ from hlplugin.bootstrap import DeviceAccessPlugin
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.health.repeats import INTERVAL, RepeatedLines
 from hlplugin.deviceplugin.kubelet import servicer
-from hlplugin.deviceplugin.kubelet.lifecycle import new_server
+from hlplugin.deviceplugin.kubelet.grpcserver import new_server
 from hlplugin.deviceplugin.kubelet.servicer import MAX_CONTAINERS, MAX_ID_BYTES, TrackedDevicePlugin
 from hlplugin.metrics import Metrics
 from hlplugin.names import (

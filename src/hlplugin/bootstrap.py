@@ -24,6 +24,7 @@ from hlplugin.deviceplugin.health.producer import Producer, Trigger
 from hlplugin.deviceplugin.health.watch import DirWatcher
 from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.kubelet.standing import UNREGISTERED
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Launch, Started
 from hlplugin.metrics import HyperlightMetrics
@@ -112,4 +113,4 @@ async def bootstrap(settings: BootstrapSettings, launch: Launch | None = None, *
         "hlplugin bootstrap", settings.http, tracker, metrics,
         functools.partial(wait_for_hypervisor, settings.health), setup,
         pending={"hypervisor": f"no mshv or kvm device under {show(settings.health.dev_dir)}"},
-        launch=launch or Launch())).run()
+        launch=launch or Launch(), unstarted=UNREGISTERED)).run()

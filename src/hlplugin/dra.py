@@ -79,7 +79,8 @@ def node_name(settings: DraSettings) -> str:
 
 
 class DraDriver:
-    """The driver's parts once the hypervisor is known: built by setup(), run by the Daemon."""
+    """The driver's parts once the hypervisor is known: built by setup(), run by the Daemon, to
+    which it is the kubelet side (daemon.KubeletSide: conditions(), alive())."""
 
     def __init__(self, settings: DraSettings, hypervisor: str, proofs: Proofs,
                  metrics: DraMetrics, api: Config | None = None) -> None:
@@ -162,17 +163,6 @@ class DraDriver:
         return notes
 
 
-def kubelet_conditions(driver: Callable[[], DraDriver | None]) -> Callable[
-        [], dict[str, tuple[bool, str]]]:
-    def conditions() -> dict[str, tuple[bool, str]]:
-        current = driver()
-        if current is None:
-            return {"registered": (False, "not registered with the kubelet (no hypervisor yet)")}
-        return current.conditions()
-
-    return conditions
-
-
 async def dra(settings: DraSettings, launch: Launch | None = None,
               api: Callable[[], Config | None] = cluster_api) -> None:
     """`hlplugin dra`: the CDI reconciler, the device monitor and the DRA kubelet plugin, and
@@ -180,23 +170,16 @@ async def dra(settings: DraSettings, launch: Launch | None = None,
     metrics = DraMetrics()
     proofs = Proofs(settings.cdi, settings.health, metrics)
     server = api()
-    built: list[DraDriver] = []
 
     async def setup(hv: str) -> Started:
         driver = DraDriver(settings, hv, proofs, metrics, server)
         await driver.start()
-        built.append(driver)
-        return Started(None, driver.tasks())
+        return Started(driver, driver.tasks(), advisory=driver.advisory)
 
-    await Daemon(proofs.spec(
-        "hlplugin dra", settings.http, setup, launch,
-        kubelet_conditions=kubelet_conditions(lambda: built[0] if built else None),
-        self_check=lambda timeout: built[0].alive(timeout) if built else _answered(),
-        advisory=(lambda: built[0].advisory() if built else WAITING) if server else None)).run()
+    await Daemon(proofs.spec("hlplugin dra", settings.http, setup, launch, unstarted=UNSTARTED,
+                             advisory=WAITING if server else None)).run()
 
 
+# /readyz before the hypervisor is found: no driver yet, so nothing registered or published.
+UNSTARTED = {"registered": (False, "not registered with the kubelet (no hypervisor yet)")}
 WAITING = {"slices": (False, "not published yet: no hypervisor yet")}
-
-
-async def _answered() -> bool:
-    return True  # before the driver is built: the HTTP answer itself proves the loop turns

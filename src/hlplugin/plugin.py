@@ -19,6 +19,7 @@ from hlplugin.deviceplugin.kubelet.devicelist import DeviceList, NumberedIds
 from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.kubelet.role import Role
 from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.kubelet.standing import UNREGISTERED
 from hlplugin.deviceplugin.process.daemon import Daemon, Launch, Started
 from hlplugin.metrics import Metrics
 from hlplugin.names import HYPERVISOR_RESOURCE as RESOURCE
@@ -99,4 +100,5 @@ async def serve(settings: ServeSettings, launch: Launch | None = None) -> None:
             dir_setting=PLUGIN_DIR_FLAG, metrics=proofs.metrics, role=role)
         return Started(lifecycle, {**checks.tasks(), "plugin": lifecycle.run()})
 
-    await Daemon(proofs.spec("hlplugin serve", settings.http, setup, launch)).run()
+    await Daemon(proofs.spec("hlplugin serve", settings.http, setup, launch,
+                             unstarted=UNREGISTERED)).run()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 from hlplugin import cdi, cdi_spec
@@ -82,16 +82,14 @@ class Proofs:
                                                 metrics=self.metrics))
 
     def spec(self, name: str, http: HttpSettings, setup: Callable[[str], Awaitable[Started]],
-             launch: Launch | None, *,
-             kubelet_conditions: Callable[[], dict[str, tuple[bool, str]]] | None = None,
-             self_check: Callable[[float], Awaitable[bool]] | None = None,
-             advisory: Callable[[], dict[str, tuple[bool, str]]] | None = None) -> DaemonSpec[str]:
+             launch: Launch | None, *, unstarted: Mapping[str, tuple[bool, str]],
+             advisory: Mapping[str, tuple[bool, str]] | None = None) -> DaemonSpec[str]:
         """The daemon's spec: it waits for the hypervisor, says so in /readyz meanwhile, and
-        lists the exposure warnings. ``kubelet_conditions``, ``self_check``: a kubelet side that
-        is no device plugin's; ``advisory``: conditions shown, not gating (see DaemonSpec)."""
+        lists the exposure warnings. ``unstarted``: its kubelet side's conditions meanwhile;
+        ``advisory``: conditions shown, not gating (see DaemonSpec)."""
         return DaemonSpec(
             name, http, self.tracker, self.metrics,
             functools.partial(wait_for_hypervisor, self.health), setup,
             pending={"hypervisor": f"no mshv or kvm device under {show(self.health.dev_dir)}"},
-            launch=launch or Launch(), kubelet_conditions=kubelet_conditions,
-            self_check=self_check, warnings=self.warnings, advisory=advisory)
+            launch=launch or Launch(), unstarted=unstarted, warnings=self.warnings,
+            advisory=advisory)

@@ -11,7 +11,7 @@ refused whole before any work, being past a bound no kubelet call reaches (``che
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -32,6 +32,7 @@ from hlplugin.deviceplugin.kubelet.grpcserver import (
     MAX_CONNECTIONS,
     MAX_DEALLOCATING_STREAMS,
     MAX_STREAMS_PER_CONNECTION,
+    SelfCall,
 )
 from hlplugin.deviceplugin.kubelet.interfaces import Context
 
@@ -184,16 +185,19 @@ class DraServicer:
 _VERSIONS = ((dra_v1_pb2, dra_v1_pb2_grpc), (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc))
 
 
+def _unprepare_nothing(channel: grpc.aio.Channel) -> Callable[[float], Awaitable[object]]:
+    call = dra_v1_pb2_grpc.DRAPluginStub(channel).NodeUnprepareResources
+    return lambda timeout: call(dra_v1_pb2.NodeUnprepareResourcesRequest(), timeout=timeout)
+
+
+_SELF_CALL = SelfCall(_unprepare_nothing)
+
+
 async def answers(endpoint: Path, timeout: float) -> bool:
     """The DRA service at ``endpoint`` answers a call (an Unprepare of no claims, which runs our
-    handler on the event loop and waits for no other call): the driver's liveness check."""
-    async with grpc.aio.insecure_channel(f"unix://{endpoint}") as channel:
-        try:
-            await dra_v1_pb2_grpc.DRAPluginStub(channel).NodeUnprepareResources(
-                dra_v1_pb2.NodeUnprepareResourcesRequest(), timeout=timeout)
-        except grpc.aio.AioRpcError:
-            return False
-    return True
+    handler on the event loop and waits for no other call), over a channel dialled for it: the
+    driver's liveness check."""
+    return await _SELF_CALL.ask(endpoint, timeout, fresh=True) is None
 
 
 def new_dra_server(preparer: Preparer,

@@ -34,14 +34,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.kubelet.devicelist import add_servicer
 
 if TYPE_CHECKING:
@@ -86,21 +84,71 @@ _FRAME_HEAD = 9
 _SETTINGS = 0x4
 
 
-async def server_answers(path: Path, ours: Callable[[], bool], timeout: float) -> bool:
-    """Liveness of the gRPC server at ``path``, within ``2 * timeout``: it answers a call over its
-    own socket, or, when it closes the connection at once (UNAVAILABLE: others hold every
-    connection it admits, and as every user of the socket is UID 0 the kubelet cannot be given a
-    slot of its own), its transport still takes connections. A failure while the socket is no
-    longer ``ours`` (just replaced) proves nothing about our server."""
-    async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
+# Given a channel, one cheap unary call of a protocol's, made with a timeout (seconds).
+ChannelCall = Callable[[grpc.aio.Channel], Callable[[float], Awaitable[object]]]
+
+
+class SelfCall:
+    """"Does our own gRPC server answer?", asked the one way every daemon asks it: one cheap
+    unary call of its protocol (``call``) to the server at a unix socket, over one channel kept
+    open while the path stays the same (reconnecting within a second of the server coming back,
+    not after gRPC's backoff), or over one dialled for the question (``fresh``). One unary call is
+    the least that proves the server answers: it runs our handler on the event loop."""
+
+    def __init__(self, call: ChannelCall) -> None:
+        self._call = call
+        self._channel: grpc.aio.Channel | None = None
+        self._target = ""
+        self._kept_call: Callable[[float], Awaitable[object]] | None = None  # made once per channel
+        self._closed = False
+
+    async def ask(self, path: Path, timeout: float, *, fresh: bool = False
+                  ) -> grpc.StatusCode | None:
+        """None when the server at ``path`` answered within ``timeout``, else the call's status.
+        Once closed, every question is asked over a channel of its own."""
+        target = f"unix://{path}"
         try:
-            await pb_grpc.DevicePluginStub(channel).GetDevicePluginOptions(pb.Empty(), timeout=timeout)
+            if fresh or self._closed:
+                async with grpc.aio.insecure_channel(target) as channel:
+                    await self._call(channel)(timeout)
+            else:
+                await (await self._kept(target))(timeout)
         except grpc.aio.AioRpcError as exc:
-            if not ours():
-                return True
-            # A server that hangs fails the call by its deadline, never as UNAVAILABLE.
-            return exc.code() == grpc.StatusCode.UNAVAILABLE and await transport_answers(path, timeout)
-    return True
+            return exc.code()
+        return None
+
+    async def _kept(self, target: str) -> Callable[[float], Awaitable[object]]:
+        if self._channel is None or self._kept_call is None or target != self._target:
+            await self._close_channel()
+            self._channel = grpc.aio.insecure_channel(target, options=[
+                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)])
+            self._target = target
+            self._kept_call = self._call(self._channel)
+        return self._kept_call
+
+    async def aclose(self) -> None:
+        """Close the kept channel; later questions dial their own."""
+        self._closed = True
+        await self._close_channel()
+
+    async def _close_channel(self) -> None:
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            await channel.close(None)
+
+
+async def server_answers(ask: SelfCall, path: Path, ours: Callable[[], bool],
+                         timeout: float) -> bool:
+    """Liveness of the gRPC server at ``path``, within ``2 * timeout``: it answers a call over its
+    own socket (a channel dialled now), or, when it closes the connection at once (UNAVAILABLE:
+    others hold every connection it admits, and as every user of the socket is UID 0 the kubelet
+    cannot be given a slot of its own), its transport still takes connections. A failure while
+    the socket is no longer ``ours`` (just replaced) proves nothing about our server."""
+    code = await ask.ask(path, timeout, fresh=True)
+    if code is None or not ours():
+        return True
+    # A server that hangs fails the call by its deadline, never as UNAVAILABLE.
+    return code == grpc.StatusCode.UNAVAILABLE and await transport_answers(path, timeout)
 
 
 async def transport_answers(path: Path, timeout: float) -> bool:

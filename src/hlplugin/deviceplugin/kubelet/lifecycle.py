@@ -31,13 +31,14 @@ the kubelet's rules (see docs/kubelet.md):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from hlplugin.deviceplugin.health.conditions import until_tick
 from hlplugin.deviceplugin.health.watch import DirWatcher, Wakeup
+from hlplugin.deviceplugin.kubelet import standing
 from hlplugin.deviceplugin.kubelet.endpoint import Held, Holder, wait_until_free
-from hlplugin.deviceplugin.kubelet.grpcserver import new_server as new_server  # tests import it here
-from hlplugin.deviceplugin.kubelet.grpcserver import server_answers
+from hlplugin.deviceplugin.kubelet.grpcserver import SelfCall, server_answers
 from hlplugin.deviceplugin.kubelet.instances import HANDOVER_SETTLE, Instances
 from hlplugin.deviceplugin.kubelet.instances import Instance as _Instance
 from hlplugin.deviceplugin.kubelet.interfaces import ServicerFactory
@@ -113,6 +114,7 @@ class PluginLifecycle:
         # readiness says instead of "not registered", so neither step fails a probe (an
         # operator would see a warning event for a rollout that went right).
         self.transition = ""
+        self._self_call = SelfCall(standing.options_call)
 
     @property
     def status(self) -> str:
@@ -132,7 +134,7 @@ class PluginLifecycle:
     async def run(self) -> None:
         """Serve and stay registered until cancelled; then stop serving and remove our socket."""
         backoff = self._min_backoff
-        async with self._wakeup.running():
+        async with self._wakeup.running(), contextlib.aclosing(self._self_call):
             while True:
                 prepared: _Instance | None = None
                 try:
@@ -183,13 +185,19 @@ class PluginLifecycle:
                 finally:
                     await self._stop(instance)
 
+    def conditions(self) -> dict[str, tuple[bool, str]]:  # /readyz's (see standing.py)
+        return standing.conditions(self)
+
     async def alive(self, timeout: float = 1.0) -> bool:
-        """Liveness: the current server instance answers over its own socket (server_answers)."""
+        """Liveness: our server answers over the kept channel, else a second opinion knowing the
+        gaps between instances and a just replaced socket (server_answers)."""
+        if await self._self_call.ask(self.socket_path, timeout) is None:
+            return True
         if self._instance is None or not self._instance.live:
             return True  # between instances: nothing to ask, and the event loop answered us
         return await server_answers(
-            self.socket_path, lambda: self._instance is not None and self._instance.endpoint.ours(),
-            timeout)
+            self._self_call, self.socket_path,
+            lambda: self._instance is not None and self._instance.endpoint.ours(), timeout)
 
     # -- steps ---------------------------------------------------------------------------------
 

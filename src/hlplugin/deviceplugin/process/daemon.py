@@ -1,4 +1,4 @@
-"""Process-level lifecycle shared by both daemons: named root tasks, signals, HTTP probes.
+"""Process-level lifecycle shared by every daemon: named root tasks, signals, HTTP probes.
 
 Each daemon is a few named asyncio tasks under one TaskGroup (kopf's shape): the first that fails
 takes the others down and the process exits non-zero for the orchestrator to restart; SIGTERM or
@@ -17,14 +17,9 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
-import grpc
-
-from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.process.http import HttpServer, format_address
 from hlplugin.deviceplugin.process.signals import StopSignals
@@ -34,17 +29,30 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 RootTasks = Mapping[str, Coroutine[Any, Any, None]]
+Conditions = dict[str, tuple[bool, str]]  # name: (holds, why not)
+
+
+class KubeletSide(Protocol):
+    """The kubelet side of a daemon, whichever protocol it speaks (a device plugin's lifecycle, a
+    DRA driver's plugin): all the process asks of it. It runs as one of the root tasks."""
+
+    def conditions(self) -> Conditions:
+        """/readyz's kubelet conditions: how the kubelet and we stand (registered, ...)."""
+        ...
+
+    async def alive(self, timeout: float) -> bool:
+        """/healthz: our own gRPC server answers (within a few ``timeout``s)."""
+        ...
 
 
 @dataclass(frozen=True)
 class Started:
-    """What a daemon's setup hands back: its plugin lifecycle and its named root tasks (the
-    lifecycle's own run() among them). A daemon whose kubelet side is no device plugin (the DRA
-    driver) has no lifecycle: its DaemonSpec's ``kubelet_conditions`` say how it stands, and the
-    self-check has no socket of ours to ask (an HTTP answer proves the event loop turns)."""
+    """What a daemon's setup hands back: its kubelet side, its named root tasks (the kubelet
+    side's own run among them), and the advisory conditions from then on (DaemonSpec.advisory)."""
 
-    lifecycle: PluginLifecycle | None
+    kubelet: KubeletSide
     tasks: RootTasks
+    advisory: Callable[[], Conditions] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,8 +71,9 @@ class DaemonSpec(Generic[T]):
     """Everything a Daemon needs from one daemon.
 
     ``wait`` returns what the daemon needs before it can build its plugin (e.g. which device node
-    appeared); until it does, /readyz reports the ``pending`` conditions as failing. ``setup``
-    then builds the plugin from it and returns the lifecycle and the root tasks.
+    appeared); until it does, /readyz reports the ``pending`` conditions as failing, and the
+    kubelet side's as ``unstarted`` says. ``setup`` then builds the plugin from it and returns the
+    kubelet side and the root tasks.
     """
 
     name: str
@@ -75,16 +84,15 @@ class DaemonSpec(Generic[T]):
     setup: Callable[[T], Awaitable[Started]]
     pending: Mapping[str, str] = field(default_factory=dict)
     launch: Launch = field(default_factory=Launch)
-    # /readyz's kubelet conditions in place of plugin_readiness's registered and listandwatch.
-    kubelet_conditions: Callable[[], dict[str, tuple[bool, str]]] | None = None
-    # /healthz's check for a daemon with no lifecycle: one call proving its gRPC server answers.
-    self_check: Callable[[float], Awaitable[bool]] | None = None
+    # /readyz's kubelet conditions until setup has built the kubelet side.
+    unstarted: Mapping[str, tuple[bool, str]] = field(default_factory=dict)
     # Listed under ``warnings`` in every /readyz answer, without failing readiness: what an
     # operator should fix though the daemon serves. The daemon's parts keep it up to date in place.
     warnings: list[str] = field(default_factory=list)
     # Listed under ``advisory`` in every /readyz answer, each as a condition, without failing
     # readiness: parts the kubelet side does not depend on (the DRA driver's ResourceSlice).
-    advisory: Callable[[], dict[str, tuple[bool, str]]] | None = None
+    # These until setup returns (Started.advisory from then on); None: the daemon has none.
+    advisory: Mapping[str, tuple[bool, str]] | None = None
 
 
 def await_chain(task: asyncio.Task[Any]) -> list[str]:
@@ -107,38 +115,19 @@ def dump_tasks() -> None:
         log.warning("task %s waits in: %s", task.get_name(), " -> ".join(await_chain(task)) or "?")
 
 
-def plugin_readiness(lifecycle: Callable[[], PluginLifecycle | None],
-                     tracker: HealthTracker) -> Callable[[], dict[str, tuple[bool, str]]]:
-    """Ready = registered AND a ListAndWatch stream is open AND every health condition holds;
-    a standby (kubelet/role.py) counts as registered and streaming while another instance serves
-    our socket, so a surge rollout's new pod is Ready once its own checks pass; so does one
-    taking the socket over or handing it over (``PluginLifecycle.transition``), so a rollout
-    that goes right fails no probe."""
+def daemon_readiness(kubelet: Callable[[], KubeletSide | None], tracker: HealthTracker,
+              unstarted: Mapping[str, tuple[bool, str]] | None = None
+              ) -> Callable[[], Conditions]:
+    """Ready = the kubelet side's conditions hold (``unstarted`` while there is none) AND every
+    health condition holds."""
 
-    def readiness() -> dict[str, tuple[bool, str]]:
-        current = lifecycle()
-        if current is not None and current.role.standby:
-            note = (f"standby: {current.role.holder} serves {current.socket_path}; this "
-                    f"instance takes over when it goes")
-            conditions = {"registered": (True, note), "listandwatch": (True, "standby")}
-        elif current is not None and current.transition:
-            conditions = {"registered": (True, current.transition),
-                          "listandwatch": (True, current.transition)}
-        else:
-            registered = current is not None and current.registered
-            streams = current.open_streams if current is not None else 0
-            conditions = {
-                "registered": (registered, current.status if current is not None
-                               else "not registered with the kubelet"),
-                "listandwatch": (streams > 0,
-                                 "" if streams else "the kubelet has no ListAndWatch open"),
-            }
-        state = tracker.state
-        for name, condition in sorted(state.conditions.items()):
-            conditions[name] = (condition.ok, condition.reason)
-        return conditions
+    def conditions() -> Conditions:
+        current = kubelet()
+        found = current.conditions() if current is not None else dict(unstarted or {})
+        found.update((name, (c.ok, c.reason)) for name, c in sorted(tracker.state.conditions.items()))
+        return found
 
-    return readiness
+    return conditions
 
 
 def track_health_metrics(tracker: HealthTracker, metrics: DevicePluginMetrics) -> None:
@@ -152,9 +141,6 @@ def track_health_metrics(tracker: HealthTracker, metrics: DevicePluginMetrics) -
     tracker.add_listener(update)
 
 
-_EMPTY = pb.Empty()
-
-
 class SelfCheck:
     """Liveness, proved only while the kubelet's probes ask for it: a daemon nobody probes makes
     no call, and /healthz answers at once, from state (a probe never waits, so a flood of requests
@@ -164,20 +150,16 @@ class SelfCheck:
     that verdict is failing or began ``fresh_for`` or more ago: under the kubelet's probes, every
     5 s, every other probe starts the check the next one reads (a check costs several times
     what the probe's own HTTP exchange does, and finds a hung server just as surely; the
-    restart that follows comes within 26 s, docs/operations.md). The check is a call to our own gRPC
-    server over one channel kept open (one dial per request let 800 concurrent /healthz take
-    115 MiB); a failed answer gets a second opinion from ``PluginLifecycle.alive()``, which knows
-    when the socket was just replaced or no server runs between instances, and asks the server's
-    transport when others hold every connection it admits. A check ends within
-    ``limit`` seconds, passing or failing. An HTTP answer at all proves the event loop turns.
+    restart that follows comes within 26 s, docs/operations.md). The check is the kubelet side's
+    ``alive()``: a call to our own gRPC server (the device plugin's over one channel kept open:
+    one dial per request let 800 concurrent /healthz take 115 MiB), with a second opinion on a
+    failure. A check ends within ``limit`` seconds, passing or failing. An HTTP answer at all
+    proves the event loop turns, which is the whole check before the kubelet side is built.
     """
 
-    def __init__(self, lifecycle: Callable[[], PluginLifecycle | None], fresh_for: float = 9.0,
-                 timeout: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 answers: Callable[[float], Awaitable[bool]] | None = None) -> None:
-        """``answers(timeout)``: the check while there is no lifecycle (DaemonSpec.self_check)."""
-        self.lifecycle = lifecycle
-        self._answers = answers
+    def __init__(self, kubelet: Callable[[], KubeletSide | None], fresh_for: float = 9.0,
+                 timeout: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.kubelet = kubelet
         self.fresh_for = fresh_for
         self.timeout = timeout
         self.limit = 3 * timeout + 0.5  # the call, then the second opinion's (and its transport's)
@@ -186,9 +168,6 @@ class SelfCheck:
         self.reason = ""
         self.began: float | None = None  # clock() when the latest check began
         self._running: asyncio.Task[bool] | None = None
-        self._channel: grpc.aio.Channel | None = None
-        self._target = ""
-        self._options: Any = None  # the channel's GetDevicePluginOptions, made once per channel
 
     def liveness(self) -> tuple[bool, str]:
         """The verdict now; starts the next check if this one is due (on the event loop)."""
@@ -200,48 +179,21 @@ class SelfCheck:
 
     async def check(self) -> bool:
         self.began = self.clock()
-        current = self.lifecycle()
+        current = self.kubelet()
         try:
             async with asyncio.timeout(self.limit):
-                if current is None:
-                    ok = self._answers is None or await self._answers(self.timeout)
-                else:
-                    ok = await self._ask(current) or await current.alive(self.timeout)
+                ok = current is None or await current.alive(self.timeout)
             reason = "" if ok else "the gRPC server did not answer on its socket"
         except TimeoutError:
             ok, reason = False, f"the gRPC self-check did not end within {self.limit:g} s"
         self.ok, self.reason = ok, reason
         return ok
 
-    async def _ask(self, current: PluginLifecycle) -> bool:
-        target = f"unix://{current.socket_path}"
-        if self._channel is None or target != self._target:
-            await self._close_channel()
-            # Reconnect within a second of the server coming back, not after gRPC's backoff.
-            self._channel = grpc.aio.insecure_channel(target, options=[
-                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)])
-            self._target = target
-            self._options = pb_grpc.DevicePluginStub(self._channel).GetDevicePluginOptions
-        try:
-            # One unary call is the least that proves the server answers (it runs our handler
-            # on the loop). Profiled: most of its CPU is gRPC's own threads waking, on both
-            # ends, which is why it runs only when a probe asks, and at most every fresh_for.
-            await self._options(_EMPTY, timeout=self.timeout)
-        except grpc.aio.AioRpcError:
-            return False
-        return True
-
     async def close(self) -> None:
         if self._running is not None:
             self._running.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._running
-        await self._close_channel()
-
-    async def _close_channel(self) -> None:
-        if self._channel is not None:
-            channel, self._channel = self._channel, None
-            await channel.close(None)
 
 
 class Daemon(Generic[T]):
@@ -260,21 +212,22 @@ class Daemon(Generic[T]):
         self._stopping = False
         self._task: asyncio.Task[Any] | None = None  # run()'s, which stop() cancels
 
-    def lifecycle(self) -> PluginLifecycle | None:
-        return self._started.lifecycle if self._started is not None else None
+    def kubelet(self) -> KubeletSide | None:
+        return self._started.kubelet if self._started is not None else None
 
-    def readiness(self) -> dict[str, tuple[bool, str]]:
-        """/readyz's conditions: the plugin's (see plugin_readiness), and while wait() has not
-        returned, the spec's ``pending`` ones, failing."""
-        if self.spec.kubelet_conditions is None:
-            conditions = plugin_readiness(self.lifecycle, self.spec.tracker)()
-        else:
-            conditions = self.spec.kubelet_conditions()
-            conditions.update((name, (c.ok, c.reason))
-                              for name, c in sorted(self.spec.tracker.state.conditions.items()))
+    def readiness(self) -> Conditions:
+        """/readyz's conditions: the kubelet side's and the health ones (see daemon_readiness),
+        and while wait() has not returned, the spec's ``pending`` ones, failing."""
+        conditions = daemon_readiness(self.kubelet, self.spec.tracker, self.spec.unstarted)()
         if self._waiting:
             conditions.update((name, (False, reason)) for name, reason in self.spec.pending.items())
         return conditions
+
+    def advisory(self) -> Conditions:
+        started = self._started
+        if started is not None and started.advisory is not None:
+            return started.advisory()
+        return dict(self.spec.advisory or {})
 
     def stop(self, again: bool = False) -> None:
         """Cancel everything, and again every 0.25 s while anything still runs: on Python 3.11
@@ -323,12 +276,12 @@ class Daemon(Generic[T]):
         # kube-state-metrics, and cannot disagree with the probe.
         spec.metrics.ready.set_function(
             lambda: float(all(ok for ok, _ in self.readiness().values())))
-        checker = SelfCheck(self.lifecycle, spec.http.self_check_fresh_for,
-                            spec.http.self_check_timeout, answers=spec.self_check)
+        checker = SelfCheck(self.kubelet, spec.http.self_check_fresh_for,
+                            spec.http.self_check_timeout)
         details: dict[str, object] = {"ignored_settings": sorted(spec.launch.ignored_settings),
                                       "warnings": spec.warnings}  # the list itself: kept current
         if spec.advisory is not None:
-            details["advisory"] = functools.partial(_advisory, spec.advisory)  # read per answer
+            details["advisory"] = functools.partial(_advisory, self.advisory)  # read per answer
         http = HttpServer(self.readiness, checker.liveness, spec.metrics.registry, details=details)
         try:
             try:
@@ -379,7 +332,7 @@ def _log_failures(name: str, roots: list[asyncio.Task[None]], group: BaseExcepti
               exc_info=error, extra={"error": type(error).__name__})
 
 
-def _advisory(conditions: Callable[[], dict[str, tuple[bool, str]]]) -> dict[str, object]:
+def _advisory(conditions: Callable[[], Conditions]) -> dict[str, object]:
     return {name: {"ok": ok, "reason": reason} for name, (ok, reason) in conditions().items()}
 
 

@@ -1,0 +1,43 @@
+"""How a device plugin's lifecycle stands, as its daemon's probes ask: /readyz's kubelet
+conditions, and the call /healthz makes to our own server."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import grpc
+
+from hlplugin.api import deviceplugin_pb2 as pb
+from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
+
+# /readyz's kubelet conditions before a lifecycle is built (the daemon waits for its device).
+UNREGISTERED = {"registered": (False, "not registered with the kubelet"),
+                "listandwatch": (False, "the kubelet has no ListAndWatch open")}
+_EMPTY = pb.Empty()
+
+
+def options_call(channel: grpc.aio.Channel) -> Callable[[float], Awaitable[object]]:
+    """The self-check's call (grpcserver.SelfCall): GetDevicePluginOptions, answered at once."""
+    call = pb_grpc.DevicePluginStub(channel).GetDevicePluginOptions
+    return lambda timeout: call(_EMPTY, timeout=timeout)
+
+
+def conditions(lifecycle: PluginLifecycle) -> dict[str, tuple[bool, str]]:
+    """Registered, and a ListAndWatch stream open; a standby (role.py) counts as both while
+    another instance serves our socket, so a surge rollout's new pod is Ready once its own checks
+    pass; so does one taking the socket over or handing it over (``transition``), so a rollout
+    that goes right fails no probe."""
+    if lifecycle.role.standby:
+        note = (f"standby: {lifecycle.role.holder} serves {lifecycle.socket_path}; this "
+                f"instance takes over when it goes")
+        return {"registered": (True, note), "listandwatch": (True, "standby")}
+    if lifecycle.transition:
+        return {"registered": (True, lifecycle.transition),
+                "listandwatch": (True, lifecycle.transition)}
+    streams = lifecycle.open_streams
+    return {"registered": (lifecycle.registered, lifecycle.status),
+            "listandwatch": (streams > 0, "" if streams else UNREGISTERED["listandwatch"][1])}
