@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import socket
 import time
 from pathlib import Path
@@ -50,7 +49,8 @@ END_HEADERS = 0x4
 # grpc advertises SETTINGS_MAX_HEADER_LIST_SIZE 16 KiB (decoded, with 32 bytes per field) and
 # refuses a call past it; HPACK's encoding is never longer than the list it decodes to but for
 # padding and priority (a few hundred bytes), so a block past 64 KiB is never a call grpc would
-# serve. The kubelet's header blocks are about 100 bytes (an Allocate from a Go or gRPC client).
+# serve. A gRPC client's blocks are a few hundred bytes at most: its first Allocate's 238, the
+# next ones 8 (HPACK's table).
 MAX_HEADER_BLOCK = 64 * 1024
 # Go's HTTP/2 and grpc split a block only at the peer's frame size (16 KiB at least): 64 KiB
 # needs 4 CONTINUATIONs. 64 leaves room for a client of small frames and stops empty ones,
@@ -67,7 +67,7 @@ def abstract_address(prefix: str = "grpc-behind-guard") -> str:
     remove. Abstract sockets have no permissions: anyone in the network namespace may connect, so
     it suits a pod with its own (hostNetwork: false, as deploy/ runs them), not a host daemon,
     which should pass ``unix:`` and a path in a directory only its user can enter."""
-    return f"unix-abstract:{prefix}-{os.getpid()}-{secrets.token_hex(8)}"
+    return f"unix-abstract:{prefix}-{os.getpid()}-{os.urandom(8).hex()}"
 
 
 def _connect_path(address: str) -> str:
@@ -324,7 +324,7 @@ class FrameGuard:
         now = time.monotonic()
         if now - self._logged_at >= LOG_EVERY:
             log.warning("closed %d connection(s) on the gRPC socket: %s (an HTTP/2 CONTINUATION "
-                        "flood; the kubelet's blocks are about 100 bytes)", self._unlogged, why)
+                        "flood; a gRPC client's are a few hundred bytes)", self._unlogged, why)
             self._logged_at, self._unlogged = now, 0
 
     async def close(self) -> None:
