@@ -419,6 +419,27 @@ async def test_close_ends_every_connection_and_leaves_nothing(
     os.unlink(tmp_path / "up.sock")
 
 
+async def test_a_cancelled_close_has_ended_everything_already(tmp_path: Path) -> None:
+    server = await asyncio.start_unix_server(lambda r, w: None, str(tmp_path / "up.sock"))
+    public = tmp_path / "g.sock"
+    async with server:
+        guard = FrameGuard(f"unix:{tmp_path / 'up.sock'}")
+        await guard.listen(public)
+        reader, writer = await connect(public)
+        await wait_for(lambda: guard.connections == 1 and len(asyncio.all_tasks()) == 1)
+        closing = asyncio.ensure_future(guard.close())
+        await asyncio.sleep(0)
+        closing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await closing
+        assert not public.exists()
+        with contextlib.suppress(ConnectionResetError):
+            assert await asyncio.wait_for(reader.read(), 2) == b""
+        writer.close()
+        await wait_for(lambda: guard.connections == 0)
+    os.unlink(tmp_path / "up.sock")
+
+
 async def test_listen_refuses_a_path_in_use_and_close_keeps_a_replaced_one(tmp_path: Path) -> None:
     public = tmp_path / "g.sock"
     public.write_text("not ours")

@@ -329,10 +329,13 @@ class FrameGuard:
 
     async def close(self) -> None:
         """Stop accepting, end every forwarded connection at once, remove our path. Stop the gRPC
-        server first, so that its goodbyes reach the clients."""
+        server first, so that its goodbyes reach the clients. All of it is done before the first
+        await, so a cancellation meanwhile (the daemon re-cancels while stopping) cuts short
+        only the wait for the ended connections' clean-up, never the ending."""
         server, self._server = self._server, None
         if server is not None:
-            server.close()
+            server.close()  # closes the listening socket at once
+        self._unlink()
         for pair in list(self._pairs):
             pair.abort()
         if self._connecting:
@@ -340,8 +343,6 @@ class FrameGuard:
         if server is not None:
             await server.wait_closed()
         await asyncio.sleep(0)  # the aborted transports' connection_lost callbacks run
-        self._pairs.clear()
-        self._unlink()
 
     def _unlink(self) -> None:
         bound, self._bound = self._bound, None
