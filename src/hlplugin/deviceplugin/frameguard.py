@@ -1,0 +1,355 @@
+"""A frame guard in front of a gRPC server: what grpc core lets one HTTP/2 client make it hold,
+bounded before grpc sees it (docs/security.md, "The CONTINUATION flood").
+
+A client that sends HEADERS without END_HEADERS and then CONTINUATION frames for ever makes grpc
+core buffer the header block whole before it decodes any of it: 16 KiB frames on 4 raw
+connections took an empty grpc.aio server from 33 to 135 MiB, and the daemons past their memory
+limits (OOM-killed, the node's capacity gone until they are back). No grpc option bounds it;
+grpc's own 16 KiB SETTINGS_MAX_HEADER_LIST_SIZE applies to the decoded list, once the block is
+whole.
+
+So the public unix socket is ours: each connection accepted there is forwarded, byte for byte
+and untouched, to the gRPC server listening on a private address, and the client's bytes are read
+as HTTP/2 frames on the way. Only the 9-byte frame headers are looked at (length, type, flags,
+stream); payloads are skipped by count, so a 4 MiB message costs one comparison per 16 KiB
+frame. A header block past ``MAX_HEADER_BLOCK`` bytes or ``MAX_CONTINUATIONS`` CONTINUATION
+frames closes the connection (both sides) before the bytes that pass the bound are forwarded, so
+grpc holds at most one bound's worth per connection, and its connection bound
+(``grpc.max_allowed_incoming_connections``) caps the connections. The next frame-level bound
+goes in ``FrameReader._frame``.
+
+The offender is closed, not sent GOAWAY: the server-to-client direction is copied untouched and
+unparsed, so a frame of ours could land inside one of grpc's; gRPC clients treat a closed
+connection like a GOAWAY (they reconnect).
+
+Everything runs on the event loop as asyncio protocols: no thread and no task per connection
+(one task while the upstream connection is made). Backpressure is the transports' own: when one
+side's write buffer passes its high-water mark, reading from the other side pauses until it
+drains, so a peer that stops reading holds a bounded buffer, never an unbounded one. A half-close
+(EOF) is passed on as one (``write_eof``); a connection lost on one side is closed on the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # an HTTP/2 client's first 24 bytes
+FRAME_HEAD = 9  # length (24 bits), type, flags, reserved bit and stream (31 bits)
+HEADERS, PUSH_PROMISE, CONTINUATION = 0x1, 0x5, 0x9
+END_HEADERS = 0x4
+
+# grpc advertises SETTINGS_MAX_HEADER_LIST_SIZE 16 KiB (decoded, with 32 bytes per field) and
+# refuses a call past it; HPACK's encoding is never longer than the list it decodes to but for
+# padding and priority (a few hundred bytes), so a block past 64 KiB is never a call grpc would
+# serve. A gRPC client's blocks are a few hundred bytes at most: its first Allocate's 238, the
+# next ones 8 (HPACK's table).
+MAX_HEADER_BLOCK = 64 * 1024
+# Go's HTTP/2 and grpc split a block only at the peer's frame size (16 KiB at least): 64 KiB
+# needs 4 CONTINUATIONs. 64 leaves room for a client of small frames and stops empty ones,
+# which grow no block but cost a header parse each.
+MAX_CONTINUATIONS = 64
+LOG_EVERY = 10.0  # seconds between warnings about closed connections (a flood opens thousands)
+
+
+def abstract_address(prefix: str = "grpc-behind-guard") -> str:
+    """A fresh abstract unix socket address for the private gRPC server, in grpc's spelling
+    (``prefix``, then this process's pid and 64 random bits, so that instances never collide).
+
+    It needs no writable directory (the pods' root filesystem is read-only) and leaves nothing to
+    remove. Abstract sockets have no permissions: anyone in the network namespace may connect, so
+    it suits a pod with its own (hostNetwork: false, as deploy/ runs them), not a host daemon,
+    which should pass ``unix:`` and a path in a directory only its user can enter."""
+    return f"unix-abstract:{prefix}-{os.getpid()}-{os.urandom(8).hex()}"
+
+
+def _connect_path(address: str) -> str:
+    """The path ``socket.connect`` takes for grpc's ``unix:`` or ``unix-abstract:`` address."""
+    if address.startswith("unix-abstract:"):
+        return "\0" + address.removeprefix("unix-abstract:")
+    if address.startswith("unix://"):
+        return address.removeprefix("unix://")
+    if address.startswith("unix:"):
+        return address.removeprefix("unix:")
+    raise ValueError(f"not a unix socket address: {address!r}")
+
+
+class FrameReader:
+    """The client-to-server byte stream read as HTTP/2 frames, headers only.
+
+    ``feed`` takes the bytes as they arrive, in any split, and returns why the connection must be
+    closed, or None. Anything that is not a bound of ours (a bad preface, a frame out of place) is
+    grpc's to refuse and is passed on."""
+
+    def __init__(self) -> None:
+        self._preface = len(PREFACE)  # preface bytes still to come
+        self._head = b""  # a frame header split across reads
+        self._skip = 0  # payload bytes of the current frame still to come
+        self._block: int | None = None  # bytes of the open header block, None outside one
+        self._continuations = 0
+
+    def feed(self, data: bytes) -> str | None:
+        at, end = 0, len(data)
+        if self._preface:
+            at = min(self._preface, end)
+            self._preface -= at
+        while at < end:
+            if self._skip:
+                step = min(self._skip, end - at)
+                self._skip -= step
+                at += step
+                continue
+            if self._head or end - at < FRAME_HEAD:
+                take = FRAME_HEAD - len(self._head)
+                self._head += data[at:at + take]
+                at += take
+                if len(self._head) < FRAME_HEAD:
+                    return None
+                head, self._head = self._head, b""
+            else:
+                head = data[at:at + FRAME_HEAD]
+                at += FRAME_HEAD
+            length = int.from_bytes(head[:3], "big")
+            if refusal := self._frame(head[3], head[4], length):
+                return refusal
+            self._skip = length
+        return None
+
+    def _frame(self, kind: int, flags: int, length: int) -> str | None:
+        """Account for one frame's header; the place for every frame-level bound."""
+        if self._block is not None and kind == CONTINUATION:
+            self._block += length
+            self._continuations += 1
+        elif kind in (HEADERS, PUSH_PROMISE):
+            self._block, self._continuations = length, 0
+        else:
+            self._block = None  # a block cut short: grpc's protocol error, not our bound
+            return None
+        if self._block > MAX_HEADER_BLOCK or self._continuations > MAX_CONTINUATIONS:
+            return (f"a header block of {self._block} bytes in {self._continuations} CONTINUATION "
+                    f"frames, past the bound of {MAX_HEADER_BLOCK} bytes or {MAX_CONTINUATIONS} "
+                    "frames")
+        if flags & END_HEADERS:
+            self._block = None
+        return None
+
+
+class _End(asyncio.Protocol):
+    """One side of a forwarded connection: what it reads goes to the other side."""
+
+    def __init__(self, pair: _Pair, client: bool) -> None:
+        self.pair = pair
+        self.client = client
+        self.transport: asyncio.Transport | None = None
+        self.eof = False  # this side half-closed
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if self.client:
+            transport.pause_reading()  # until the upstream connection is made
+            self.pair.guard._accepted(self.pair)
+
+    def data_received(self, data: bytes) -> None:
+        self.pair.forward(self, data)
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self.pair.half_closed()
+        return True  # keep writing the other way until it ends too
+
+    def pause_writing(self) -> None:
+        self.pair.other(self).pause_reading()
+
+    def resume_writing(self) -> None:
+        self.pair.other(self).resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.pair.lost(self, exc)
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+
+class _Pair:
+    """A client's connection and its upstream connection to the gRPC server."""
+
+    def __init__(self, guard: FrameGuard) -> None:
+        self.guard = guard
+        self.reader = FrameReader()
+        self.client = _End(self, client=True)
+        self.upstream = _End(self, client=False)
+        self.connecting: asyncio.Task[None] | None = None
+        self.ended = False
+
+    def other(self, end: _End) -> _End:
+        return self.upstream if end is self.client else self.client
+
+    async def connect(self, address: str) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.create_unix_connection(lambda: self.upstream, address)
+        except OSError as exc:
+            log.debug("frame guard: cannot reach the gRPC server at %s: %s", address, exc)
+            self.abort()
+            return
+        if self.ended:  # the client went while we connected
+            self.abort()
+            return
+        if self.client.eof:
+            self.half_closed()
+        else:
+            self.client.resume_reading()
+
+    def forward(self, end: _End, data: bytes) -> None:
+        if end.client and (refusal := self.reader.feed(data)):
+            self.guard._refused(refusal)
+            self.abort()
+            return
+        target = self.other(end).transport
+        if target is not None and not target.is_closing():
+            target.write(data)
+
+    def half_closed(self) -> None:
+        """Pass an EOF on; once both sides sent theirs, the connection is done."""
+        for end in (self.client, self.upstream):
+            target = self.other(end).transport
+            if end.eof and target is not None and not target.is_closing() and target.can_write_eof():
+                with contextlib.suppress(RuntimeError, OSError):  # written already
+                    target.write_eof()
+        if self.client.eof and self.upstream.eof:
+            self.close()
+
+    def lost(self, end: _End, exc: Exception | None) -> None:
+        """One side is gone. Closed cleanly, what the other side holds is still written to it;
+        lost to an error (a peer gone with bytes unread), nothing more can be passed on, so the
+        other side ends at once: its peer may be waiting for us to read, as we for it."""
+        end.transport = None
+        self.ended = True
+        other = self.other(end).transport
+        if other is not None:
+            if exc is None:
+                other.close()
+            else:
+                other.abort()
+        self._stop_connecting()
+        self._forget()
+
+    def close(self) -> None:
+        self.ended = True
+        for end in (self.client, self.upstream):
+            if end.transport is not None:
+                end.transport.close()
+
+    def abort(self) -> None:
+        self.ended = True
+        self._stop_connecting()
+        for end in (self.client, self.upstream):
+            if end.transport is not None:
+                end.transport.abort()
+        self._forget()
+
+    def _stop_connecting(self) -> None:
+        task = self.connecting
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+
+    def _forget(self) -> None:
+        """Both sides are gone: the guard no longer holds this pair (a connecting task was
+        cancelled, and close() awaits it)."""
+        if self.client.transport is None and self.upstream.transport is None:
+            self.guard._pairs.discard(self)
+
+
+class FrameGuard:
+    """Accepts connections on a unix socket and forwards each to the gRPC server at
+    ``upstream`` (grpc's ``unix:`` or ``unix-abstract:`` address), within the frame bounds.
+
+    ``refusals`` counts connections closed for a bound (for a metric)."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self._connect = _connect_path(upstream)
+        self._server: asyncio.AbstractServer | None = None
+        self._bound: tuple[Path, int, int] | None = None  # the path we bound, its device and inode
+        self._pairs: set[_Pair] = set()
+        self._connecting: set[asyncio.Task[None]] = set()
+        self.refusals = 0
+        self._unlogged = 0
+        self._logged_at = -LOG_EVERY
+
+    async def listen(self, path: Path, backlog: int = 128) -> None:
+        """Listen at ``path`` (a fresh name: an existing file is an error). The caller publishes
+        it as the endpoint does gRPC's; close() removes it while it is still ours."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(path))
+            st = os.stat(path)
+            self._bound = (path, st.st_dev, st.st_ino)
+            sock.listen(backlog)
+            sock.setblocking(False)
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_unix_server(lambda: _Pair(self).client, sock=sock)
+        except BaseException:
+            sock.close()
+            self._unlink()
+            raise
+
+    @property
+    def connections(self) -> int:
+        """Client connections being forwarded."""
+        return len(self._pairs)
+
+    def _accepted(self, pair: _Pair) -> None:
+        self._pairs.add(pair)
+        pair.connecting = task = asyncio.get_running_loop().create_task(pair.connect(self._connect))
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
+
+    def _refused(self, why: str) -> None:
+        self.refusals += 1
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_EVERY:
+            log.warning("closed %d connection(s) on the gRPC socket: %s (an HTTP/2 CONTINUATION "
+                        "flood; a gRPC client's are a few hundred bytes)", self._unlogged, why)
+            self._logged_at, self._unlogged = now, 0
+
+    async def close(self) -> None:
+        """Stop accepting, end every forwarded connection at once, remove our path. Stop the gRPC
+        server first, so that its goodbyes reach the clients. All of it is done before the first
+        await, so a cancellation meanwhile (the daemon re-cancels while stopping) cuts short
+        only the wait for the ended connections' clean-up, never the ending."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()  # closes the listening socket at once
+        self._unlink()
+        for pair in list(self._pairs):
+            pair.abort()
+        if self._connecting:
+            await asyncio.wait(set(self._connecting))
+        if server is not None:
+            await server.wait_closed()
+        await asyncio.sleep(0)  # the aborted transports' connection_lost callbacks run
+
+    def _unlink(self) -> None:
+        bound, self._bound = self._bound, None
+        if bound is None:
+            return
+        path, dev, ino = bound
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) == (dev, ino):
+                os.unlink(path)
