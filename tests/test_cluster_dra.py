@@ -7,7 +7,7 @@ is put back; a device that fails its proofs takes no new claim while the running
 VM; a claim whose selector matches nothing stays Pending with the scheduler's reason.
 
 One module fixture moves the node to DRA and back (the release as ``installed`` left it), so
-the tests share one switch. Budget: about 5 minutes for the module.
+the tests share one switch. Budget: 6 minutes for the module (issue 41); it took 106 s here.
 """
 
 from __future__ import annotations
