@@ -35,9 +35,9 @@ import grpc
 
 from hlplugin.api import dra_v1_pb2 as pb
 from hlplugin.api import dra_v1_pb2_grpc as pb_grpc
-from hlplugin.deviceplugin.checkpoint import Checkpoint
 from hlplugin.deviceplugin.health.conditions import Condition, HealthState, HealthTracker
-from hlplugin.deviceplugin.kubelet.draservice import new_dra_server
+from hlplugin.deviceplugin.kubelet.dra.checkpoint import Checkpoint
+from hlplugin.deviceplugin.kubelet.dra.draservice import new_dra_server
 from hlplugin.dra_claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, node_device
 from hlplugin.tools.drive import wait_until
 from hlplugin.tools.process import DaemonProcess

@@ -40,7 +40,7 @@ from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.cdi_spec import SPEC_FILE, render_spec
 from hlplugin.config import MAX_DEVICE_COUNT
-from hlplugin.deviceplugin.kubelet.servicer import MAX_STREAMS
+from hlplugin.deviceplugin.kubelet.deviceplugin.servicer import MAX_STREAMS
 from hlplugin.names import DEVICE_ACCESS_RESOURCE, HYPERVISOR_RESOURCE, HYPERVISOR_SOCKET
 from hlplugin.probe import check_host_identity, probe_kvm
 from hlplugin.tools import drive

@@ -22,7 +22,7 @@ from support.waits import quiet
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.health.conditions import HealthTracker
-from hlplugin.deviceplugin.kubelet.grpcserver import new_server
+from hlplugin.deviceplugin.kubelet.deviceplugin.devicelist import new_server
 from hlplugin.health import DeviceMonitor
 from hlplugin.metrics import Metrics
 from hlplugin.plugin import HypervisorPlugin, slots

@@ -31,7 +31,7 @@ from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.bootstrap import DeviceAccessPlugin, node_watch
 from hlplugin.deviceplugin.health.conditions import HealthTracker
 from hlplugin.deviceplugin.health.producer import Trigger
-from hlplugin.deviceplugin.kubelet.grpcserver import new_server
+from hlplugin.deviceplugin.kubelet.deviceplugin.devicelist import new_server
 from hlplugin.tools.emulator import AdmissionError
 
 ACCESS = "hyperlight.dev/device-access"

@@ -1,4 +1,4 @@
-"""The DRA driver's one CDI spec writer per node (deviceplugin/kubelet/writer.py, issue 38 item 2),
+"""The DRA driver's one CDI spec writer per node (deviceplugin/kubelet/dra/writer.py, issue 38 item 2),
 in process: real reconcilers, a real record and flock, real unix sockets standing for the
 instances' service sockets (listening: a live instance; a socket file nobody listens on: a dead
 one). tests/test_dra_daemon.py runs the hand-over between two driver processes."""
@@ -15,7 +15,7 @@ from harness import short_dir
 from support.cdi import DESIRED, STALE, Reconciler
 
 from hlplugin.deviceplugin.health.producer import Trigger
-from hlplugin.deviceplugin.kubelet.writer import SharedWriter
+from hlplugin.deviceplugin.kubelet.dra.writer import SharedWriter
 from hlplugin.names import CDI_WRITER_FILE
 
 

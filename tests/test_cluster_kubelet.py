@@ -24,7 +24,8 @@ from support.cluster import NODE, PAUSE_IMAGE, Cluster
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-from hlplugin.deviceplugin.kubelet.kubeletsock import listens, socket_identity
+from hlplugin.deviceplugin.kubelet.deviceplugin.kubeletsock import listens
+from hlplugin.deviceplugin.kubelet.endpoint import socket_identity
 from hlplugin.tools.drive import wait_until
 from hlplugin.tools.emulator import CHECKPOINT, no_healthy_devices
 

@@ -8,7 +8,7 @@ from harness import healthy_tracker
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.deviceplugin.health.conditions import HealthState
-from hlplugin.deviceplugin.kubelet.devicelist import CHUNK, DeviceList, NumberedIds
+from hlplugin.deviceplugin.kubelet.deviceplugin.devicelist import CHUNK, DeviceList, NumberedIds
 from hlplugin.plugin import HypervisorPlugin, slots
 
 

@@ -73,7 +73,7 @@ def test_generic_package_names_none_of_our_flags(tmp_path: Path) -> None:
     """Operator hints are injected (PluginLifecycle's ``dir_setting``), so the generic package
     names none of our command-line flags, while the daemons' messages still name them."""
     from hlplugin.config import OPTIONS
-    from hlplugin.deviceplugin.kubelet.kubeletsock import dir_problem, kubelet_problem
+    from hlplugin.deviceplugin.kubelet.deviceplugin.kubeletsock import dir_problem, kubelet_problem
 
     flags = re.compile("|".join(re.escape(o.flag) + r"\b" for o in OPTIONS.values()))
     files = generic_files()

@@ -20,7 +20,7 @@ from support.pluginwatcher import FakePluginWatcher
 from support.waits import quiet
 
 from hlplugin.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
-from hlplugin.deviceplugin.kubelet.draservice import (
+from hlplugin.deviceplugin.kubelet.dra.draservice import (
     MAX_CLAIMS_PER_CALL,
     MAX_REQUEST_BYTES,
     ClaimRef,
@@ -128,7 +128,7 @@ async def test_refused_calls_take_one_log_line_whatever_their_claims(
     """Logged as the device plugin's Allocate refusals are: one cause per kind (``malformed``),
     so a client varying its calls cannot flood the log; both API versions share it."""
     preparer = Recording()
-    caplog.set_level(logging.WARNING, "hlplugin.deviceplugin.kubelet.draservice")
+    caplog.set_level(logging.WARNING, "hlplugin.deviceplugin.kubelet.dra.draservice")
     async with served(preparer) as address:
         for n, version in enumerate(["v1", "v1beta1"] * 3):
             for method in METHODS:

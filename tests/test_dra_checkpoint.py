@@ -1,4 +1,4 @@
-"""The checkpoint of prepared claims (deviceplugin/checkpoint.py): read whole or refused, saying
+"""The checkpoint of prepared claims (deviceplugin/kubelet/dra/checkpoint.py): read whole or refused, saying
 why; written atomically; never following, blocking on or replacing what is not ours."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hlplugin.deviceplugin.checkpoint import (
+from hlplugin.deviceplugin.kubelet.dra.checkpoint import (
     MODE,
     VERSION,
     Checkpoint,

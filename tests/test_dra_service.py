@@ -19,10 +19,10 @@ from harness import short_dir, wait_until
 from support.pluginwatcher import FakePluginWatcher, NoHealthStream
 from support.waits import quiet
 
-from hlplugin.deviceplugin.checkpoint import Checkpoint
 from hlplugin.deviceplugin.health.conditions import Condition, HealthState, HealthTracker
-from hlplugin.deviceplugin.kubelet.drahealth import HealthStream
-from hlplugin.deviceplugin.kubelet.draservice import (
+from hlplugin.deviceplugin.kubelet.dra.checkpoint import Checkpoint
+from hlplugin.deviceplugin.kubelet.dra.drahealth import HealthStream
+from hlplugin.deviceplugin.kubelet.dra.draservice import (
     DRA_SERVICES,
     HEALTH_SERVICE,
     SERVICES,
@@ -30,7 +30,7 @@ from hlplugin.deviceplugin.kubelet.draservice import (
     PreparedDevice,
     new_dra_server,
 )
-from hlplugin.deviceplugin.kubelet.pluginwatcher import DRA_PLUGIN, WatcherPlugin
+from hlplugin.deviceplugin.kubelet.dra.pluginwatcher import DRA_PLUGIN, WatcherPlugin
 from hlplugin.dra_claims import (
     CHECKPOINT_FILE,
     CHECKPOINT_KIND,
@@ -376,7 +376,7 @@ async def test_a_corrupt_checkpoint_is_refused_loudly_left_alone_and_mended_by_m
 async def test_a_checkpoint_whose_entries_have_another_shape_is_refused() -> None:
     """A checksum proves the bytes are the ones written, not that this version wrote them: an
     entry it cannot read field by field refuses the record, as a corrupt one."""
-    from hlplugin.deviceplugin.checkpoint import encode
+    from hlplugin.deviceplugin.kubelet.dra.checkpoint import encode
 
     node = Node()
     node.plugin_dir.mkdir(parents=True)
@@ -532,7 +532,7 @@ async def test_the_liveness_call_is_answered_while_a_prepare_waits_and_fails_on_
     the timeout."""
     import socket
 
-    from hlplugin.deviceplugin.kubelet.draservice import answers
+    from hlplugin.deviceplugin.kubelet.dra.draservice import answers
 
     node = Node()
     entered, release = asyncio.Event(), asyncio.Event()

@@ -15,8 +15,9 @@ from harness import emulator, short_dir, wait_until
 from support.bareplugin import ACCESS, BarePlugin
 from support.loopstate import new_sockets_hear
 
+from hlplugin.deviceplugin.kubelet.deviceplugin.kubeletsock import listens
+from hlplugin.deviceplugin.kubelet.endpoint import socket_identity
 from hlplugin.deviceplugin.kubelet.grpcserver import transport_answers
-from hlplugin.deviceplugin.kubelet.kubeletsock import listens, socket_identity
 from hlplugin.tools.emulator import CHECKPOINT, AdmissionError, KubeletEmulator, Pod
 
 

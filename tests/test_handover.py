@@ -39,7 +39,7 @@ from support.observers import Calls
 from hlplugin.cdi import CdiReconciler
 from hlplugin.cdi_spec import SPEC_FILE, TEMP_PREFIX, render_spec
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.kubelet.role import Role
 from hlplugin.deviceplugin.process.daemon import daemon_readiness
 from hlplugin.deviceplugin.settings import KubeletSettings

@@ -33,8 +33,8 @@ from harness import (
 from hlplugin import names
 from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.deviceplugin.health.conditions import HealthState
+from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.kubelet.endpoint import Held, find_holder, private_path, publish
-from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.process.daemon import daemon_readiness
 from hlplugin.deviceplugin.settings import KubeletSettings
 from hlplugin.plugin import HypervisorPlugin, slots
@@ -84,7 +84,7 @@ async def test_a_second_instance_stands_by_naming_the_first_then_takes_over(
         caplog: pytest.LogCaptureFixture) -> None:
     plugin_dir = short_dir()
     path = plugin_dir / SOCKET
-    caplog.set_level(logging.INFO, logger="hlplugin.deviceplugin.kubelet.lifecycle")
+    caplog.set_level(logging.INFO, logger="hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle")
     async with emulator(plugin_dir) as kubelet:
         first_stack = AsyncExitStack()
         first = await first_stack.enter_async_context(lifecycle(plugin_dir))
@@ -133,7 +133,7 @@ async def test_a_kubelet_restart_with_two_instances_leaves_one_serving(
         caplog: pytest.LogCaptureFixture) -> None:
     """The restarted kubelet deletes the socket: both instances race for the name, and one wins
     for good (gRPC's own clean-up never removes the winner's socket)."""
-    caplog.set_level(logging.INFO, logger="hlplugin.deviceplugin.kubelet.lifecycle")
+    caplog.set_level(logging.INFO, logger="hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle")
     plugin_dir = short_dir()
     async with emulator(plugin_dir) as kubelet, \
             lifecycle(plugin_dir, recheck_interval=0.05) as first, \
@@ -217,7 +217,7 @@ async def test_the_incumbent_does_not_fight_for_a_socket_taken_over(
         caplog: pytest.LogCaptureFixture) -> None:
     """Something live replaced our socket (an older release that removes any socket): we stop
     serving and wait; we never remove its socket, and take the name back when it is gone."""
-    caplog.set_level(logging.INFO, logger="hlplugin.deviceplugin.kubelet.lifecycle")
+    caplog.set_level(logging.INFO, logger="hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle")
     plugin_dir = short_dir()
     path = plugin_dir / SOCKET
     async with emulator(plugin_dir) as kubelet, \

@@ -5,6 +5,7 @@ kubelet side never imports it, and it imports nothing of ours but itself."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 from support.imports import imported_modules
@@ -26,7 +27,7 @@ def test_no_daemon_module_imports_the_tools() -> None:
     modules = daemon_modules()
     names = {p.relative_to(PACKAGE).as_posix() for p in modules}
     assert {"plugin.py", "bootstrap.py", "cdi.py", "health.py", "probe.py",
-            "deviceplugin/kubelet/lifecycle.py"} <= names, sorted(names)
+            "deviceplugin/kubelet/deviceplugin/lifecycle.py"} <= names, sorted(names)
     offenders = {f"{p.relative_to(PACKAGE)}: {name}" for p in modules for name in imported_modules(p)
                  if name == TOOLS or name.startswith(TOOLS + ".")}
     assert not offenders, sorted(offenders)
@@ -120,8 +121,97 @@ def test_the_process_wing_imports_no_kubelet_protocol() -> None:
 def test_the_process_wing_check_sees_a_protocol_import(tmp_path: Path) -> None:
     wing = tmp_path / "deviceplugin" / "process"
     wing.mkdir(parents=True)
-    (wing / "sample.py").write_text("from hlplugin.deviceplugin.kubelet.lifecycle import X\n"
+    (wing / "sample.py").write_text("from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import X\n"
                                     "from hlplugin.api import deviceplugin_pb2\n")
     assert process_wing_offenders(tmp_path) == [
-        "deviceplugin/process/sample.py: hlplugin.deviceplugin.kubelet.lifecycle",
+        "deviceplugin/process/sample.py: hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle",
         "deviceplugin/process/sample.py: hlplugin.api"]
+
+
+KUBELET = "hlplugin.deviceplugin.kubelet"
+# Each kubelet protocol's wing, and the generated API modules only it may import.
+PROTOCOL_WINGS = {
+    "deviceplugin": ("hlplugin.api.deviceplugin_pb2", "hlplugin.api.deviceplugin_pb2_grpc"),
+    "dra": ("hlplugin.api.dra_", "hlplugin.api.pluginregistration_"),
+}
+
+
+def api_named(path: Path) -> list[str]:
+    """imported_modules, with "from hlplugin.api import x" naming hlplugin.api.x."""
+    names = [name for name in imported_modules(path) if name != "hlplugin.api"]
+    names += [f"hlplugin.api.{alias.name}" for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.ImportFrom) and node.module == "hlplugin.api"
+              for alias in node.names]
+    return names
+
+
+def protocol_offenders(root: Path) -> list[str]:
+    """Under ``root`` (a tree shaped as the package): a kubelet protocol's wing importing the
+    other's modules or the other's API, or a module shared by both (kubelet/*.py) importing
+    either wing or any API (issue 39 item 2)."""
+    kubelet = root / "deviceplugin" / "kubelet"
+    found = []
+    for path in sorted(kubelet.rglob("*.py")):
+        wing = path.relative_to(kubelet).parts[0] if path.parent != kubelet else ""
+        for name in api_named(path):
+            others = [w for w in PROTOCOL_WINGS if w != wing]
+            if any(inside(name, f"{KUBELET}.{w}") for w in others) or (
+                    inside(name, "hlplugin.api") and not any(
+                        name.startswith(api) for api in PROTOCOL_WINGS.get(wing, ()))):
+                found.append(f"{path.relative_to(root)}: {name}")
+    return found
+
+
+def test_each_kubelet_protocol_has_its_wing_and_neither_imports_the_other() -> None:
+    kubelet = PACKAGE / "deviceplugin" / "kubelet"
+    assert {"lifecycle.py", "servicer.py"} <= {p.name for p in (kubelet / "deviceplugin").glob("*.py")}
+    assert {"pluginwatcher.py", "draservice.py", "checkpoint.py"} <= {
+        p.name for p in (kubelet / "dra").glob("*.py")}
+    assert protocol_offenders(PACKAGE) == []
+
+
+def test_the_protocol_check_sees_each_direction(tmp_path: Path) -> None:
+    lines = {"deviceplugin": "from hlplugin.deviceplugin.kubelet.dra.writer import SharedWriter\n"
+                             "from hlplugin.api import dra_v1_pb2\n",
+             "dra": "from hlplugin.deviceplugin.kubelet.deviceplugin import lifecycle\n",
+             "": "from hlplugin.deviceplugin.kubelet.dra import draservice\n"
+                 "from hlplugin.api import deviceplugin_pb2\n"}
+    for wing, text in lines.items():
+        folder = tmp_path / "deviceplugin" / "kubelet" / wing
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "sample.py").write_text(text)
+    assert protocol_offenders(tmp_path) == [
+        "deviceplugin/kubelet/deviceplugin/sample.py: hlplugin.deviceplugin.kubelet.dra.writer",
+        "deviceplugin/kubelet/deviceplugin/sample.py: hlplugin.api.dra_v1_pb2",
+        "deviceplugin/kubelet/dra/sample.py: hlplugin.deviceplugin.kubelet.deviceplugin",
+        "deviceplugin/kubelet/sample.py: hlplugin.deviceplugin.kubelet.dra",
+        "deviceplugin/kubelet/sample.py: hlplugin.api.deviceplugin_pb2"]
+
+
+SERVER_BUILDER = Path("deviceplugin") / "kubelet" / "grpcserver.py"
+
+
+def server_builders(root: Path) -> list[str]:
+    """Modules under ``root`` (but the tools, whose emulator plays the kubelet) that build a gRPC
+    server themselves: every server of ours is built by grpcserver.bounded_server, the one place
+    its bounds (and any guard in front of them) are set."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if relative.parts[0] in {"tools", "api"} or relative == SERVER_BUILDER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "server" and ast.unparse(node.func.value).endswith("aio")):
+                found.append(f"{relative}:{node.lineno}")
+    return found
+
+
+def test_every_grpc_server_of_ours_is_built_in_one_place() -> None:
+    assert "grpc.aio.server(" in (PACKAGE / SERVER_BUILDER).read_text()
+    assert server_builders(PACKAGE) == []
+
+
+def test_the_builder_check_sees_a_server_built_elsewhere(tmp_path: Path) -> None:
+    (tmp_path / "sample.py").write_text("import grpc\nserver = grpc.aio.server(options=[])\n")
+    assert server_builders(tmp_path) == ["sample.py:2"]

@@ -21,8 +21,8 @@ from support.waits import quiet
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.deviceplugin.health.conditions import HealthTracker
-from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
-from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.deviceplugin.servicer import TrackedDevicePlugin
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics as Metrics
 from hlplugin.deviceplugin.process.daemon import daemon_readiness
 from hlplugin.deviceplugin.settings import KubeletSettings
@@ -109,7 +109,7 @@ async def test_a_real_kubelet_restart_counts_no_failure_and_logs_no_warning(
         caplog: pytest.LogCaptureFixture) -> None:
     """Down longer than the stream grace: the lifecycle waits for the new kubelet.sock instead of
     dialling the dead one (which failed, counted and warned, 5-6 times on a real kubelet)."""
-    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.kubelet.lifecycle"):
+    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle"):
         plugin_dir = short_dir()
         metrics = Metrics(PREFIX)
         async with (emulator(plugin_dir) as kubelet,
@@ -173,7 +173,7 @@ async def test_a_kubelet_down_past_the_wait_counts_and_warns_once(
         caplog: pytest.LogCaptureFixture) -> None:
     """No new kubelet.sock within ``kubelet_wait`` of the stream's end: from then on the attempts
     count as failures (the dead socket is unreachable), warned once, as any lasting failure."""
-    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.kubelet.lifecycle"):
+    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle"):
         plugin_dir = short_dir()
         metrics = Metrics(PREFIX)
         loop = asyncio.get_running_loop()
@@ -203,7 +203,7 @@ async def test_a_kubelet_down_past_the_wait_counts_and_warns_once(
 
 async def test_stream_ended_by_the_kubelet_registers_anew_after_the_grace(
         caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="hlplugin.deviceplugin.kubelet.lifecycle"):
+    with caplog.at_level(logging.INFO, logger="hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle"):
         plugin_dir = short_dir()
         metrics = Metrics(PREFIX)
         async with (emulator(plugin_dir) as kubelet,
@@ -252,7 +252,7 @@ async def test_a_stream_that_reopens_within_the_grace_changes_nothing() -> None:
 @pytest.mark.parametrize("cause", ["missing dir", "no kubelet.sock", "refused", "hangs", "resets"])
 async def test_registration_failure_names_its_cause_and_counts_every_attempt(
         cause: str, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.kubelet.lifecycle"):
+    with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle"):
         base = short_dir()
         plugin_dir = base / "device-plugins" if cause == "missing dir" else base
         resource = "example.kubernetes.io/hypervisor" if cause == "refused" else RESOURCE

@@ -14,8 +14,8 @@ from harness import GUARD, Daemon, wait_until
 from support.waits import loop_turn, quiet_blocking
 
 from hlplugin.deviceplugin.health.conditions import HealthTracker
-from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
-from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.deviceplugin.servicer import TrackedDevicePlugin
 from hlplugin.deviceplugin.settings import KubeletSettings
 
 

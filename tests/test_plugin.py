@@ -23,8 +23,8 @@ from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.bootstrap import DeviceAccessPlugin
 from hlplugin.detect import detect_hypervisor, wait_for_hypervisor
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.kubelet.grpcserver import new_server
-from hlplugin.deviceplugin.kubelet.servicer import (
+from hlplugin.deviceplugin.kubelet.deviceplugin.devicelist import new_server
+from hlplugin.deviceplugin.kubelet.deviceplugin.servicer import (
     MAX_CONTAINERS,
     MAX_ID_BYTES,
     MAX_STREAMS,
@@ -187,7 +187,7 @@ async def test_auto_never_follows_a_symlink_at_either_name_and_says_so(
 
 async def test_cancelled_streams_leave_no_task_and_streams_past_the_bound_are_refused(
         caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.kubelet.servicer"):
+    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.kubelet.deviceplugin.servicer"):
         plugin = make_plugin(healthy_tracker())
         async with served(plugin) as (stub, _):
             # Streams the kubelet cancels: each used to leave a pending wait on the tracker until
@@ -324,7 +324,7 @@ async def test_allocate_at_and_past_each_bound(
         caplog: pytest.LogCaptureFixture) -> None:
     served_plugin = PLUGINS[plugin](tmp_path)
     request = request_for(served_plugin)
-    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.kubelet.servicer"):
+    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.kubelet.deviceplugin.servicer"):
         async with served(served_plugin) as (stub, _):
             if code is None:
                 ok = await stub.Allocate(request, timeout=10)
@@ -347,7 +347,7 @@ async def test_refusals_repeated_in_a_loop_are_logged_once_and_counted_every_tim
     tracker = healthy_tracker()
     tracker.set_condition("device", False, "open on /dev/kvm failed")
     plugin = make_plugin(tracker)
-    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.kubelet.servicer"):
+    with caplog.at_level(logging.WARNING, logger="hlplugin.deviceplugin.kubelet.deviceplugin.servicer"):
         async with served(plugin) as (stub, _):
             for _ in range(40):
                 await refused_with(stub, allocate_request(["kvm-0"]), grpc.StatusCode.FAILED_PRECONDITION)

@@ -22,8 +22,8 @@ from hlplugin.deviceplugin.health.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.health.conditions import HealthTracker, until_tick
 from hlplugin.deviceplugin.health.producer import Producer, Trigger
 from hlplugin.deviceplugin.health.watch import supervise
-from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
-from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.deviceplugin.servicer import TrackedDevicePlugin
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Started
 from hlplugin.deviceplugin.settings import HttpSettings, KubeletSettings

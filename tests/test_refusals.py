@@ -22,9 +22,13 @@ from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.bootstrap import DeviceAccessPlugin
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.health.repeats import INTERVAL, RepeatedLines
-from hlplugin.deviceplugin.kubelet import servicer
-from hlplugin.deviceplugin.kubelet.grpcserver import new_server
-from hlplugin.deviceplugin.kubelet.servicer import MAX_CONTAINERS, MAX_ID_BYTES, TrackedDevicePlugin
+from hlplugin.deviceplugin.kubelet.deviceplugin import servicer
+from hlplugin.deviceplugin.kubelet.deviceplugin.devicelist import new_server
+from hlplugin.deviceplugin.kubelet.deviceplugin.servicer import (
+    MAX_CONTAINERS,
+    MAX_ID_BYTES,
+    TrackedDevicePlugin,
+)
 from hlplugin.metrics import Metrics
 from hlplugin.names import (
     DEVICE_ACCESS_RESOURCE,

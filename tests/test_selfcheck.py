@@ -21,8 +21,8 @@ from support.observers import Calls
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.deviceplugin.health.conditions import HealthTracker
-from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
-from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.deviceplugin.servicer import TrackedDevicePlugin
 from hlplugin.deviceplugin.process.daemon import SelfCheck
 from hlplugin.deviceplugin.process.http import HttpServer
 from hlplugin.deviceplugin.settings import KubeletSettings

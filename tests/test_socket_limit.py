@@ -17,7 +17,7 @@ from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
 from hlplugin.bootstrap import SOCKET as ACCESS_SOCKET
 from hlplugin.bootstrap import DeviceAccessPlugin
 from hlplugin.deviceplugin import files
-from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.settings import KubeletSettings
 
 ACCESS = "hyperlight.dev/device-access"

@@ -28,8 +28,8 @@ from harness import (
 )
 
 from hlplugin.deviceplugin.health.conditions import HealthState
-from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
-from hlplugin.deviceplugin.kubelet.servicer import MAX_STREAMS
+from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.deviceplugin.servicer import MAX_STREAMS
 from hlplugin.deviceplugin.settings import KubeletSettings
 from hlplugin.plugin import HypervisorPlugin, slots
 

@@ -22,9 +22,9 @@ from hlplugin.deviceplugin.health.conditions import HealthTracker
 from hlplugin.deviceplugin.health.fresh import Fresh
 from hlplugin.deviceplugin.health.producer import Producer, Trigger
 from hlplugin.deviceplugin.health.watch import DirWatcher
-from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
-from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
-from hlplugin.deviceplugin.kubelet.standing import UNREGISTERED
+from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.deviceplugin.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.kubelet.deviceplugin.standing import UNREGISTERED
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Launch, Started
 from hlplugin.metrics import HyperlightMetrics

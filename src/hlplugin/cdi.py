@@ -15,7 +15,7 @@ formed), so a broken release stays NotReady and halts its rollout; taking over, 
 writes its spec before it registers.
 
 The DRA driver's instances hold no socket in common (each pod serves its own): a ``turn`` decides
-instead, in the pass's thread and around the whole pass (deviceplugin/kubelet/writer.py: the
+instead, in the pass's thread and around the whole pass (deviceplugin/kubelet/dra/writer.py: the
 instance the kubelet registered last writes, under a node-wide lock). A pass outside its turn is a
 standby's look; the pass that gets the turn after another instance's first removes leftover
 temporary files (no other instance writes meanwhile).

@@ -1,6 +1,6 @@
 """The DRA driver hyperlight.dev (`hlplugin dra`): a third daemon, opt-in, in place of the main
 daemon on a node (docs/dra.md). Its kubelet side is a plugin-watcher registration and the DRA
-service in both API versions (deviceplugin.kubelet.pluginwatcher, draservice); its proofs are the
+service in both API versions (deviceplugin.kubelet.dra: pluginwatcher, draservice); its proofs are the
 main daemon's: the CDI reconciler keeps the node's one hyperlight.json (taken over, never a
 second spec declaring the device) and the device monitor checks the device before every Prepare.
 
@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hlplugin import cdi_spec
-from hlplugin.deviceplugin.checkpoint import Checkpoint
-from hlplugin.deviceplugin.kubelet.drahealth import HealthStream
-from hlplugin.deviceplugin.kubelet.draservice import SERVICES, answers, new_dra_server
-from hlplugin.deviceplugin.kubelet.pluginwatcher import DRA_PLUGIN, WatcherPlugin
-from hlplugin.deviceplugin.kubelet.writer import SharedWriter
+from hlplugin.deviceplugin.kubelet.dra.checkpoint import Checkpoint
+from hlplugin.deviceplugin.kubelet.dra.drahealth import HealthStream
+from hlplugin.deviceplugin.kubelet.dra.draservice import SERVICES, answers, new_dra_server
+from hlplugin.deviceplugin.kubelet.dra.pluginwatcher import DRA_PLUGIN, WatcherPlugin
+from hlplugin.deviceplugin.kubelet.dra.writer import SharedWriter
 from hlplugin.deviceplugin.process.daemon import Daemon, Launch, Started
 from hlplugin.dra_claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, node_device
 from hlplugin.metrics import DraMetrics

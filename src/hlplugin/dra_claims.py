@@ -34,10 +34,10 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from hlplugin.deviceplugin.checkpoint import Checkpoint, Corrupt, InstanceLock
 from hlplugin.deviceplugin.health.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.health.conditions import Condition, HealthState
-from hlplugin.deviceplugin.kubelet.draservice import ClaimRef, Prepared, PreparedDevice
+from hlplugin.deviceplugin.kubelet.dra.checkpoint import Checkpoint, Corrupt, InstanceLock
+from hlplugin.deviceplugin.kubelet.dra.draservice import ClaimRef, Prepared, PreparedDevice
 from hlplugin.deviceplugin.ownedfile import NotRegular
 from hlplugin.dra_record import Entry, Pin, entry
 from hlplugin.names import DRA_DRIVER
@@ -80,7 +80,7 @@ def _no_cdi(cdi: Condition) -> str:
 
 
 class ClaimPreparer:
-    """The driver's Preparer (deviceplugin.kubelet.draservice): changes one call at a time, so the
+    """The driver's Preparer (deviceplugin.kubelet.dra.draservice): changes one call at a time, so the
     checkpoint on disk is always the record of every answer given.
 
     A Prepare whose claims are all recorded is answered from memory, without the instances'

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hlplugin.deviceplugin.kubelet.draservice import ClaimRef, PreparedDevice
+from hlplugin.deviceplugin.kubelet.dra.draservice import ClaimRef, PreparedDevice
 
 
 class Pin:

@@ -27,7 +27,7 @@ def dra_socket_names(pod_uid: str) -> tuple[str, str]:
 
 
 # In the DRA driver's directory: which of its instances writes the CDI spec (the one the kubelet
-# registered last), and the lock every instance's CDI pass holds (deviceplugin/kubelet/writer.py).
+# registered last), and the lock every instance's CDI pass holds (deviceplugin/kubelet/dra/writer.py).
 CDI_WRITER_FILE = "cdi-writer"
 
 

@@ -15,11 +15,11 @@ from typing import Any
 from hlplugin import cdi_spec
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.kubelet.devicelist import DeviceList, NumberedIds
-from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.deviceplugin.devicelist import DeviceList, NumberedIds
+from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.deviceplugin.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.kubelet.deviceplugin.standing import UNREGISTERED
 from hlplugin.deviceplugin.kubelet.role import Role
-from hlplugin.deviceplugin.kubelet.servicer import TrackedDevicePlugin
-from hlplugin.deviceplugin.kubelet.standing import UNREGISTERED
 from hlplugin.deviceplugin.process.daemon import Daemon, Launch, Started
 from hlplugin.metrics import Metrics
 from hlplugin.names import HYPERVISOR_RESOURCE as RESOURCE

@@ -72,7 +72,7 @@ class Proofs:
               turn: cdi.Turn | None = None) -> Checks:
         """The reconciler and the monitor of ``hypervisor``. Who writes the CDI spec: ``role``,
         the main daemon's (a standby writes none); ``turn``, the DRA driver's (the instance the
-        kubelet registered last: deviceplugin/kubelet/writer.py)."""
+        kubelet registered last: deviceplugin/kubelet/dra/writer.py)."""
         settings = self.cdi
         reconciler = cdi.CdiReconciler(
             settings, cdi_spec.render_spec(hypervisor, settings.device_uid, settings.device_gid),

@@ -9,7 +9,7 @@ from pathlib import Path
 from harness import healthy_tracker, running, wait_until
 
 from hlplugin.deviceplugin.health.conditions import HealthState
-from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.settings import KubeletSettings
 from hlplugin.plugin import HypervisorPlugin, slots
 

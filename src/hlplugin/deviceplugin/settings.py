@@ -13,7 +13,7 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class KubeletSettings:
-    """How a plugin meets the kubelet (kubelet/lifecycle.py; the kubelet's rules: docs/kubelet.md)."""
+    """How a plugin meets the kubelet (kubelet/deviceplugin/lifecycle.py; its rules: docs/kubelet.md)."""
 
     plugin_dir: Path = Path("/var/lib/kubelet/device-plugins")
     """The kubelet's device-plugin directory: kubelet.sock and our socket live there."""

@@ -27,7 +27,7 @@ from typing import TextIO
 
 from hlplugin import cdi_spec, hvnode, probe
 from hlplugin.deviceplugin.health.bounded import BoundedRunner, CheckFailed
-from hlplugin.deviceplugin.kubelet.lifecycle import KUBELET_SOCKET
+from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import KUBELET_SOCKET
 from hlplugin.names import DEVICE_ACCESS_RESOURCE as ACCESS_RESOURCE
 from hlplugin.names import HYPERVISOR_RESOURCE, NO_HYPERVISOR_HINT
 from hlplugin.settings import CdiSettings

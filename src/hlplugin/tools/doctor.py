@@ -1,7 +1,7 @@
 """`hlplugin doctor`: one-shot diagnosis of this node as the daemons would see it.
 
 It reuses the daemons' own checks (hlplugin.probe, hlplugin.cdi_spec, detect.detect_hypervisor,
-the lifecycle's plugin-dir and kubelet.sock checks in deviceplugin.kubelet.kubeletsock), so
+the lifecycle's plugin-dir and kubelet.sock checks in deviceplugin.kubelet.deviceplugin.kubeletsock), so
 a verdict here means what the daemons would conclude, not what a separate tool guesses. Every
 device step runs in a BoundedRunner: a hung ioctl costs a "timed out" row, never a hung doctor.
 Nothing is changed: the CDI spec is only read, and the writability test writes a temp file of the
@@ -33,13 +33,13 @@ from hlplugin import cdi_spec, probe
 from hlplugin.detect import detect_hypervisor
 from hlplugin.deviceplugin.files import char_device
 from hlplugin.deviceplugin.health.bounded import BoundedRunner, CheckFailed
-from hlplugin.deviceplugin.kubelet.kubeletsock import (
+from hlplugin.deviceplugin.kubelet.deviceplugin.kubeletsock import (
     connect_error,
     dir_problem,
     kubelet_problem,
-    socket_identity,
 )
-from hlplugin.deviceplugin.kubelet.lifecycle import KUBELET_SOCKET
+from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import KUBELET_SOCKET
+from hlplugin.deviceplugin.kubelet.endpoint import socket_identity
 from hlplugin.names import NO_HYPERVISOR_HINT, PLUGIN_DIR_FLAG
 from hlplugin.settings import HealthSettings, ServeSettings
 from hlplugin.tools import cdi_access

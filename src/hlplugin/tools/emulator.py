@@ -43,8 +43,8 @@ import grpc
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.health.watch import wait_event
-from hlplugin.deviceplugin.kubelet.interfaces import Context
-from hlplugin.deviceplugin.kubelet.lifecycle import KUBELET_SOCKET
+from hlplugin.deviceplugin.kubelet.context import Context
+from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import KUBELET_SOCKET
 from hlplugin.tools.kubelet_events import Event, forward, handover_gaps
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,19 @@ from pathlib import Path
 import grpc
 
 from hlplugin.deviceplugin.kubelet.grpcserver import to_completion
-from hlplugin.deviceplugin.kubelet.kubeletsock import Identity, socket_identity
+
+Identity = tuple[int, int, int]
+
+
+def socket_identity(path: Path) -> Identity | None:
+    """(device, inode, ctime) of a unix socket at ``path``; None when missing or not a socket.
+    The ctime tells a new socket from an old one whose inode number the filesystem reused."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
+
 
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _FREE = (errno.ECONNREFUSED, errno.ENOENT)  # a stale socket file; the path removed meanwhile

@@ -1,7 +1,9 @@
-"""The gRPC server of one plugin instance: what a client can make it hold, a stop no client holds
-up, and clean-up that a cancellation cannot cut short.
+"""Every gRPC server of ours, whichever kubelet protocol it serves (device plugin, DRA, plugin
+registration): what a client can make it hold, a stop no client holds up, clean-up that a
+cancellation cannot cut short, and the one way we ask our own server whether it answers.
 
-Bounds (docs/security.md, "Bounds on the device-plugin socket"), measured with tests/h2flood.py:
+Bounds (docs/security.md, "Bounds on the device-plugin socket"; the DRA sockets take the same,
+with their own request size), measured with tests/h2flood.py:
 20,000 HEADERS + RST_STREAM pairs (the HTTP/2 rapid reset, CVE-2023-44487) over 4 connections
 grew the main daemon's peak memory by 31-45 MiB with gRPC's defaults and failed some of the
 kubelet's Allocates (CANCELLED); with the bounds below, by 2-5 MiB over 4 to 300 connections,
@@ -36,14 +38,9 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
-
-from hlplugin.deviceplugin.kubelet.devicelist import add_servicer
-
-if TYPE_CHECKING:
-    from hlplugin.deviceplugin.kubelet.interfaces import PluginServicer
 
 log = logging.getLogger(__name__)
 
@@ -181,17 +178,16 @@ async def transport_answers(path: Path, timeout: float) -> bool:
         return head[3] == _SETTINGS
 
 
-def new_server(servicer: PluginServicer) -> grpc.aio.Server:
-    """A gRPC server for ``servicer`` within the bounds above; requests larger than it accepts are
-    refused before they are parsed (RESOURCE_EXHAUSTED)."""
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", servicer.max_request_bytes),
+def bounded_server(max_request_bytes: int) -> grpc.aio.Server:
+    """A gRPC server within the bounds above, requests larger than ``max_request_bytes`` refused
+    before they are parsed (RESOURCE_EXHAUSTED): every gRPC server of ours, whichever kubelet
+    protocol it serves, is built here (tests/test_layers.py)."""
+    return grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", max_request_bytes),
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
         ("grpc.http2.max_deallocating_streams", MAX_DEALLOCATING_STREAMS),
         ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
     ])
-    add_servicer(servicer, server)
-    return server
 
 
 async def stop_server(server: grpc.aio.Server, grace: float = STOP_GRACE,

@@ -2,19 +2,15 @@
 (the kubelet's own plugin/v1beta1/api.go has the same shape).
 
 A daemon hands ``PluginLifecycle`` a ``ServicerFactory``; every server instance the lifecycle starts
-gets a fresh ``PluginServicer`` from it, whose handlers take a ``Context``.
+gets a fresh ``PluginServicer`` from it, whose handlers take a ``Context`` (kubelet/context.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
-
-import grpc
+from typing import Protocol
 
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-
-Context = grpc.aio.ServicerContext[Any, Any]
 
 
 class PluginServicer(pb_grpc.DevicePluginServicer):

@@ -4,15 +4,14 @@ conditions, and the call /healthz makes to our own server."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:
-    from hlplugin.deviceplugin.kubelet.lifecycle import PluginLifecycle
+from hlplugin.deviceplugin.kubelet.role import Role
 
 # /readyz's kubelet conditions before a lifecycle is built (the daemon waits for its device).
 UNREGISTERED = {"registered": (False, "not registered with the kubelet"),
@@ -26,7 +25,22 @@ def options_call(channel: grpc.aio.Channel) -> Callable[[float], Awaitable[objec
     return lambda timeout: call(_EMPTY, timeout=timeout)
 
 
-def conditions(lifecycle: PluginLifecycle) -> dict[str, tuple[bool, str]]:
+class Lifecycle(Protocol):
+    """What the conditions read of a PluginLifecycle (lifecycle.py)."""
+
+    role: Role
+    socket_path: Path
+    transition: str
+    registered: bool
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def open_streams(self) -> int: ...
+
+
+def conditions(lifecycle: Lifecycle) -> dict[str, tuple[bool, str]]:
     """Registered, and a ListAndWatch stream open; a standby (role.py) counts as both while
     another instance serves our socket, so a surge rollout's new pod is Ready once its own checks
     pass; so does one taking the socket over or handing it over (``transition``), so a rollout

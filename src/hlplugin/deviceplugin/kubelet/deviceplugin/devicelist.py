@@ -18,6 +18,8 @@ import grpc
 
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
+from hlplugin.deviceplugin.kubelet.deviceplugin.interfaces import PluginServicer
+from hlplugin.deviceplugin.kubelet.grpcserver import bounded_server
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -111,3 +113,11 @@ def add_servicer(servicer: pb_grpc.DevicePluginServicer, server: grpc.aio.Server
     handlers["ListAndWatch"] = handlers["ListAndWatch"]._replace(response_serializer=_wire)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(taken.service, handlers),))
     server.add_registered_method_handlers(taken.service, handlers)  # type: ignore[attr-defined]
+
+
+def new_server(servicer: PluginServicer) -> grpc.aio.Server:
+    """A bounded gRPC server (grpcserver.bounded_server) serving ``servicer``; requests larger
+    than it accepts are refused before they are parsed (RESOURCE_EXHAUSTED)."""
+    server = bounded_server(servicer.max_request_bytes)
+    add_servicer(servicer, server)
+    return server

@@ -17,19 +17,7 @@ import socket
 import stat
 from pathlib import Path
 
-Identity = tuple[int, int, int]
-
 DIR_SETTING = "the plugin directory"  # a hint's name for it when the daemon gives none
-
-
-def socket_identity(path: Path) -> Identity | None:
-    """(device, inode, ctime) of a unix socket at ``path``; None when missing or not a socket.
-    The ctime tells a new socket from an old one whose inode number the filesystem reused."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
 
 
 def connect_error(path: Path) -> OSError | None:

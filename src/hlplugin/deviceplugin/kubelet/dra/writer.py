@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from hlplugin.deviceplugin.checkpoint import InstanceLock
+from hlplugin.deviceplugin.kubelet.dra.checkpoint import InstanceLock
 from hlplugin.deviceplugin.kubelet.endpoint import find_holder
 from hlplugin.deviceplugin.ownedfile import NotRegular
 

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from hlplugin.api import dra_health_v1alpha1_pb2 as health_pb
 from hlplugin.api import dra_health_v1alpha1_pb2_grpc as health_grpc
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.kubelet.interfaces import Context
+from hlplugin.deviceplugin.kubelet.context import Context
 
 Devices = Callable[[], Sequence[tuple[str, str]]]  # (pool, device) of every device published
 

@@ -29,14 +29,9 @@ import grpc
 from hlplugin.api import pluginregistration_pb2 as reg_pb
 from hlplugin.api import pluginregistration_pb2_grpc as reg_grpc
 from hlplugin.deviceplugin.health.watch import DirWatcher, Wakeup
+from hlplugin.deviceplugin.kubelet.context import Context
 from hlplugin.deviceplugin.kubelet.endpoint import Endpoint, Holder, wait_until_free
-from hlplugin.deviceplugin.kubelet.grpcserver import (
-    MAX_CONNECTIONS,
-    MAX_DEALLOCATING_STREAMS,
-    MAX_STREAMS_PER_CONNECTION,
-    stop_server,
-)
-from hlplugin.deviceplugin.kubelet.interfaces import Context
+from hlplugin.deviceplugin.kubelet.grpcserver import bounded_server, stop_server
 
 log = logging.getLogger(__name__)
 
@@ -128,12 +123,7 @@ class WatcherPlugin:
         replaced); cancelled, remove it first."""
         registration = Endpoint(self.registration_path)
         # The kubelet sends two tiny messages; the bounds of grpcserver.py for everything else.
-        server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", 64 * 1024),
-            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
-            ("grpc.http2.max_deallocating_streams", MAX_DEALLOCATING_STREAMS),
-            ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
-        ])
+        server = bounded_server(64 * 1024)
         reg_grpc.add_RegistrationServicer_to_server(
             RegistrationServicer(self.info, self._status), server)
         try:

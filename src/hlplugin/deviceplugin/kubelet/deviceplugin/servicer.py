@@ -19,8 +19,9 @@ import grpc
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.deviceplugin.health import repeats
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.kubelet.devicelist import HEALTHY, UNHEALTHY, DeviceList
-from hlplugin.deviceplugin.kubelet.interfaces import Context, PluginServicer
+from hlplugin.deviceplugin.kubelet.context import Context
+from hlplugin.deviceplugin.kubelet.deviceplugin.devicelist import HEALTHY, UNHEALTHY, DeviceList
+from hlplugin.deviceplugin.kubelet.deviceplugin.interfaces import PluginServicer
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.quoting import quote
 

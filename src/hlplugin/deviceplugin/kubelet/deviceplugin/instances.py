@@ -16,9 +16,10 @@ from pathlib import Path
 import grpc
 
 from hlplugin.deviceplugin.health.watch import Wakeup
+from hlplugin.deviceplugin.kubelet.deviceplugin.devicelist import new_server
+from hlplugin.deviceplugin.kubelet.deviceplugin.interfaces import PluginServicer, ServicerFactory
 from hlplugin.deviceplugin.kubelet.endpoint import Endpoint, find_holder
-from hlplugin.deviceplugin.kubelet.grpcserver import new_server, stop_server, to_completion
-from hlplugin.deviceplugin.kubelet.interfaces import PluginServicer, ServicerFactory
+from hlplugin.deviceplugin.kubelet.grpcserver import stop_server, to_completion
 
 log = logging.getLogger(__name__)
 

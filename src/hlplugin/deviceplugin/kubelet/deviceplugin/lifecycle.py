@@ -36,21 +36,25 @@ import logging
 
 from hlplugin.deviceplugin.health.conditions import until_tick
 from hlplugin.deviceplugin.health.watch import DirWatcher, Wakeup
-from hlplugin.deviceplugin.kubelet import standing
-from hlplugin.deviceplugin.kubelet.endpoint import Held, Holder, wait_until_free
-from hlplugin.deviceplugin.kubelet.grpcserver import SelfCall, server_answers
-from hlplugin.deviceplugin.kubelet.instances import HANDOVER_SETTLE, Instances
-from hlplugin.deviceplugin.kubelet.instances import Instance as _Instance
-from hlplugin.deviceplugin.kubelet.interfaces import ServicerFactory
-from hlplugin.deviceplugin.kubelet.kubeletsock import (
+from hlplugin.deviceplugin.kubelet.deviceplugin import standing
+from hlplugin.deviceplugin.kubelet.deviceplugin.instances import HANDOVER_SETTLE, Instances
+from hlplugin.deviceplugin.kubelet.deviceplugin.instances import Instance as _Instance
+from hlplugin.deviceplugin.kubelet.deviceplugin.interfaces import ServicerFactory
+from hlplugin.deviceplugin.kubelet.deviceplugin.kubeletsock import (
     DIR_SETTING,
-    Identity,
     dir_problem,
     kubelet_problem,
     listens,
 )
-from hlplugin.deviceplugin.kubelet.kubeletsock import socket_identity as _socket_identity
-from hlplugin.deviceplugin.kubelet.registration import Outcome, RegistrationFailed, explain, register_with
+from hlplugin.deviceplugin.kubelet.deviceplugin.registration import (
+    Outcome,
+    RegistrationFailed,
+    explain,
+    register_with,
+)
+from hlplugin.deviceplugin.kubelet.endpoint import Held, Holder, Identity, wait_until_free
+from hlplugin.deviceplugin.kubelet.endpoint import socket_identity as _socket_identity
+from hlplugin.deviceplugin.kubelet.grpcserver import SelfCall, server_answers
 from hlplugin.deviceplugin.kubelet.role import Role
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.settings import KubeletSettings
@@ -67,17 +71,9 @@ TAKEOVER_GRACE = 0.1
 
 
 class PluginLifecycle:
-    def __init__(
-        self,
-        settings: KubeletSettings,
-        socket_name: str,
-        resource_name: str,
-        make_servicer: ServicerFactory,
-        *,
-        metrics: DevicePluginMetrics | None = None,
-        dir_setting: str = DIR_SETTING,
-        role: Role | None = None,
-    ) -> None:
+    def __init__(self, settings: KubeletSettings, socket_name: str, resource_name: str,
+                 make_servicer: ServicerFactory, *, metrics: DevicePluginMetrics | None = None,
+                 dir_setting: str = DIR_SETTING, role: Role | None = None) -> None:
         """``dir_setting``: how the operator names ``settings.plugin_dir`` (a flag), for the hints;
         ``role``: shared with what must not act while we stand by (see role.py)."""
         plugin_dir = settings.plugin_dir

@@ -28,13 +28,8 @@ from hlplugin.api import (
     dra_v1beta1_pb2_grpc,
 )
 from hlplugin.deviceplugin.health import repeats
-from hlplugin.deviceplugin.kubelet.grpcserver import (
-    MAX_CONNECTIONS,
-    MAX_DEALLOCATING_STREAMS,
-    MAX_STREAMS_PER_CONNECTION,
-    SelfCall,
-)
-from hlplugin.deviceplugin.kubelet.interfaces import Context
+from hlplugin.deviceplugin.kubelet.context import Context
+from hlplugin.deviceplugin.kubelet.grpcserver import SelfCall, bounded_server
 
 log = logging.getLogger(__name__)
 
@@ -206,12 +201,7 @@ def new_dra_server(preparer: Preparer,
     """A gRPC server serving DRAPlugin v1 and v1beta1 over ``preparer``, and with ``health`` (a
     drahealth.HealthStream) the resource-health stream, within the bounds of grpcserver.py (a
     request over MAX_REQUEST_BYTES is refused before it is parsed)."""
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
-        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
-        ("grpc.http2.max_deallocating_streams", MAX_DEALLOCATING_STREAMS),
-        ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
-    ])
+    server = bounded_server(MAX_REQUEST_BYTES)
     refusals = repeats.RepeatedLines(log)
     for api, api_grpc in _VERSIONS:
         api_grpc.add_DRAPluginServicer_to_server(DraServicer(api, preparer, refusals), server)
