@@ -20,9 +20,9 @@ from support.fakeapi import FakeApiServer
 from support.fakeslices import add_node
 from support.pluginwatcher import FakePluginWatcher
 
-from hlplugin.deviceplugin.checkpoint import Checkpoint
 from hlplugin.deviceplugin.health.conditions import Condition, HealthState, HealthTracker
-from hlplugin.deviceplugin.kubelet.draservice import ClaimRef, PreparedDevice
+from hlplugin.deviceplugin.kubelet.dra.checkpoint import Checkpoint
+from hlplugin.deviceplugin.kubelet.dra.draservice import ClaimRef, PreparedDevice
 from hlplugin.dra_allocation import AllocationReader, allocated
 from hlplugin.dra_claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, NotAllocated
 from hlplugin.dra_record import Entry

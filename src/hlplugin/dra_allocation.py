@@ -25,7 +25,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from hlplugin.deviceplugin.kubelet.draservice import ClaimRef, PreparedDevice
+from hlplugin.deviceplugin.kubelet.dra.draservice import ClaimRef, PreparedDevice
 from hlplugin.dra_claims import ClaimPreparer, NotAllocated
 from hlplugin.kubeapi import RESOURCE_CLAIMS, Backoff, Client, KubeApiError, NotFound, Object
 from hlplugin.names import DRA_DRIVER
