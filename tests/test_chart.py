@@ -140,7 +140,7 @@ def test_chart_daemonsets_have_the_deploy_properties(rendering: str) -> None:
     check_plugin_daemonsets(objs, f"chart ({rendering})")
 
 
-@pytest.mark.parametrize("version", ["1.30", "1.34"])
+@pytest.mark.parametrize("version", ["1.30", "1.34", "1.36"])
 def test_renderings_validate_against_kubernetes_schemas(version: str, tmp_path: Path) -> None:
     validate = tool("kubernetes-validate")
     count = 0

@@ -24,6 +24,7 @@ from support.chart import (
     daemonsets,
     merged,
     pod,
+    refusal,
     render,
 )
 from support.deploy import (
@@ -41,7 +42,7 @@ from support.fakeslices import NODE, add_node
 from hlplugin import config, dra
 from hlplugin.kubeapi import RESOURCE_SLICES, Backoff, Client, Config
 from hlplugin.kubeapi import config as kubeapi_config
-from hlplugin.names import DRA_DRIVER
+from hlplugin.names import DRA_DRIVER, HYPERVISOR_RESOURCE
 from hlplugin.nodefacts import NodeDevice
 from hlplugin.settings import DraPluginSettings
 from hlplugin.slices import SliceController
@@ -215,11 +216,47 @@ def test_the_driver_may_reach_the_api_server_and_nothing_else() -> None:
                 if o["kind"] == "NetworkPolicy"]
 
 
+def device_class(values: dict[str, Any]) -> dict[str, Any]:
+    (cls,) = [o for o in render(values) if o["kind"] == "DeviceClass"]
+    return cls
+
+
 def test_the_device_class_selects_the_driver() -> None:
-    (cls,) = [o for o in render(DRA_ON) if o["kind"] == "DeviceClass"]
+    cls = device_class(DRA_ON)
     assert cls["apiVersion"] == "resource.k8s.io/v1" and cls["metadata"]["name"] == DRA_DRIVER
-    assert cls["spec"] == {"selectors": [{"cel": {"expression": f'device.driver == "{DRA_DRIVER}"'}}]}
+    assert cls["spec"]["selectors"] == [{"cel": {"expression": f'device.driver == "{DRA_DRIVER}"'}}]
     assert "DeviceClass" not in {o["kind"] for o in render()}
+
+
+def test_the_device_class_stands_for_the_device_plugin_s_resource() -> None:
+    """KEP-5004 (issue 42 item 1): by default the class carries the device plugin's resource
+    name, so a pod asking `hyperlight.dev/hypervisor` is served by the driver on a node with none
+    of it allocatable; "" leaves the class with its selector only (ResourceClaims only)."""
+    assert device_class(DRA_ON)["spec"] == {
+        "selectors": [{"cel": {"expression": f'device.driver == "{DRA_DRIVER}"'}}],
+        "extendedResourceName": HYPERVISOR_RESOURCE}
+    assert HYPERVISOR_RESOURCE == "hyperlight.dev/hypervisor"
+    assert device_class(merged(DRA_ON, {"dra": {"extendedResourceName": "example.com/vm"}}))["spec"][
+        "extendedResourceName"] == "example.com/vm"
+    off = device_class(merged(DRA_ON, {"dra": {"extendedResourceName": ""}}))
+    assert off["spec"] == {"selectors": [{"cel": {"expression": f'device.driver == "{DRA_DRIVER}"'}}]}
+
+
+@pytest.mark.parametrize("name", [
+    "hypervisor",                    # no domain: a native resource name
+    "kubernetes.io/hypervisor",      # the kubernetes.io domain is Kubernetes' own
+    "node.kubernetes.io/kvm",
+    "requests.hyperlight.dev/kvm",   # a quota name, not a resource
+    "Hyperlight.dev/kvm",            # the domain is a DNS subdomain: lower case
+    "hyperlight.dev/-kvm",           # the name begins and ends alphanumeric
+    "hyperlight.dev/" + "k" * 64,    # at most 63 characters
+    "hyperlight.dev/kvm/0",
+])
+def test_the_schema_refuses_a_name_the_api_server_would(name: str) -> None:
+    """The API server refuses a DeviceClass whose extendedResourceName is not an extended resource
+    name (v1helper.IsExtendedResourceName): the chart refuses it first, at install."""
+    refused = refusal({"dra": {"enabled": True, "extendedResourceName": name}})
+    assert "at '/dra/extendedResourceName'" in refused
 
 
 # --- RBAC: exactly what the code calls ------------------------------------------------------------

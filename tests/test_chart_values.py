@@ -153,6 +153,9 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[Objects], bool]]] = {
                   on_both(lambda ds: host_paths(ds)["host-dev"] == "/host/dev")),
     "dra.enabled": (DRA_ON, lambda objs: DRA in daemonsets(objs) and kinds(objs) - kinds(render()) == {
         "ClusterRole", "ClusterRoleBinding", "DeviceClass"}),
+    "dra.extendedResourceName": (dra_on({"extendedResourceName": "example.com/vm"}),
+                                 lambda objs: [o["spec"].get("extendedResourceName") for o in objs
+                                               if o["kind"] == "DeviceClass"] == ["example.com/vm"]),
     "dra.resources": (dra_on({"resources": DRA_RESOURCES}),
                       lambda objs: container(daemonsets(objs)[DRA])["resources"] == {
                           k: {**v, "hyperlight.dev/device-access": "1"} for k, v in DRA_RESOURCES.items()}),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -131,7 +132,71 @@ def test_label_nodes_script(tmp_path: Path) -> None:
         assert log.read_text().splitlines() == calls, args
 
 
-@pytest.mark.parametrize("script", ["label-nodes.sh", "local-node.sh"])
+# A kubectl for deploy/move-node.sh: logs its arguments and answers its reads as a cluster where
+# every step has already happened (the driver's pod Ready, the slice there, allocatable 0).
+FAKE_KUBECTL = r"""#!/usr/bin/env bash
+echo "$*" >> "$FAKE_LOG"
+case "$*" in
+    "get pods -A "*) printf '%b' "${FAKE_PODS:-}" ;;
+    *"-o jsonpath={range .items[*]}{.status.conditions"*) echo True ;;
+    *"get resourceslices"*) echo resourceslice.resource.k8s.io/n1-hyperlight.dev-abcde ;;
+    *".status.allocatable."*) printf '%s' "${FAKE_ALLOCATABLE:-0}" ;;
+    *".status.capacity."*) printf 0 ;;
+esac
+"""
+
+
+def test_move_node_script(tmp_path: Path) -> None:
+    """deploy/move-node.sh: its arguments, the pods that stop it (held the way the node leaves),
+    what a dry run changes (nothing: it only reads), and a whole move against a kubectl that
+    answers as a cluster where each wait is already met."""
+    log, fake = tmp_path / "calls", tmp_path / "kubectl"
+    fake.write_text(FAKE_KUBECTL)
+    fake.chmod(0o755)
+
+    def move(args: str, **env: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+        log.write_text("")
+        result = run(["bash", str(DEPLOY / "move-node.sh"), *args.split()],
+                     env={**os.environ, "KUBECTL": str(fake), "FAKE_LOG": str(log), **env})
+        return result, [" ".join(c.split()[:2]) for c in log.read_text().splitlines()]
+
+    for args in ("--to dra", "--to xen n1", "n1", "--to dra n1 n2", "--to dra --timeout 5m n1",
+                 "--to dra --bogus n1", "--to"):
+        result, calls = move(args)
+        assert result.returncode == 2 and "deploy/move-node.sh" in result.stderr, args
+        assert calls == [], args
+
+    result, calls = move("--to dra n1 --dry-run")
+    assert result.returncode == 0, result.stderr
+    assert set(calls) == {"get node", "get pods"}, calls  # reads only
+    for change in ("cordon n1", "label node n1 hyperlight.dev/dra=true --overwrite", "uncordon n1"):
+        assert f"would run: {fake} {change}" in result.stdout, change
+    result, _ = move("--to device-plugin n1 --dry-run")
+    assert f"would run: {fake} label node n1 hyperlight.dev/dra-" in result.stdout
+
+    # app/vm-1 asks the resource with no claim: the device plugin's; app/vm-2 has the scheduler's
+    # claim: the driver's; the chart's own pods never count.
+    pods = r"app/vm-1|1| \napp/vm-2|2|vm-2-extended-resources-x \nhyperlight-system/hyperlight-dra-1||a \n"
+    result, _ = move("--to dra n1 --dry-run", FAKE_PODS=pods)
+    assert result.returncode == 1 and "app/vm-1" in result.stderr and "app/vm-2" not in result.stderr
+    result, _ = move("--to device-plugin n1 --dry-run", FAKE_PODS=pods)
+    assert result.returncode == 1 and "app/vm-2" in result.stderr and "app/vm-1" not in result.stderr
+    assert "hyperlight-dra-1" not in result.stderr
+    result, _ = move("--to dra n1 --dry-run --keep-pods", FAKE_PODS=pods)
+    assert result.returncode == 0 and "app/vm-1" in result.stdout
+
+    result, calls = move("--to dra n1 --timeout 1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    daemons = "-n hyperlight-system"  # the driver's pod Ready, then the device plugin's gone
+    assert calls == ["get node", "cordon n1", "get pods", "label node", daemons, daemons,
+                     "get resourceslices", "get node", "get node", "uncordon n1"], calls
+    # Back to the device plugin, where allocatable never rises: the move stops, the node cordoned.
+    result, calls = move("--to device-plugin n1 --timeout 1")
+    assert result.returncode == 1 and "n1 is left cordoned" in result.stderr, result.stderr
+    assert "uncordon n1" not in calls
+
+
+@pytest.mark.parametrize("script", ["label-nodes.sh", "local-node.sh", "move-node.sh"])
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_every_script_s_help_exits_0_on_stdout(script: str, flag: str) -> None:
     """Asked for, help is an answer (stdout, exit 0); a usage error stays exit 2 on stderr."""
