@@ -88,6 +88,7 @@ class Pod:
     plugin: WatcherPlugin
     preparer: ClaimPreparer
     task: asyncio.Task[None]
+    verdicts: list[bool]  # the kubelet's, as on_status hears them (the daemon counts them)
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.plugin, self.preparer))
@@ -103,12 +104,14 @@ async def driver(node: Node, uid: str = UID, preparer: ClaimPreparer | None = No
     preparer = preparer or node.preparer()
     await preparer.load()
     registration, service = dra_socket_names(uid)
+    verdicts: list[bool] = []
     plugin = WatcherPlugin(node.registry, registration, node.plugin_dir / service, DRA_PLUGIN,
                            DRA_DRIVER, SERVICES if health else DRA_SERVICES,
-                           functools.partial(new_dra_server, preparer, health), recheck=0.2)
+                           functools.partial(new_dra_server, preparer, health), recheck=0.2,
+                           on_status=verdicts.append)
     task = asyncio.create_task(plugin.run())
     try:
-        yield Pod(plugin, preparer, task)
+        yield Pod(plugin, preparer, task, verdicts)
     finally:
         task.cancel()
         await asyncio.wait({task})
@@ -159,10 +162,12 @@ async def test_until_the_kubelet_calls_the_status_names_the_registry_dir() -> No
 async def test_a_registration_the_kubelet_refuses_is_said_in_the_status() -> None:
     node = Node()
     watcher = FakePluginWatcher(node.registry, services=("v2.DRAPlugin",))
-    async with driver(node) as (plugin, _):
+    async with driver(node) as pod:
+        plugin = pod.plugin
+
         async def refused() -> bool:
             await watcher.sync()
-            return bool(watcher.refused) and plugin.registrations > 0
+            return bool(watcher.refused) and len(pod.verdicts) > 0
 
         await wait_until(refused, 20, "the kubelet refused the registration")
         assert not plugin.registered
@@ -176,11 +181,12 @@ async def test_a_restarted_kubelet_registers_the_same_socket_again() -> None:
     """Nothing in the registry directory is removed by a kubelet restart: the new kubelet's
     watcher finds our socket, calls GetInfo and notifies again, and the driver serves on."""
     node = Node()
-    async with driver(node) as (plugin, _):
+    async with driver(node) as pod:
+        plugin = pod.plugin
         await registered(FakePluginWatcher(node.registry), plugin)
         restarted = FakePluginWatcher(node.registry)
         await registered(restarted, plugin)
-        assert plugin.registrations == 2 and len(restarted.infos) == 1
+        assert len(pod.verdicts) == 2 and len(restarted.infos) == 1
         assert devices(await restarted.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
 
 
@@ -464,7 +470,9 @@ async def test_the_health_stream_reports_the_device_at_once_on_every_change_and_
     from hlplugin.api import dra_health_v1alpha1_pb2 as health_pb
 
     node = Node()
-    health = HealthStream(node.tracker, lambda: [("node-a", "kvm")], refresh=0.5)
+    open_streams: list[int] = []  # as the driver's hyperlight_dra_health_streams gauge is told
+    health = HealthStream(node.tracker, lambda: [("node-a", "kvm")], refresh=0.5,
+                          on_streams=open_streams.append)
     watcher = FakePluginWatcher(node.registry)
     async with driver(node, health=health) as (plugin, _):
         await registered(watcher, plugin)
@@ -485,7 +493,7 @@ async def test_the_health_stream_reports_the_device_at_once_on_every_change_and_
             node.tracker.set_condition("device", True)
             assert (await anext(stream)).devices[0].health == health_pb.HealthStatus.HEALTHY
         assert seen == [(health_pb.HealthStatus.UNHEALTHY, "device: KVM_CREATE_VM failed: EIO")]
-        await wait_until(lambda: health.open_streams == 0, 20, "the stream's end seen by the driver")
+        await wait_until(lambda: open_streams == [1, 0], 20, "the stream's end seen by the driver")
 
 
 async def test_the_health_service_is_listed_after_the_dra_services_and_never_chosen_for_calls(

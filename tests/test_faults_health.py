@@ -43,8 +43,8 @@ from support.faults import (
 )
 from support.waits import quiet
 
-from hlplugin.cdi import DEFAULT_BUDGET
 from hlplugin.cdi_spec import SPEC_FILE
+from hlplugin.settings import CdiSettings
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180), pytest.mark.usefixtures("fault_report")]
 NULL_RDEV = os.makedev(1, 3)  # /dev/null's numbers: a device that exists but is not KVM
@@ -195,7 +195,7 @@ async def test_fault_withdraws_every_slot_keeps_liveness_and_recovers_without_re
 # of the pass, its interval and its flag. Hung CDI storage is issue 15's.
 HANGS = {"device": ("Probe helper hangs (stuck filesystem)", "host_identity", 1.0, 3.0,
                     "--health-interval"),
-         "cdi": ("Hung CDI storage", "cdi", DEFAULT_BUDGET, 1.0, "--cdi-interval")}
+         "cdi": ("Hung CDI storage", "cdi", CdiSettings.budget, 1.0, "--cdi-interval")}
 PROMPT = 1.0  # a guard for "at once": a CDI refusal that waited for the storage would take the budget
 
 

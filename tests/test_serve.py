@@ -186,8 +186,8 @@ async def test_registers_while_its_first_checks_run_and_lists_what_they_found(tm
     (its budget), the first list is all Unhealthy; storage answering again brings the slots."""
     from fusefs import HangingFs
 
-    from hlplugin.cdi import DEFAULT_BUDGET
     from hlplugin.cdi_spec import SPEC_FILE, render_spec
+    from hlplugin.settings import CdiSettings
 
     node = Node.make(tmp_path)
     spec = render_spec("kvm", 65534, 65534)
@@ -196,7 +196,7 @@ async def test_registers_while_its_first_checks_run_and_lists_what_they_found(tm
         args = node.serve_args("--hypervisor", "kvm", "--device-count", "4")
         async with on_kubelet(node, args) as (kubelet, proc):
             try:
-                await kubelet.wait_for(lambda: kubelet.registered(RESOURCE), timeout=DEFAULT_BUDGET)
+                await kubelet.wait_for(lambda: kubelet.registered(RESOURCE), timeout=CdiSettings.budget)
                 status, body = await proc.http("/readyz")
                 conditions = json.loads(body)["conditions"]
                 assert status == 503, conditions
@@ -204,7 +204,7 @@ async def test_registers_while_its_first_checks_run_and_lists_what_they_found(tm
                 assert conditions["cdi"]["reason"] == "not checked yet", conditions
                 assert kubelet.resources[RESOURCE].lists_received == 0
                 await kubelet.wait_for(lambda: kubelet.resources[RESOURCE].lists_received > 0,
-                                       timeout=DEFAULT_BUDGET + 20)
+                                       timeout=CdiSettings.budget + 20)
                 assert kubelet.allocatable(RESOURCE) == 0  # what the timed-out pass found
                 fs.release()
                 await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4, timeout=30)

@@ -53,7 +53,6 @@ from hlplugin.settings import CdiSettings
 log = logging.getLogger(__name__)
 
 CONDITION = ConditionName.CDI
-DEFAULT_BUDGET = CdiSettings.budget  # the default of CdiSettings.budget, for the tests' guards
 # How long the pass's helper thread waits for the next read: one per Allocate needs no new thread.
 _LINGER = 1.0
 # In a pass's thread, around the whole pass: whether this instance writes (see the module docstring).

@@ -105,7 +105,8 @@ class DraDriver:
             cdi=checks.reconciler.ensure,
             on_change=metrics.dra_prepared_claims.set, on_result=metrics.claim_result)
         self.health = HealthStream(tracker, lambda: [(pool, hypervisor)],
-                                   refresh=settings.health.interval)
+                                   refresh=settings.health.interval,
+                                   on_streams=metrics.dra_health_streams.set)
 
         def status(registered: bool) -> None:
             metrics.registrations.labels(result="success" if registered else "failure").inc()

@@ -11,7 +11,6 @@ import re
 from collections.abc import Callable
 from typing import TypeVar
 
-PATTERN = r"^[0-9]+(\.[0-9]+)?(ms|s|m|h)?$"
 _DURATION = re.compile(r"([0-9]{1,20}(?:\.[0-9]{1,20})?)(ms|s|m|h)?", re.ASCII)
 _SECONDS_PER = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 N = TypeVar("N", int, float)

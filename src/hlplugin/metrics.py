@@ -101,6 +101,9 @@ class DraMetrics(Metrics):
         self.dra_prepared_claims = Gauge(
             f"{PREFIX}_dra_prepared_claims", "Claims prepared on this node (the checkpoint's).",
             registry=r)
+        self.dra_health_streams = Gauge(
+            f"{PREFIX}_dra_health_streams", "Resource-health streams the kubelet holds open "
+            "(0: the kubelet does not hear the device's health from us).", registry=r)
         precreate({self.dra_prepares: DRA_PREPARE_RESULTS,
                    self.dra_unprepares: DRA_UNPREPARE_RESULTS})
 

@@ -24,14 +24,17 @@ Devices = Callable[[], Sequence[tuple[str, str]]]  # (pool, device) of every dev
 
 class HealthStream(health_grpc.DRAResourceHealthServicer):
     def __init__(self, tracker: HealthTracker, devices: Devices, *, refresh: float = 10.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 on_streams: Callable[[int], None] | None = None) -> None:
+        """``on_streams``: told how many streams are open whenever that changes (a gauge)."""
         self.tracker = tracker
         self.devices = devices
         self.refresh = refresh
         # Three refreshes missed: the driver is hung or gone, and the kubelet says Unknown.
         self.timeout = max(1, round(3 * refresh))
         self.clock = clock
-        self.open_streams = 0
+        self._on_streams = on_streams
+        self._streams = 0
 
     def response(self, state: HealthState) -> health_pb.NodeWatchResourcesResponse:
         healthy = state.healthy
@@ -47,7 +50,7 @@ class HealthStream(health_grpc.DRAResourceHealthServicer):
 
     async def NodeWatchResources(self, request: health_pb.NodeWatchResourcesRequest,
                                  context: Context) -> AsyncIterator[health_pb.NodeWatchResourcesResponse]:
-        self.open_streams += 1
+        self._count(+1)
         try:
             state = self.tracker.state
             while True:
@@ -58,4 +61,9 @@ class HealthStream(health_grpc.DRAResourceHealthServicer):
                 except TimeoutError:
                     state = self.tracker.state
         finally:
-            self.open_streams -= 1
+            self._count(-1)
+
+    def _count(self, change: int) -> None:
+        self._streams += change
+        if self._on_streams is not None:
+            self._on_streams(self._streams)

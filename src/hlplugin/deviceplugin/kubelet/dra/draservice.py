@@ -128,7 +128,6 @@ class DraServicer:
         self.api = api
         self.preparer = preparer
         self.refusals = refusals or repeats.RepeatedLines(log)
-        self.version = api.DESCRIPTOR.package.rsplit(".", 1)[-1]
         self._shares = "share_id" in api.Device.DESCRIPTOR.fields_by_name
 
     async def check_request(self, method: str, request: Any, context: Context) -> None:

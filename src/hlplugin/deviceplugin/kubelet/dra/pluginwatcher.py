@@ -77,14 +77,12 @@ class WatcherPlugin:
         self.serving = False  # our endpoint is published and its server runs
         self.problem = (f"the kubelet's plugin watcher has not called on {self.registration_path} "
                         f"yet (is {dir_setting} the kubelet's plugins_registry?)")
-        self.registrations = 0  # verdicts received, for tests and the log
 
     @property
     def status(self) -> str:
         return "" if self.registered else self.problem
 
     def _status(self, registered: bool, error: str) -> None:
-        self.registrations += 1
         self.registered = registered
         if registered:
             self.problem = ""
