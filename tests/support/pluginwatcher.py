@@ -78,7 +78,10 @@ class FakePluginWatcher:
         present: dict[Path, tuple[int, int, int]] = {}
         for name in os.listdir(self.registry_dir):
             path = self.registry_dir / name
-            st = os.lstat(path)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:  # gone since the listing (a socket's temporary name)
+                continue
             if not name.startswith(".") and stat.S_ISSOCK(st.st_mode):
                 present[path] = (st.st_dev, st.st_ino, st.st_ctime_ns)
         for path in list(self.plugins):
