@@ -117,7 +117,10 @@ def recorded_claims(c: Cluster) -> set[str]:
 
 
 def delete(c: Cluster, kind: str, *names: str) -> None:
-    c.kubectl("delete", kind, "-n", NS, "--wait=false", "--ignore-not-found", *names)
+    """Deleted, with their pods, before the next step: a pod whose claim the driver has not
+    unprepared when the driver goes (the uninstall test) stays Terminating until it is back."""
+    c.kubectl("delete", kind, "-n", NS, "--ignore-not-found", "--cascade=foreground", "--wait=true",
+              "--timeout=120s", *names, timeout=150)
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +296,7 @@ def test_helm_uninstall_leaves_the_slice_for_the_kubelets_grace_and_the_nodes_st
     gone for its grace period (how long it took is printed: docs/dra.md). What stays on the
     node, as docs/dra.md says: the claims' record and the CDI spec; the DeviceClass goes."""
     c = dra
+    assert not c.pods(NS), "pods holding claims left for the driver's uninstall"
     (before,) = our_slices(c)
     c.helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout=120s", timeout=150)
     c.until(lambda: not driver_pods(c), 90, "the driver's pod gone")
