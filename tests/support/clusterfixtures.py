@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +98,10 @@ class Installed:
         for name in DAEMONSETS:
             c.kubectl("-n", NAMESPACE, "rollout", "status", f"daemonset/{name}", "--timeout", "180s",
                       timeout=200)
+        # A kubelet started a moment ago (a test that restarted it) has neither probed every pod
+        # yet nor reported its device manager's state: a rollout then meets a probe the daemon
+        # could not foresee, or a node status from before the restart (two CI runs failed so).
+        c.until(lambda: settled(c), 60, "the kubelet settled since its last start")
         # The kubelet's next node-status update (up to 10 s) publishes the plugins' capacity: all
         # of it healthy (how many device-access slots is the tests' business, not the fixture's).
 
@@ -105,6 +111,21 @@ class Installed:
                 and allocatable.get(ACCESS) == capacity.get(ACCESS)
 
         c.until(published, 60, "allocatable 2k slots and every device-access")
+
+
+# The manifests' readiness period and a second: by then the kubelet has probed each ready pod.
+SETTLE = 6.0
+
+
+def settled(c: Cluster) -> bool:
+    """The node's lease was renewed SETTLE seconds or more after the kubelet's latest start
+    (tests/support/clusterd.py marks each start in the kubelet's log, in the same clock)."""
+    from support.cluster import NODE
+
+    starts = re.findall(r"==== clusterd: start kubelet at ([0-9.]+)", c.log("kubelet"))
+    lease = c.get("lease", "-n", "kube-node-lease", NODE)
+    renewed = datetime.fromisoformat(lease["spec"]["renewTime"].replace("Z", "+00:00")).timestamp()
+    return not starts or renewed >= float(starts[-1]) + SETTLE
 
 
 @pytest.fixture(scope="session")
