@@ -163,7 +163,9 @@ def rollouts(release: Installed, upgrade: Callable[[Cluster, int], object], roun
     worker_log = c.kubectl("logs", "-n", "default", VM_WORKER).stdout
     vms = worker_log.count("created a KVM VM")
     vm_restarts = worker_pod["status"]["containerStatuses"][0].get("restartCount", 0)
-    c.kubectl("delete", "pod", VM_WORKER, "-n", "default", "--wait=false")
+    # Gone before the next test makes its own under the same name (applied to a terminating
+    # pod, it vanished under that test: "pods \"vm-worker\" not found").
+    c.kubectl("delete", "pod", VM_WORKER, "-n", "default", "--wait=true", "--timeout=60s", timeout=90)
     log = c.log("kubelet")[offset:]
     measured = gaps(log, HYPERVISOR)
     events = [e for e in c.events(NAMESPACE) if stamp(e) >= wall - 1]
