@@ -4,6 +4,7 @@ a node reboot, uninstall and reinstall. Each puts the release back installed (``
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -66,6 +67,24 @@ def timeline(log: str, wall: float) -> str:
     return ", ".join(shown)
 
 
+def denials_after_healthy(log: str, daemonset: str, resource: str) -> tuple[int, list[str]]:
+    """How many of ``daemonset``'s pods the kubelet denied admission in ``log``, and those it
+    denied after it first processed a healthy device of ``resource`` (its own log line, so the
+    order is the kubelet's, whatever the machine's load)."""
+    healthy = re.compile(rf'"Processed device updates for resource" resourceName="{re.escape(resource)}"'
+                         r".* healthyCount=[1-9]")
+    denied, seen_healthy = 0, False
+    late: list[str] = []
+    for line in log.splitlines():
+        if healthy.search(line):
+            seen_healthy = True
+        elif '"Pod admission denied"' in line and f'pod="{NAMESPACE}/{daemonset}-' in line:
+            denied += 1
+            if seen_healthy:
+                late.append(line)
+    return denied, late
+
+
 def admission_failures(cluster: Cluster, namespace: str) -> list[dict[str, Any]]:
     return [p for p in cluster.pods(namespace) if p["status"].get("reason") == "UnexpectedAdmissionError"]
 
@@ -74,8 +93,11 @@ def test_a_node_reboot_fails_the_main_pod_once_and_allocatable_comes_back(
         release: Installed) -> None:
     """Budget 45 s. A reboot: every container killed, containerd's state (/run, a tmpfs) wiped,
     the disk kept, the kubelet started with its checkpoint. It re-admits its pods before any
-    plugin registered, so the main plugin's pod fails admission (it needs device-access) once,
-    and so does the workload's (left Failed by its ReplicaSet); the CDI spec is rewritten, and
+    plugin registered, so the main plugin's pod fails admission (it needs device-access), and so
+    does the workload's (left Failed by its ReplicaSet). How many main pods fail is the DaemonSet
+    controller's race with the bootstrap's start (one per back-off step: 1 in most runs, 3 on a
+    loaded machine); what is ours is that none fails once the kubelet holds device-access healthy
+    (``denials_after_healthy``). The CDI spec is rewritten, and
     the node's allocatable, sampled every 100 ms, is 2k again (GUARD says within what: the
     kubelet's node-status updates decide, and the figure is printed with the kubelet's steps)."""
     c = release.cluster
@@ -106,13 +128,17 @@ def test_a_node_reboot_fails_the_main_pod_once_and_allocatable_comes_back(
         print(f"reboot: took {rebooted:.1f}s; allocatable back at {back:.1f}s; failed daemon pods "
               f"{failed}; sampler errors {len(sampler.errors)}; kubelet: {steps}")
         assert back < GUARD, f"{back:.1f}s: {steps}"
-        # As today (issue 29): the main pod fails admission once, the bootstrap's never, in the
-        # words the emulator gives (tests/test_emulator.py's reboot test).
-        assert failed == {DAEMONSETS[0]: 0, DAEMONSETS[1]: 1}, failed
-        refused = [e["message"] for e in c.events(NAMESPACE) if e["reason"] == "UnexpectedAdmissionError"
-                   and stamp(e) >= wall - 1]
-        assert refused == ["Allocate failed due to no healthy devices present; cannot allocate unhealthy "
-                           f"devices {ACCESS}, which is unexpected"], refused
+        # As today (issue 29): the main pod fails admission, the bootstrap's never, in the words
+        # the emulator gives (tests/test_emulator.py's reboot test), and never once device-access
+        # is healthy in the kubelet.
+        assert failed[DAEMONSETS[0]] == 0 and failed[DAEMONSETS[1]] >= 1, failed
+        denied, late = denials_after_healthy(c.log("kubelet")[offset:], DAEMONSETS[1], ACCESS)
+        print(f"reboot: main pods denied admission {denied}, after device-access was healthy {late}")
+        assert denied >= 1 and late == [], late
+        refused = {e["message"] for e in c.events(NAMESPACE) if e["reason"] == "UnexpectedAdmissionError"
+                   and stamp(e) >= wall - 1}
+        assert refused == {"Allocate failed due to no healthy devices present; cannot allocate unhealthy "
+                           f"devices {ACCESS}, which is unexpected"}, refused
         assert cdi.exists(), "the main plugin rewrote the CDI spec /run lost"
         c.until(lambda: len(running_workload(c, "rebooted")) == 1, 90, "a workload replacement running")
         (new_workload,) = running_workload(c, "rebooted")
