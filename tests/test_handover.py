@@ -365,3 +365,33 @@ async def test_one_kubelet_probe_is_enough_to_wait_for_the_next(monkeypatch: pyt
         await asyncio.wait({stopping}, timeout=GUARD)
         assert stopping.done()
         assert answer == (200 if agent.startswith("kube-probe/") else 0), agent
+
+
+async def test_a_kubelet_probe_overdue_waits_a_period_for_the_restarted_kubelets_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a kubelet restart the probes seen are the old kubelet's: the next one they predict is
+    overdue, and the new kubelet's first probe comes within a period of its start, on a phase of
+    its own. So an overdue kubelet probe keeps the port open for one more period, and the probe
+    that comes within it is answered; a request from anything else still closes it at once."""
+    from prometheus_client import CollectorRegistry
+
+    from hlplugin.deviceplugin.process import http, probeclearance
+
+    period = 0.3
+    monkeypatch.setattr(probeclearance, "MANIFEST_PERIOD", period)
+    monkeypatch.setattr(probeclearance, "PROBE_PERIODS", (0.2, 30.0))
+
+    def ready() -> dict[str, tuple[bool, str]]:
+        return {"registered": (True, "")}
+
+    for agent in ("kube-probe/1.36", "curl/8.5"):
+        server = http.HttpServer(ready, lambda: (True, ""), CollectorRegistry())
+        await server.start(("127.0.0.1", 0))
+        assert await get_status(server.port, agent=agent) == 200
+        await asyncio.sleep(3 * period)  # the kubelet restarting: no probe for three periods
+        stopping = asyncio.create_task(server.stop())
+        await asyncio.sleep(period / 2)  # the new kubelet's first probe, on a phase of its own
+        answer = await get_status(server.port, agent=agent)
+        await asyncio.wait({stopping}, timeout=GUARD)
+        assert stopping.done()
+        assert answer == (200 if agent.startswith("kube-probe/") else 0), agent
