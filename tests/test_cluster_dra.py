@@ -288,6 +288,63 @@ def test_a_claim_whose_selector_matches_nothing_stays_pending_with_the_reason(dr
         delete(c, "pod", "dra-nothing")
 
 
+HYPERVISOR = "hyperlight.dev/hypervisor"
+
+
+def extended_pod(name: str, slots: int | str) -> dict[str, Any]:
+    """A pod as a device-plugin user writes it: ``hyperlight.dev/hypervisor`` in its limits, no
+    claim, placed by the scheduler (a nodeSelector: ``nodeName`` would skip the mapping)."""
+    pod = claim_pod(name, "")
+    spec = pod["spec"]
+    del spec["resourceClaims"]
+    spec["nodeSelector"] = {"kubernetes.io/hostname": NODE}
+    spec["containers"][0]["resources"] = {"limits": {HYPERVISOR: str(slots)}}
+    return pod
+
+
+def extended_claim(c: Cluster, name: str) -> dict[str, Any]:
+    """The claim the scheduler made for a pod's extended resource."""
+    pod = c.get("pod", name, "-n", NS)
+    claim_name = pod["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+    found: dict[str, Any] = c.get("resourceclaim", claim_name, "-n", NS)
+    return found
+
+
+def test_a_pod_asking_the_extended_resource_is_served_by_the_driver_unchanged(dra: Cluster) -> None:
+    """Issue 42 item 1. The DeviceClass maps ``hyperlight.dev/hypervisor`` (KEP-5004): on the DRA
+    node (allocatable 0 once the main daemon went, capacity still 2k for the kubelet's 5 minutes)
+    a pod asking ``hyperlight.dev/hypervisor: 1`` is given a claim by the scheduler, admitted by
+    the kubelet, prepared by the driver and makes a VM as 65534; one asking 2 gets two shares;
+    one asking more than the device's slots stays Pending with the scheduler's reason."""
+    c = dra
+    c.until(lambda: c.allocatable().get(HYPERVISOR) == "0", 60, "the device plugin's slots gone")
+    print(f"node capacity {c.capacity().get(HYPERVISOR)}, allocatable {c.allocatable().get(HYPERVISOR)}")
+    try:
+        c.apply({"apiVersion": "v1", "kind": "List", "items": [
+            extended_pod("ext-one", 1), extended_pod("ext-two", 2), extended_pod("ext-huge", 2001)]})
+        c.until(lambda: phase(c, "ext-one") != "Pending" or bool(scheduling_refusals(c, "ext-one")), 120,
+                "the first pod decided")
+        for name in ("ext-one", "ext-two", "ext-huge"):
+            pod = c.get("pod", name, "-n", NS)
+            print(name, pod["status"].get("phase"), pod["status"].get("reason"),
+                  pod["status"].get("message"), pod["status"].get("extendedResourceClaimStatus"),
+                  scheduling_refusals(c, name))
+        c.until(lambda: phase(c, "ext-one") == "Running" and oks(c, "ext-one") > 0, 120,
+                "the extended-resource pod making VMs")
+        assert "created a VM as 65534" in c.kubectl("logs", "-n", NS, "pod/ext-one").stdout
+        (result,) = extended_claim(c, "ext-one")["status"]["allocation"]["devices"]["results"]
+        assert (result["driver"], result["pool"], result["device"]) == (DRA_DRIVER, NODE, "kvm")
+        c.until(lambda: phase(c, "ext-two") == "Running" and oks(c, "ext-two") > 0, 120,
+                "the pod asking two making VMs")
+        two = extended_claim(c, "ext-two")["status"]["allocation"]["devices"]["results"]
+        print(f"a pod asking 2: {two}")
+        c.until(lambda: bool(scheduling_refusals(c, "ext-huge")), 60, "the scheduler's refusal")
+        assert phase(c, "ext-huge") == "Pending"
+        print(f"asking 2001: {scheduling_refusals(c, 'ext-huge')[0]}")
+    finally:
+        delete(c, "pods", "ext-one", "ext-two", "ext-huge")
+
+
 def test_helm_uninstall_leaves_the_slice_for_the_kubelets_grace_and_the_nodes_state(
         dra: Cluster) -> None:
     """Last in the module (the fixture installs the release again): `helm uninstall` stops the
