@@ -147,10 +147,11 @@ def test_a_pod_requesting_device_access_is_denied_with_the_message(
     assert admit(policy, own) is False
 
 
-@pytest.mark.parametrize("quantity", ["1", "2"])
-def test_both_device_access_slots_stay_reserved(policy: dict[str, Any], quantity: str) -> None:
-    """The bootstrap advertises two slots (the main pod's and its surge pod's, issue 29): the
-    spare one is no more a workload's than the first, in any quantity."""
+@pytest.mark.parametrize("quantity", ["1", "2", "3"])
+def test_every_device_access_slot_stays_reserved(policy: dict[str, Any], quantity: str) -> None:
+    """The bootstrap advertises three slots (the main pod's, its surge pod's, issue 29, and one
+    for a pod still terminating): the spare ones are no more a workload's than the first, in any
+    quantity."""
     pod = reserved_pod("limits", "hyperlight-examples", "hyperlight-example")
     pod["spec"]["containers"][0]["resources"] = {"limits": {RESERVED: quantity},
                                                  "requests": {RESERVED: quantity}}

@@ -61,7 +61,8 @@ async def test_grants_exactly_the_device_refuses_without_it_and_every_family_mov
         await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == ACCESS_SLOTS)
         resource = kubelet.resources[ACCESS]
         assert resource.endpoint == "hyperlight-device-access.sock"
-        assert list(resource.devices) == ["device-access-kvm", "device-access-kvm-1"]
+        assert list(resource.devices) == ["device-access-kvm", "device-access-kvm-1",
+                                         "device-access-kvm-2"]
         ready = json.loads(await proc.wait_http("/readyz", 200))
         assert ready == {"status": "ready", "ignored_settings": [], "warnings": [],
                          "conditions": {name: {"ok": True, "reason": ""} for name in (

@@ -9,6 +9,8 @@ import pytest
 from support.chart import APP_VERSION, README, ROOT, daemon_default, render, section
 from support.deploy import NAMESPACE
 
+from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
+
 pytestmark = pytest.mark.deploy
 
 
@@ -100,7 +102,7 @@ def test_operations_says_what_stays_after_a_reboot_and_after_uninstall() -> None
     uninstall = operations[operations.index("To uninstall"):]
     uninstall = " ".join(uninstall[: uninstall.index("\n## ")].split())
     count = daemon_default("device_count")
-    for needle in (f"`hyperlight.dev/hypervisor: {count // 1000}k`", "`hyperlight.dev/device-access: 2`",
-                   "5 minutes", "show 0 for good", "`/var/run/cdi/hyperlight.json` stays",
-                   "`namespace.create=true`"):
+    for needle in (f"`hyperlight.dev/hypervisor: {count // 1000}k`",
+                   f"`hyperlight.dev/device-access: {ACCESS_SLOTS}`", "5 minutes", "show 0 for good",
+                   "`/var/run/cdi/hyperlight.json` stays", "`namespace.create=true`"):
         assert needle in uninstall, needle

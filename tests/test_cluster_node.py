@@ -13,6 +13,8 @@ import pytest
 from support.cluster import NODE, Cluster
 from support.clusterfixtures import DAEMONSETS, NAMESPACE, Installed, running_workload, workload
 
+from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
+
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 HYPERVISOR, ACCESS = "hyperlight.dev/hypervisor", "hyperlight.dev/device-access"
@@ -67,7 +69,8 @@ def test_a_kubelet_restart_reregisters_both_plugins(release: Installed) -> None:
     server = SERVER.search(log)
     assert server, "the kubelet's registration server started"
     gaps = {m.group(2): seconds(m.group(1)) - seconds(server.group(1)) for m in REGISTERED.finditer(log)}
-    c.until(lambda: c.allocatable().get(HYPERVISOR) == "2k" and c.allocatable().get(ACCESS) == "2", 60,
+    c.until(lambda: c.allocatable().get(HYPERVISOR) == "2k"
+            and c.allocatable().get(ACCESS) == str(ACCESS_SLOTS), 60,
             "allocatable whole again")
     after = plugin_pods(c)
     for name in DAEMONSETS:

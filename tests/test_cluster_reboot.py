@@ -13,6 +13,8 @@ import pytest
 from support.cluster import Cluster, Sampler
 from support.clusterfixtures import DAEMONSETS, NAMESPACE, RELEASE, Installed, running_workload, workload
 
+from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
+
 pytestmark = [pytest.mark.cluster, pytest.mark.cluster_last, pytest.mark.slow, pytest.mark.timeout(600)]
 
 HYPERVISOR, ACCESS = "hyperlight.dev/hypervisor", "hyperlight.dev/device-access"
@@ -162,11 +164,11 @@ def test_uninstall_keeps_capacity_for_the_grace_period_and_a_reinstall_serves_ag
             90, "the plugin pods gone")
     c.until(lambda: c.allocatable().get(HYPERVISOR) == "0" and c.allocatable().get(ACCESS) == "0", 40,
             "both resources unhealthy: allocatable 0")
-    assert c.capacity().get(HYPERVISOR) == "2k" and c.capacity().get(ACCESS) == "2"
+    assert c.capacity().get(HYPERVISOR) == "2k" and c.capacity().get(ACCESS) == str(ACCESS_SLOTS)
     assert cdi.exists(), "the CDI spec stays after uninstall (docs say so)"
     assert not c.kubectl("get", "validatingadmissionpolicy", "-o", "name").stdout.strip()
     release.install()
-    c.until(lambda: c.allocatable().get(HYPERVISOR) == "2k" and c.allocatable().get(ACCESS) == "2", 40,
-            "allocatable back after the reinstall")
+    c.until(lambda: c.allocatable().get(HYPERVISOR) == "2k"
+            and c.allocatable().get(ACCESS) == str(ACCESS_SLOTS), 40, "allocatable back after the reinstall")
     result = c.helm("test", RELEASE, "-n", NAMESPACE, timeout=180)
     assert "Phase:          Succeeded" in result.stdout

@@ -87,7 +87,7 @@ def test_demo_runs_the_main_job(short_tmp: Path, keep: bool) -> None:
     explains_itself(out, root)
     for expected in [
         "hyperlight.dev/hypervisor     capacity 2000   allocatable 2000",
-        "hyperlight.dev/device-access  capacity    2   allocatable    2",
+        "hyperlight.dev/device-access  capacity    3   allocatable    3",
         "hlplugin serve      /readyz 200 ready", "hlplugin bootstrap  /readyz 200 ready",
         "answered cdi_devices: hyperlight.dev/hypervisor=kvm",
         "deviceNode /dev/kvm (type c, rw, uid 65534, gid 65534)",

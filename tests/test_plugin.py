@@ -301,8 +301,8 @@ def of_size(size: int) -> pb.AllocateRequest:
     ("longest", lambda p: allocate_request([LONGEST_ID + "0"]), INVALID,
      [f"longer than {MAX_ID_BYTES} bytes", f"... ({MAX_ID_BYTES + 1} bytes)"]),
     # The device-access plugin applies the same bounds.
-    ("access", lambda p: allocate_request(["device-access-kvm"] * 3), INVALID,
-     ["names 3 device IDs; this plugin advertises 2"]),
+    ("access", lambda p: allocate_request(["device-access-kvm"] * 4), INVALID,
+     ["names 4 device IDs; this plugin advertises 3"]),
     ("access", lambda p: allocate_request(*[["device-access-kvm"]] * (MAX_CONTAINERS + 1)),
      INVALID, []),
     ("access", lambda p: allocate_request(["x" * 50_000]), INVALID, ["50000 bytes"]),

@@ -76,12 +76,13 @@ def test_the_schema_bounds_the_budgets(name: str, bad: Any) -> None:
 
 def test_the_bootstrap_advertises_a_slot_for_the_old_main_pod_and_one_for_its_surge_pod() -> None:
     """A surge creates at most one new pod per node beside the old one (a DaemonSet's surge is
-    per node), each main pod requests one slot: two, the first named as a one-slot release did."""
+    per node), and the rollout before may leave one terminating; each main pod requests one slot:
+    three, the first named as a one-slot release did."""
     main = next(o for o in documents(kustomize(BASE))
                 if o["kind"] == "DaemonSet" and o["metadata"]["name"] == "hyperlight-device-plugin")
     (container,) = main["spec"]["template"]["spec"]["containers"]
     per_pod = int(container["resources"]["requests"][ACCESS])
     assert container["resources"]["limits"][ACCESS] == str(per_pod)
-    assert 2 * per_pod == SLOTS  # the old pod's and its surge pod's
-    assert slot_ids("kvm") == ["device-access-kvm", "device-access-kvm-1"]
-    assert slot_ids("mshv") == ["device-access-mshv", "device-access-mshv-1"]
+    assert 3 * per_pod == SLOTS  # a terminating pod's, the old pod's and its surge pod's
+    assert slot_ids("kvm") == ["device-access-kvm", "device-access-kvm-1", "device-access-kvm-2"]
+    assert slot_ids("mshv") == ["device-access-mshv", "device-access-mshv-1", "device-access-mshv-2"]

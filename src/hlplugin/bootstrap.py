@@ -2,9 +2,12 @@
 
 The main plugin's pod requests this resource, so the kubelet gives it /dev/<hv> read/write without
 privilege or a read-write host /dev. Allocate grants that one node and nothing else: no mknod
-permission, no mounts, no environment, no CDI. Two slots (SLOTS): during a surge rollout the
-old main pod holds one while the new one, standing by, takes the other (docs/architecture.md,
-"Upgrades"); the admission policy still reserves both for the main DaemonSet.
+permission, no mounts, no environment, no CDI. Three slots (SLOTS): during a surge rollout the
+old main pod holds one while the new one, standing by, takes another (docs/architecture.md,
+"Upgrades"); the third is for a pod of the rollout before, still terminating (it answers the
+kubelet's next readiness probe before it exits) when a rollback or the next upgrade surges at
+once: the scheduler counts a terminating pod until it is gone. The admission policy still
+reserves all three for the main DaemonSet.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from hlplugin.names import DEVICE_ACCESS_SOCKET as SOCKET
 from hlplugin.names import PLUGIN_DIR_FLAG, ConditionName
 from hlplugin.settings import BootstrapSettings, show
 
-SLOTS = 2  # the main DaemonSet's pods on one node at once: the old one and its surge pod
+SLOTS = 3  # the main DaemonSet's pods on one node at once: a terminating one, the old one, its surge pod
 
 
 def slot_ids(hypervisor: str, slots: int = SLOTS) -> list[str]:
