@@ -184,12 +184,13 @@ def test_move_node_script(tmp_path: Path) -> None:
     assert "hyperlight-dra-1" not in result.stderr
     result, _ = move("--to dra n1 --dry-run --keep-pods", FAKE_PODS=pods)
     assert result.returncode == 0 and "app/vm-1" in result.stdout
+    assert "would wait for n1's capacity hyperlight.dev/hypervisor to be 0" in result.stdout
 
     result, calls = move("--to dra n1 --timeout 1")
     assert result.returncode == 0, result.stdout + result.stderr
     daemons = "-n hyperlight-system"  # the driver's pod Ready, then the device plugin's gone
     assert calls == ["get node", "cordon n1", "get pods", "label node", daemons, daemons,
-                     "get resourceslices", "get node", "get node", "uncordon n1"], calls
+                     "get resourceslices", "get node", "uncordon n1"], calls  # no 5 minutes: no pod held
     # Back to the device plugin, where allocatable never rises: the move stops, the node cordoned.
     result, calls = move("--to device-plugin n1 --timeout 1")
     assert result.returncode == 1 and "n1 is left cordoned" in result.stderr, result.stderr

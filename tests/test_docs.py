@@ -73,6 +73,7 @@ NOT_A_MESSAGE = re.compile(r"\s(?:==|!=|>=|<=|>|<|=)\s|^[A-Za-z_][\w.-]*: ")
 FOREIGN = {
     "Insufficient hyperlight.dev/hypervisor": "the scheduler's event",
     "0/1 nodes are available: 1 cannot allocate all claims": "the scheduler's event (DRA)",
+    "number of requested devices 2001 exceeds the claim limit of 32": "the scheduler's event (DRA)",
     'namespaces "hyperlight-system" not found': "the API server's, as helm install prints it",
     'namespaces "hyperlight-system" already exists': "the API server's, as Helm 3 prints it",
 }
