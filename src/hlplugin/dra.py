@@ -27,6 +27,7 @@ from hlplugin.deviceplugin.kubelet.dra.drahealth import HealthStream
 from hlplugin.deviceplugin.kubelet.dra.draservice import SERVICES, answers, new_dra_server
 from hlplugin.deviceplugin.kubelet.dra.pluginwatcher import DRA_PLUGIN, WatcherPlugin
 from hlplugin.deviceplugin.kubelet.dra.writer import SharedWriter
+from hlplugin.deviceplugin.metrics import RegistrationResult
 from hlplugin.deviceplugin.process.daemon import Daemon, Launch, Started
 from hlplugin.dra_claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, node_device
 from hlplugin.metrics import DraMetrics
@@ -109,7 +110,8 @@ class DraDriver:
                                    on_streams=metrics.dra_health_streams.set)
 
         def status(registered: bool) -> None:
-            metrics.registrations.labels(result="success" if registered else "failure").inc()
+            metrics.registrations.labels(result=RegistrationResult.SUCCESS if registered
+                                         else RegistrationResult.FAILURE).inc()
             if registered:  # the hand-over point: the kubelet calls us from now on
                 self.writer.claim()
                 checks.reconciler.producer.wakeup.fire()  # that pass now; no earlier read vouches

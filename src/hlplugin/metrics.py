@@ -82,8 +82,23 @@ class Metrics(HyperlightMetrics):
         })
 
 
-DRA_PREPARE_RESULTS = ("success", "refused", "error")
-DRA_UNPREPARE_RESULTS = ("success", "error")
+class PrepareResult(StrEnum):
+    """How NodePrepareResources answered one claim (``dra_prepares``, label ``result``)."""
+
+    SUCCESS = "success"
+    REFUSED = "refused"  # the device or the CDI spec cannot serve a claim now
+    ERROR = "error"  # the record: unreadable, refused, locked by another instance, unwritable
+
+
+class UnprepareResult(StrEnum):
+    """How NodeUnprepareResources answered one claim (``dra_unprepares``, label ``result``)."""
+
+    SUCCESS = "success"
+    ERROR = "error"
+
+
+# A claim's outcome: its type names the call (each has its own family and its own results).
+ClaimResult = PrepareResult | UnprepareResult
 
 
 class DraMetrics(Metrics):
@@ -104,9 +119,8 @@ class DraMetrics(Metrics):
         self.dra_health_streams = Gauge(
             f"{PREFIX}_dra_health_streams", "Resource-health streams the kubelet holds open "
             "(0: the kubelet does not hear the device's health from us).", registry=r)
-        precreate({self.dra_prepares: DRA_PREPARE_RESULTS,
-                   self.dra_unprepares: DRA_UNPREPARE_RESULTS})
+        precreate({self.dra_prepares: PrepareResult, self.dra_unprepares: UnprepareResult})
 
-    def claim_result(self, call: str, result: str) -> None:
-        family = self.dra_prepares if call == "prepare" else self.dra_unprepares
+    def claim_result(self, result: ClaimResult) -> None:
+        family = self.dra_prepares if isinstance(result, PrepareResult) else self.dra_unprepares
         family.labels(result=result).inc()

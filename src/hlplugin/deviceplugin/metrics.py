@@ -12,7 +12,8 @@ alert or dashboard reads them).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from enum import StrEnum
 
 # The submodules, not the package: its exposition code waits for the first scrape (lazyprom).
 from prometheus_client.metrics import Counter, Gauge, Histogram, disable_created_metrics
@@ -23,13 +24,39 @@ from prometheus_client.registry import Collector, CollectorRegistry
 # Process-wide switch in prometheus_client, read at every collection.
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
-# The values each labelled family can take; the code that increments them uses only these
-# (tests/test_metrics.py checks that no new series ever appears). Adding a value here is how a
-# new result or reason is declared.
-HEALTH_DIRECTIONS = ("healthy", "unhealthy")
-ALLOCATION_RESULTS = ("success", "invalid", "refused")
-REGISTRATION_RESULTS = ("success", "failure")
-REREGISTRATION_REASONS = ("stream_ended",)
+
+# The values each labelled family can take, one enum beside each family: the code that moves a
+# family names a member, never a string (a typo is an error, not a new series; tests/test_metrics.py
+# checks that no new series ever appears). Adding a member is how a new result or reason is
+# declared. StrEnums, so label values, log fields and JSON keep the plain words.
+
+
+class HealthDirection(StrEnum):
+    """Where overall health turned (``health_transitions``, label ``to``)."""
+
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+
+
+class AllocationResult(StrEnum):
+    """How an Allocate call ended (``allocations``, label ``result``)."""
+
+    SUCCESS = "success"
+    INVALID = "invalid"  # malformed, or naming IDs we do not advertise
+    REFUSED = "refused"  # the gate: the device cannot be handed out now
+
+
+class RegistrationResult(StrEnum):
+    """How one attempt to register with the kubelet ended (``registrations``, label ``result``)."""
+
+    SUCCESS = "success"
+    FAILURE = "failure"
+
+
+class ReregistrationReason(StrEnum):
+    """Why the plugin registered anew on its own (``reregistrations``, label ``reason``)."""
+
+    STREAM_ENDED = "stream_ended"  # the kubelet kept no ListAndWatch stream open, and still listens
 
 
 class DevicePluginMetrics:
@@ -72,10 +99,10 @@ class DevicePluginMetrics:
         self.devices_healthy = Gauge(
             f"{prefix}_devices_healthy", "Devices advertised as Healthy.", registry=r)
         precreate({
-            self.health_transitions: HEALTH_DIRECTIONS,
-            self.allocations: ALLOCATION_RESULTS,
-            self.registrations: REGISTRATION_RESULTS,
-            self.reregistrations: REREGISTRATION_REASONS,
+            self.health_transitions: HealthDirection,
+            self.allocations: AllocationResult,
+            self.registrations: RegistrationResult,
+            self.reregistrations: ReregistrationReason,
         })
 
 
@@ -97,7 +124,7 @@ class PythonInfo(Collector):
         return self._metrics
 
 
-def precreate(families: Mapping[Counter | Histogram, tuple[str, ...]]) -> None:
+def precreate(families: Mapping[Counter | Histogram, Iterable[str]]) -> None:
     """Create every child of each one-label family, so its series exists (at 0) from the start."""
     for family, values in families.items():
         for value in values:
