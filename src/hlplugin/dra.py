@@ -104,14 +104,15 @@ class DraDriver:
             Checkpoint(plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND), checks.gate,
             self.reader or node_device(pool, hypervisor, cdi_name),
             cdi=checks.reconciler.ensure,
-            on_change=metrics.dra_prepared_claims.set, on_result=metrics.claim_result)
+            on_change=metrics.claims.dra_prepared_claims.set,
+            on_result=metrics.claims.claim_result)
         self.health = HealthStream(tracker, lambda: [(pool, hypervisor)],
                                    refresh=settings.health.interval,
-                                   on_streams=metrics.dra_health_streams.set)
+                                   on_streams=metrics.claims.dra_health_streams.set)
 
         def status(registered: bool) -> None:
-            metrics.registrations.labels(result=RegistrationResult.SUCCESS if registered
-                                         else RegistrationResult.FAILURE).inc()
+            metrics.daemon.registrations.labels(result=RegistrationResult.SUCCESS if registered
+                                                else RegistrationResult.FAILURE).inc()
             if registered:  # the hand-over point: the kubelet calls us from now on
                 self.writer.claim()
                 checks.reconciler.producer.wakeup.fire()  # that pass now; no earlier read vouches
@@ -171,7 +172,7 @@ async def dra(settings: DraSettings, launch: Launch | None = None,
     """`hlplugin dra`: the CDI reconciler, the device monitor and the DRA kubelet plugin, and
     the ResourceSlice where ``api`` finds an API server (in a pod; a test names its own)."""
     metrics = DraMetrics()
-    proofs = Proofs(settings.cdi, settings.health, metrics)
+    proofs = Proofs(settings.cdi, settings.health, metrics.daemon, metrics.proofs)
     server = api()
 
     async def setup(hv: str) -> Started:

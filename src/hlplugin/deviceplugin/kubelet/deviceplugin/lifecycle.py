@@ -394,4 +394,4 @@ class PluginLifecycle:
 
     def _count(self, result: RegistrationResult) -> None:
         if self._metrics is not None:
-            self._metrics.registrations.labels(result=result).inc()
+            self._metrics.daemon.registrations.labels(result=result).inc()
