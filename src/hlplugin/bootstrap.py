@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hlplugin import hvnode
 from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.detect import wait_for_hypervisor
+from hlplugin.detect import pending, wait_for_hypervisor
 from hlplugin.deviceplugin.health.bounded import CheckFailed
 from hlplugin.deviceplugin.health.conditions import HealthTracker
 from hlplugin.deviceplugin.health.fresh import Fresh
@@ -31,7 +31,7 @@ from hlplugin.metrics import daemon_metrics
 from hlplugin.names import DEVICE_ACCESS_RESOURCE as RESOURCE
 from hlplugin.names import DEVICE_ACCESS_SOCKET as SOCKET
 from hlplugin.names import PLUGIN_DIR_FLAG, ConditionName
-from hlplugin.settings import BootstrapSettings, show
+from hlplugin.settings import BootstrapSettings
 
 SLOTS = 2  # the main DaemonSet's pods on one node at once: the old one and its surge pod
 
@@ -112,5 +112,5 @@ async def bootstrap(settings: BootstrapSettings, launch: Launch | None = None, *
     await Daemon(DaemonSpec(
         "hlplugin bootstrap", settings.http, tracker, metrics.daemon,
         functools.partial(wait_for_hypervisor, settings.health), setup,
-        pending={"hypervisor": f"no mshv or kvm device under {show(settings.health.dev_dir)}"},
+        pending=pending(settings.health),
         launch=launch or Launch(), unstarted=UNREGISTERED)).run()

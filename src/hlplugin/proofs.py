@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 from hlplugin import cdi, cdi_spec
-from hlplugin.detect import wait_for_hypervisor
+from hlplugin.detect import pending, wait_for_hypervisor
 from hlplugin.deviceplugin.health.conditions import Condition, HealthState, HealthTracker
 from hlplugin.deviceplugin.health.producer import Trigger
 from hlplugin.deviceplugin.kubelet.role import Role
@@ -27,7 +27,7 @@ from hlplugin.deviceplugin.process.daemon import DaemonSpec, Launch, Started
 from hlplugin.deviceplugin.settings import HttpSettings
 from hlplugin.health import DeviceMonitor
 from hlplugin.metrics import ProofMetrics
-from hlplugin.settings import CdiSettings, HealthSettings, show
+from hlplugin.settings import CdiSettings, HealthSettings
 
 CONDITIONS = (*cdi.CdiReconciler.CONDITIONS, *DeviceMonitor.CONDITIONS)
 
@@ -95,6 +95,6 @@ class Proofs:
         return DaemonSpec(
             name, http, self.tracker, self.daemon_metrics,
             functools.partial(wait_for_hypervisor, self.health), setup,
-            pending={"hypervisor": f"no mshv or kvm device under {show(self.health.dev_dir)}"},
+            pending=pending(self.health),
             launch=launch or Launch(), unstarted=unstarted, warnings=self.warnings,
             advisory=advisory)
