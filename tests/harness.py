@@ -223,15 +223,31 @@ def mknod_char(path: Path, rdev: int) -> Path:
     return path
 
 
+def declared(metrics: object) -> list[MetricWrapperBase]:
+    """Every family a daemon's metrics declare, through the groups they compose (each once)."""
+    found: dict[int, MetricWrapperBase] = {}
+    groups, seen = [metrics], set()
+    while groups:
+        group = groups.pop(0)
+        if id(group) in seen:
+            continue
+        seen.add(id(group))
+        for value in vars(group).values():
+            if isinstance(value, MetricWrapperBase):
+                found.setdefault(id(value), value)
+            elif type(value).__module__.startswith("hlplugin.") and hasattr(value, "__dict__"):
+                groups.append(value)
+    return list(found.values())
+
+
 def metric_families() -> dict[str, tuple[str, ...]]:
     """Exposed name -> label names of every family metrics.py declares."""
     found = {}
-    for metric in vars(Metrics()).values():
-        if isinstance(metric, MetricWrapperBase):
-            family = next(iter(metric.describe()))
-            suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
-            labels = tuple(metric._labelnames) or (("version",) if family.type == "info" else ())
-            found[family.name + suffix] = labels
+    for metric in declared(Metrics()):
+        family = next(iter(metric.describe()))
+        suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
+        labels = tuple(metric._labelnames) or (("version",) if family.type == "info" else ())
+        found[family.name + suffix] = labels
     return found
 
 

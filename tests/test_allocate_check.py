@@ -36,7 +36,7 @@ NOT_KVM = ProbeError("KVM_GET_API_VERSION on /dev/kvm failed: [Errno 25]", step=
 def monitor(**probes: object) -> DeviceMonitor:
     return DeviceMonitor(HealthTracker(("device", "host_identity")), "kvm",
                          HealthSettings(dev_dir=Path("/nonexistent-dev"), host_dev_dir=None),
-                         metrics=Metrics(), **probes)  # type: ignore[arg-type]
+                         metrics=Metrics().proofs, **probes)  # type: ignore[arg-type]
 
 
 async def test_each_allocate_is_answered_by_a_check_that_began_after_it_and_callers_share_it() -> None:

@@ -95,7 +95,7 @@ async def test_each_pass_says_how_the_directory_is_exposed_when_that_changes(
     os.chmod(cdi_dir, 0o777)  # whatever the umask
     metrics, warnings = Metrics(), ["stale"]
     rec = CdiReconciler(CdiSettings(cdi_dir, interval=3600), render_spec("kvm", 65534, 65534),
-                        metrics=metrics, warnings=warnings)
+                        metrics=metrics.proofs, warnings=warnings)
 
     def exposed() -> float | None:
         return metrics.registry.get_sample_value("hyperlight_cdi_dir_exposed",

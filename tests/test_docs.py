@@ -42,8 +42,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
-from harness import HAVE_KVM, Daemon, Node, metric_families, needs_kvm, on_kubelet
-from prometheus_client.metrics import MetricWrapperBase
+from harness import HAVE_KVM, Daemon, Node, declared, metric_families, needs_kvm, on_kubelet
 from prometheus_client.parser import text_string_to_metric_families
 
 from hlplugin import cli
@@ -109,10 +108,9 @@ class Exposed:
 
     def add_registry(self) -> None:
         """Label names of families with no child yet (a counter nothing has moved)."""
-        for metric in vars(Metrics()).values():
-            if isinstance(metric, MetricWrapperBase):
-                family = next(iter(metric.describe()))
-                self.labels.setdefault(family.name, set()).update(metric._labelnames)
+        for metric in declared(Metrics()):
+            family = next(iter(metric.describe()))
+            self.labels.setdefault(family.name, set()).update(metric._labelnames)
 
 
 @pytest.fixture(scope="module")

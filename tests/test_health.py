@@ -62,7 +62,7 @@ def monitor(dev: Path = Path("/nonexistent-dev"), host: Path | None = Path("/non
     if "budget" in kwargs:
         kwargs["probe_timeout"] = kwargs.pop("budget")
     settings, rest = split_settings(HealthSettings, kwargs, dev_dir=dev, host_dev_dir=host)
-    return DeviceMonitor(HealthTracker(REQUIRED), "kvm", settings, metrics=Metrics(), **rest)
+    return DeviceMonitor(HealthTracker(REQUIRED), "kvm", settings, metrics=Metrics().proofs, **rest)
 
 
 @pytest.mark.parametrize("host_dev_dir", [Path("/nonexistent-host"), None])

@@ -23,6 +23,7 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.deviceplugin.health.conditions import HealthTracker
 from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.kubelet.deviceplugin.servicer import TrackedDevicePlugin
+from hlplugin.deviceplugin.metrics import DaemonMetrics
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics as Metrics
 from hlplugin.deviceplugin.process.daemon import daemon_readiness
 from hlplugin.deviceplugin.settings import KubeletSettings
@@ -77,7 +78,7 @@ async def test_a_restarted_kubelet_or_a_deleted_socket_gets_a_fresh_server_regis
     """The kubelet deletes every plugin socket when it restarts; the lifecycle notices (inotify on
     the directory), stops the old server, ending its stream, and registers a new one."""
     plugin_dir = short_dir()
-    metrics = Metrics(PREFIX)
+    metrics = Metrics(DaemonMetrics(PREFIX))
     # Rechecks a minute apart: only the directory's inotify watch can notice within the guard.
     async with (emulator(plugin_dir) as kubelet,
                 lifecycle(plugin_dir, metrics=metrics, recheck_interval=60) as plugin):
@@ -111,7 +112,7 @@ async def test_a_real_kubelet_restart_counts_no_failure_and_logs_no_warning(
     dialling the dead one (which failed, counted and warned, 5-6 times on a real kubelet)."""
     with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle"):
         plugin_dir = short_dir()
-        metrics = Metrics(PREFIX)
+        metrics = Metrics(DaemonMetrics(PREFIX))
         async with (emulator(plugin_dir) as kubelet,
                     lifecycle(plugin_dir, metrics=metrics, stream_grace=0.2) as plugin):
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4 and plugin.registered)
@@ -136,7 +137,7 @@ async def test_our_socket_deleted_before_the_dead_kubelet_sock_is_not_dialled() 
     """The new kubelet deletes the sockets one by one: ours may go while the dead kubelet.sock
     is still there. The fresh server waits for the new kubelet.sock rather than dial the dead one."""
     plugin_dir = short_dir()
-    metrics = Metrics(PREFIX)
+    metrics = Metrics(DaemonMetrics(PREFIX))
     async with (emulator(plugin_dir) as kubelet,
                 lifecycle(plugin_dir, metrics=metrics, stream_grace=0.2) as plugin):
         await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4 and plugin.registered)
@@ -175,7 +176,7 @@ async def test_a_kubelet_down_past_the_wait_counts_and_warns_once(
     count as failures (the dead socket is unreachable), warned once, as any lasting failure."""
     with caplog.at_level(logging.DEBUG, logger="hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle"):
         plugin_dir = short_dir()
-        metrics = Metrics(PREFIX)
+        metrics = Metrics(DaemonMetrics(PREFIX))
         loop = asyncio.get_running_loop()
         async with (emulator(plugin_dir) as kubelet,
                     lifecycle(plugin_dir, metrics=metrics, stream_grace=0.2, kubelet_wait=1.5,
@@ -205,7 +206,7 @@ async def test_stream_ended_by_the_kubelet_registers_anew_after_the_grace(
         caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle"):
         plugin_dir = short_dir()
-        metrics = Metrics(PREFIX)
+        metrics = Metrics(DaemonMetrics(PREFIX))
         async with (emulator(plugin_dir) as kubelet,
                     lifecycle(plugin_dir, metrics=metrics, stream_grace=0.3) as plugin):
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4)
@@ -228,7 +229,7 @@ async def test_stream_ended_by_the_kubelet_registers_anew_after_the_grace(
 
 async def test_a_stream_that_reopens_within_the_grace_changes_nothing() -> None:
     plugin_dir = short_dir()
-    metrics = Metrics(PREFIX)
+    metrics = Metrics(DaemonMetrics(PREFIX))
     async with (emulator(plugin_dir) as kubelet,
                 lifecycle(plugin_dir, metrics=metrics, stream_grace=30) as plugin):
         await kubelet.wait_for(lambda: plugin.open_streams == 1)
@@ -260,7 +261,7 @@ async def test_registration_failure_names_its_cause_and_counts_every_attempt(
         broken = KubeletEmulator(plugin_dir, mode=mode) if mode else None
         if broken is not None:
             await broken.start()
-        metrics = Metrics(PREFIX)
+        metrics = Metrics(DaemonMetrics(PREFIX))
         first = series(metrics)
         want = {
             "missing dir": f"{plugin_dir} does not exist",

@@ -1,18 +1,40 @@
 """Every metric family moves when its event happens: real daemons, real events, scraped /metrics.
-CDI repairs by cause are counted in test_faults (on the daemon) and test_cdi (the metadata cause)."""
+CDI repairs by cause are counted in test_faults (on the daemon) and test_cdi (the metadata cause).
+A daemon exports only the families it sets: the DRA driver none of a device plugin's."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from harness import Node, Samples, needs_kvm, obstruct_with_directory, on_kubelet, scrape, value, wait_metric
+from harness import (
+    Node,
+    Samples,
+    daemon,
+    needs_kvm,
+    obstruct_with_directory,
+    on_kubelet,
+    scrape,
+    short_dir,
+    value,
+    wait_metric,
+    wait_until,
+)
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.parser import text_string_to_metric_families
+from support.pluginwatcher import FakePluginWatcher
 
 from hlplugin import __version__, cdi_spec
 from hlplugin.metrics import Metrics
+from hlplugin.names import DRA_DRIVER
 from hlplugin.tools.emulator import AdmissionError
 
 RESOURCE = "hyperlight.dev/hypervisor"
+# A device plugin's own families (deviceplugin.metrics.DevicePluginMetrics): Allocate and
+# ListAndWatch, which a DRA driver never serves.
+DEVICE_PLUGIN_ONLY = {"hyperlight_allocations", "hyperlight_reregistrations",
+                      "hyperlight_listandwatch_streams", "hyperlight_devices_advertised",
+                      "hyperlight_devices_healthy"}
 
 
 def series(samples: Samples) -> set[tuple[str, frozenset[tuple[str, str]]]]:
@@ -101,3 +123,43 @@ async def test_main_daemon_families_move_with_their_events(tmp_path: Path) -> No
             m, "hyperlight_registrations_total", result="success") == 2)
         m = await wait_metric(proc, lambda m: value(m, "hyperlight_listandwatch_streams") == 1)
         assert series(m) == first, "every event moved a series that existed from the start"
+
+
+def test_the_device_plugin_only_families_are_the_device_plugin_group() -> None:
+    group = Metrics().plugin
+    declared = {next(iter(m.describe())).name for m in vars(group).values()
+                if isinstance(m, MetricWrapperBase)}
+    assert declared == DEVICE_PLUGIN_ONLY
+
+
+async def test_the_dra_driver_exports_no_device_plugin_family() -> None:
+    """The driver answers no Allocate and opens no ListAndWatch: those families would be zeros
+    that mean nothing to an operator, and an alert on no ListAndWatch stream would fire on every
+    driver pod. It exports its own (claims), every daemon's (registration, readiness, health,
+    build) and the proofs' (device checks, CDI reconciler). No kvm needed: the device check may
+    fail, the families are the same."""
+    root = short_dir()
+    registry, cdi_dir, dev_dir = root / "plugins_registry", root / "cdi", root / "dev"
+    for directory in (registry, cdi_dir, dev_dir):
+        directory.mkdir()
+    watcher = FakePluginWatcher(registry)
+    args = ["dra", "--registry-dir", str(registry), "--dra-dir", str(root / "plugins" / DRA_DRIVER),
+            "--node-name", "node-a", "--cdi-dir", str(cdi_dir), "--dev-dir", str(dev_dir),
+            "--host-dev-dir", "", "--hypervisor", "kvm"]
+    async with daemon(args, graceful=True) as proc:
+        async def registered() -> bool:
+            await watcher.sync()
+            return bool(watcher.plugins)
+
+        await wait_until(registered, 30, "the plugin watcher registered the driver")
+        m = await wait_metric(proc, lambda m: value(
+            m, "hyperlight_registrations_total", result="success") == 1)
+        code, body = await proc.http("/metrics")
+    assert code == 200
+    families = {f.name for f in text_string_to_metric_families(body.decode())}
+    assert not families & DEVICE_PLUGIN_ONLY, sorted(families & DEVICE_PLUGIN_ONLY)
+    assert {"hyperlight_dra_prepares", "hyperlight_dra_unprepares", "hyperlight_dra_prepared_claims",
+            "hyperlight_dra_health_streams", "hyperlight_registrations", "hyperlight_ready",
+            "hyperlight_health_condition", "hyperlight_health_transitions", "hyperlight_build_info",
+            "hyperlight_probe_failures", "hyperlight_cdi_repairs"} <= families, sorted(families)
+    assert value(m, "hyperlight_dra_prepares_total", result="success") == 0  # pre-created

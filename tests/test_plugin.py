@@ -59,7 +59,7 @@ def make_plugin(tracker: HealthTracker, count: int = 4, hypervisor: str = "kvm")
     async def gate() -> HealthState:
         return tracker.state
 
-    return HypervisorPlugin(hypervisor, slots(hypervisor, count), tracker, gate, metrics=Metrics())
+    return HypervisorPlugin(hypervisor, slots(hypervisor, count), tracker, gate, metrics=Metrics().plugin)
 
 
 def allocate_request(*containers: list[str]) -> pb.AllocateRequest:
@@ -89,10 +89,11 @@ async def test_the_first_list_waits_for_the_first_checks_with_the_stream_counted
         return tracker.state
 
     metrics = Metrics()
-    plugin = HypervisorPlugin("kvm", slots("kvm", 2), tracker, gate, metrics=metrics, first=first)
+    plugin = HypervisorPlugin("kvm", slots("kvm", 2), tracker, gate, metrics=metrics.plugin,
+                              first=first)
 
     def advertised() -> float | None:  # what the daemon exports of the latest list sent
-        return metrics.registry.get_sample_value(f"{metrics.prefix}_devices_advertised")
+        return metrics.registry.get_sample_value(f"{metrics.daemon.prefix}_devices_advertised")
 
     async with served(plugin) as (stub, _):
         stream = stub.ListAndWatch(pb.Empty())

@@ -24,7 +24,7 @@ from hlplugin.deviceplugin.health.producer import Producer, Trigger
 from hlplugin.deviceplugin.health.watch import supervise
 from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.kubelet.deviceplugin.servicer import TrackedDevicePlugin
-from hlplugin.deviceplugin.metrics import DevicePluginMetrics
+from hlplugin.deviceplugin.metrics import DaemonMetrics
 from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Started
 from hlplugin.deviceplugin.settings import HttpSettings, KubeletSettings
 from hlplugin.settings import CdiSettings
@@ -135,7 +135,7 @@ async def test_a_failing_root_task_is_one_log_line_and_exit_1(
         return Started(lifecycle, {"patient": patient(), "broken": broken()})
 
     spec = DaemonSpec("example daemon", HttpSettings(("127.0.0.1", 0)), tracker,
-                      DevicePluginMetrics("example"), nothing, setup)
+                      DaemonMetrics("example"), nothing, setup)
     with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exited:
         await Daemon(spec).run()
     assert exited.value.code == 1
@@ -163,7 +163,7 @@ async def test_root_tasks_failing_together_are_one_log_line_each(
         return Started(lifecycle, {"first": broken("one"), "second": broken("two")})
 
     spec = DaemonSpec("example daemon", HttpSettings(("127.0.0.1", 0)), tracker,
-                      DevicePluginMetrics("example"), nothing, setup)
+                      DaemonMetrics("example"), nothing, setup)
     with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exited:
         await Daemon(spec).run()
     assert exited.value.code == 1

@@ -46,14 +46,14 @@ def hypervisor_plugin(tracker: HealthTracker) -> TrackedDevicePlugin:
     async def gate() -> HealthState:
         return tracker.state
 
-    return HypervisorPlugin("kvm", slots("kvm", 4), tracker, gate, metrics=Metrics())
+    return HypervisorPlugin("kvm", slots("kvm", 4), tracker, gate, metrics=Metrics().plugin)
 
 
 def access_plugin(tracker: HealthTracker) -> TrackedDevicePlugin:
     async def recheck() -> bool:
         return tracker.state.healthy
 
-    return DeviceAccessPlugin("kvm", tracker, recheck, Metrics())
+    return DeviceAccessPlugin("kvm", tracker, recheck, Metrics().plugin)
 
 
 DAEMONS: dict[str, Callable[[HealthTracker], TrackedDevicePlugin]] = {

@@ -121,7 +121,7 @@ def test_a_flapping_condition_logs_a_bounded_number_of_lines_and_every_transitio
     clock = Clock()
     tracker = HealthTracker(required=("host_identity",), clock=clock)
     metrics = Metrics()
-    track_health_metrics(tracker, metrics)
+    track_health_metrics(tracker, metrics.daemon)
     with caplog.at_level(logging.INFO, logger="hlplugin.deviceplugin.health.conditions"):
         for n in range(1000):
             clock.now = 1000 + n / 10
@@ -152,7 +152,8 @@ async def test_a_spec_overwritten_rapidly_is_repaired_every_time_and_logged_boun
     cdi_dir.mkdir()
     metrics = Metrics()
     desired = render_spec("kvm", 65534, 65534)
-    rec = CdiReconciler(CdiSettings(cdi_dir, interval=3600), desired, metrics=metrics, log_interval=0.5)
+    rec = CdiReconciler(CdiSettings(cdi_dir, interval=3600), desired, metrics=metrics.proofs,
+                        log_interval=0.5)
 
     def repairs() -> float:
         return metrics.registry.get_sample_value("hyperlight_cdi_repairs_total",

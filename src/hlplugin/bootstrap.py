@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hlplugin import hvnode
 from hlplugin.api import deviceplugin_pb2 as pb
-from hlplugin.detect import wait_for_hypervisor
+from hlplugin.detect import pending, wait_for_hypervisor
 from hlplugin.deviceplugin.health.bounded import CheckFailed
 from hlplugin.deviceplugin.health.conditions import HealthTracker
 from hlplugin.deviceplugin.health.fresh import Fresh
@@ -30,11 +30,11 @@ from hlplugin.deviceplugin.kubelet.deviceplugin.servicer import TrackedDevicePlu
 from hlplugin.deviceplugin.kubelet.deviceplugin.standing import UNREGISTERED
 from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.process.daemon import Daemon, DaemonSpec, Launch, Started
-from hlplugin.metrics import HyperlightMetrics
+from hlplugin.metrics import daemon_metrics
 from hlplugin.names import DEVICE_ACCESS_RESOURCE as RESOURCE
 from hlplugin.names import DEVICE_ACCESS_SOCKET as SOCKET
 from hlplugin.names import PLUGIN_DIR_FLAG, ConditionName
-from hlplugin.settings import BootstrapSettings, show
+from hlplugin.settings import BootstrapSettings
 
 SLOTS = 3  # the main DaemonSet's pods on one node at once: a terminating one, the old one, its surge pod
 
@@ -93,7 +93,7 @@ def node_watch(tracker: HealthTracker, node: Path, recheck: float = 10.0,
 
 async def bootstrap(settings: BootstrapSettings, launch: Launch | None = None, *,
                     sys_dir: Path = hvnode.SYS_DIR) -> None:
-    metrics = HyperlightMetrics()  # no CDI or probe families: the bootstrap has neither
+    metrics = DevicePluginMetrics(daemon_metrics())  # no proofs' families: it has no prober, no CDI
     tracker = HealthTracker(required=NODE_WATCH_CONDITIONS)
 
     async def setup(hv: str) -> Started:
@@ -113,7 +113,7 @@ async def bootstrap(settings: BootstrapSettings, launch: Launch | None = None, *
 
     # What auto looks for and where, as the main daemon says it.
     await Daemon(DaemonSpec(
-        "hlplugin bootstrap", settings.http, tracker, metrics,
+        "hlplugin bootstrap", settings.http, tracker, metrics.daemon,
         functools.partial(wait_for_hypervisor, settings.health), setup,
-        pending={"hypervisor": f"no mshv or kvm device under {show(settings.health.dev_dir)}"},
+        pending=pending(settings.health),
         launch=launch or Launch(), unstarted=UNREGISTERED)).run()

@@ -46,7 +46,7 @@ from hlplugin.deviceplugin.health.watch import FILE_EVENTS, DirWatcher
 from hlplugin.deviceplugin.kubelet.role import Role
 from hlplugin.deviceplugin.ownedfile import NotRegular, OwnedFile
 from hlplugin.dirs import exposure, not_a_directory
-from hlplugin.metrics import Metrics, Refusal, RepairCause
+from hlplugin.metrics import ProofMetrics, Refusal, RepairCause
 from hlplugin.names import ConditionName
 from hlplugin.settings import CdiSettings
 
@@ -80,7 +80,7 @@ class CdiReconciler:
         desired: bytes,
         *,
         tracker: HealthTracker | None = None,
-        metrics: Metrics | None = None,
+        metrics: ProofMetrics | None = None,
         max_backoff: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         log_interval: float = repeats.INTERVAL,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from enum import StrEnum
 
 from hlplugin import hvnode
 from hlplugin.deviceplugin.health.watch import DirWatcher
@@ -12,6 +13,18 @@ from hlplugin.names import NO_HYPERVISOR_HINT
 from hlplugin.settings import HYPERVISORS, HealthSettings, show
 
 log = logging.getLogger(__name__)
+
+
+class Pending(StrEnum):
+    """/readyz's condition while wait_for_hypervisor waits (a DaemonSpec's ``pending``)."""
+
+    HYPERVISOR = "hypervisor"
+
+
+def pending(settings: HealthSettings) -> dict[str, str]:
+    """What both daemons' /readyz says until a hypervisor device is found: what auto looks for,
+    and where."""
+    return {Pending.HYPERVISOR: f"no mshv or kvm device under {show(settings.dev_dir)}"}
 
 
 def detect_hypervisor(settings: HealthSettings) -> str | None:

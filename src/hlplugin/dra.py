@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Coroutine, Mapping
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,8 @@ from hlplugin.deviceplugin.kubelet.dra.drahealth import HealthStream
 from hlplugin.deviceplugin.kubelet.dra.draservice import SERVICES, answers, new_dra_server
 from hlplugin.deviceplugin.kubelet.dra.pluginwatcher import DRA_PLUGIN, WatcherPlugin
 from hlplugin.deviceplugin.kubelet.dra.writer import SharedWriter
-from hlplugin.deviceplugin.process.daemon import Daemon, Launch, Started
+from hlplugin.deviceplugin.metrics import RegistrationResult
+from hlplugin.deviceplugin.process.daemon import Conditions, Daemon, Launch, Started
 from hlplugin.dra_claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, node_device
 from hlplugin.metrics import DraMetrics
 from hlplugin.names import CDI_WRITER_FILE, DRA_DRIVER, REGISTRY_DIR_FLAG, dra_socket_names
@@ -40,6 +42,21 @@ if TYPE_CHECKING:
     from hlplugin.kubeapi import Config
 
 log = logging.getLogger(__name__)
+
+
+class Readiness(StrEnum):
+    """The driver's kubelet side in /readyz (keys): gating readiness."""
+
+    REGISTERED = "registered"  # with the kubelet's plugin watcher
+    CHECKPOINT = "checkpoint"  # the record of prepared claims is read and trusted
+
+
+class Advisory(StrEnum):
+    """/readyz's ``advisory`` conditions: shown, never gating (DraDriver.advisory says why)."""
+
+    SLICES = "slices"  # this node's ResourceSlice is published
+    CLAIMS = "claims"  # the latest read of a claim's allocation from the API server
+
 
 # kubeapi.config.SERVICE_ACCOUNT's token, named here so that a driver outside a cluster finds
 # it missing without importing the client (tests/test_dra_slices.py holds the two equal).
@@ -103,13 +120,15 @@ class DraDriver:
             Checkpoint(plugin_dir, CHECKPOINT_FILE, CHECKPOINT_KIND), checks.gate,
             self.reader or node_device(pool, hypervisor, cdi_name),
             cdi=checks.reconciler.ensure,
-            on_change=metrics.dra_prepared_claims.set, on_result=metrics.claim_result)
+            on_change=metrics.claims.dra_prepared_claims.set,
+            on_result=metrics.claims.claim_result)
         self.health = HealthStream(tracker, lambda: [(pool, hypervisor)],
                                    refresh=settings.health.interval,
-                                   on_streams=metrics.dra_health_streams.set)
+                                   on_streams=metrics.claims.dra_health_streams.set)
 
         def status(registered: bool) -> None:
-            metrics.registrations.labels(result="success" if registered else "failure").inc()
+            metrics.daemon.registrations.labels(result=RegistrationResult.SUCCESS if registered
+                                                else RegistrationResult.FAILURE).inc()
             if registered:  # the hand-over point: the kubelet calls us from now on
                 self.writer.claim()
                 checks.reconciler.producer.wakeup.fire()  # that pass now; no earlier read vouches
@@ -149,8 +168,8 @@ class DraDriver:
         return tasks
 
     def conditions(self) -> dict[str, tuple[bool, str]]:
-        return {"registered": (self.plugin.registered, self.plugin.status),
-                "checkpoint": self.claims.condition()}
+        return {Readiness.REGISTERED: (self.plugin.registered, self.plugin.status),
+                Readiness.CHECKPOINT: self.claims.condition()}
 
     def advisory(self) -> dict[str, tuple[bool, str]]:
         """/readyz's ``slices`` and ``claims`` (the last read of a claim), shown but not gating
@@ -158,9 +177,11 @@ class DraDriver:
         API server answers us (an outage of the control plane, a 403 before RBAC is fixed), so
         an unready driver pod would fail nothing the kubelet does and only alarm; their state is
         said here instead."""
-        notes = {"slices": self.slices.condition()} if self.slices is not None else {}
+        notes: Conditions = {}
+        if self.slices is not None:
+            notes[Advisory.SLICES] = self.slices.condition()
         if self.reader is not None:
-            notes["claims"] = self.reader.condition()
+            notes[Advisory.CLAIMS] = self.reader.condition()
         return notes
 
 
@@ -169,7 +190,7 @@ async def dra(settings: DraSettings, launch: Launch | None = None,
     """`hlplugin dra`: the CDI reconciler, the device monitor and the DRA kubelet plugin, and
     the ResourceSlice where ``api`` finds an API server (in a pod; a test names its own)."""
     metrics = DraMetrics()
-    proofs = Proofs(settings.cdi, settings.health, metrics)
+    proofs = Proofs(settings.cdi, settings.health, metrics.daemon, metrics.proofs)
     server = api()
 
     async def setup(hv: str) -> Started:
@@ -182,5 +203,6 @@ async def dra(settings: DraSettings, launch: Launch | None = None,
 
 
 # /readyz before the hypervisor is found: no driver yet, so nothing registered or published.
-UNSTARTED = {"registered": (False, "not registered with the kubelet (no hypervisor yet)")}
-WAITING = {"slices": (False, "not published yet: no hypervisor yet")}
+UNSTARTED: Conditions = {
+    Readiness.REGISTERED: (False, "not registered with the kubelet (no hypervisor yet)")}
+WAITING: Conditions = {Advisory.SLICES: (False, "not published yet: no hypervisor yet")}

@@ -40,6 +40,7 @@ from hlplugin.deviceplugin.kubelet.dra.checkpoint import Checkpoint, Corrupt, In
 from hlplugin.deviceplugin.kubelet.dra.draservice import ClaimRef, Prepared, PreparedDevice
 from hlplugin.deviceplugin.ownedfile import NotRegular
 from hlplugin.dra_record import Entry, Pin, entry
+from hlplugin.metrics import ClaimResult, PrepareResult, UnprepareResult
 from hlplugin.names import DRA_DRIVER
 
 log = logging.getLogger(__name__)
@@ -105,13 +106,13 @@ class ClaimPreparer:
     def __init__(self, checkpoint: Checkpoint, gate: Gate, allocation: Allocation, *,
                  cdi: CdiCheck, budget: float = CHECKPOINT_BUDGET, lock_wait: float | None = None,
                  on_change: Callable[[int], None] | None = None,
-                 on_result: Callable[[str, str], None] | None = None) -> None:
+                 on_result: Callable[[ClaimResult], None] | None = None) -> None:
         """``gate``: for a new claim; ``cdi``: for every claim (the module docstring says why);
         ``budget``: of each read or write of the record; ``lock_wait``: how long a call waits
         for another instance's change (default: the budget); ``on_change(count)``: the number
         of prepared claims, after each change;
-        ``on_result(call, result)``: each claim's outcome (prepare: success, refused, error;
-        unprepare: success, error), for the metrics."""
+        ``on_result(result)``: each claim's outcome (a PrepareResult or an UnprepareResult),
+        for the metrics."""
         self.checkpoint = checkpoint
         self._gate = gate
         self._cdi = cdi
@@ -196,7 +197,7 @@ class ClaimPreparer:
         if remembered is None:
             return None
         for _ in claims:
-            self._result("prepare", "success")
+            self._result(PrepareResult.SUCCESS)
         return {uid: Prepared(entry.devices) for uid, entry in remembered.items()}
 
     def _refuse(self, problem: str) -> bool:
@@ -234,7 +235,8 @@ class ClaimPreparer:
         async with self._lock:
             fd, problem = await self._acquire()
             if fd is None:
-                return self._all(claims, f"cannot prepare now: {problem}", "error")
+                return self._all(claims, f"cannot prepare now: {problem}",
+                                 PrepareResult.ERROR)
             try:
                 return await self._prepare(claims)
             finally:
@@ -244,10 +246,11 @@ class ClaimPreparer:
         """Under both locks: read the record anew (another instance may have changed it), then
         answer: every claim needs the CDI spec, a new one the device too, and is recorded."""
         if not await self.load():
-            return self._all(claims, f"refusing to prepare: {self.problem}", "error")
+            return self._all(claims, f"refusing to prepare: {self.problem}",
+                             PrepareResult.ERROR)
         cdi = await self._cdi()
         if not cdi.ok:
-            return self._all(claims, _no_cdi(cdi), "refused")
+            return self._all(claims, _no_cdi(cdi), PrepareResult.REFUSED)
         assert self._claims is not None
         answers: dict[str, Prepared] = {}
         pending: dict[str, ClaimRef] = {}  # new claims, once each
@@ -284,8 +287,8 @@ class ClaimPreparer:
                 for entry in new.values():
                     log.info("prepared claim %s", entry.claim.describe())
         for uid, prepared in answers.items():
-            self._result("prepare", "refused" if uid in refused else
-                         "error" if prepared.error else "success")
+            self._result(PrepareResult.REFUSED if uid in refused else
+                         PrepareResult.ERROR if prepared.error else PrepareResult.SUCCESS)
         return answers
 
     async def _allocated(self, claim: ClaimRef) -> tuple[PreparedDevice, ...] | str:
@@ -314,7 +317,7 @@ class ClaimPreparer:
         if error:
             answers = {c.uid: error if c.uid in self._claims else "" for c in claims}
             for answer in answers.values():
-                self._result("unprepare", "error" if answer else "success")
+                self._result(UnprepareResult.ERROR if answer else UnprepareResult.SUCCESS)
             return answers
         return self._done(claims, "")
 
@@ -373,20 +376,21 @@ class ClaimPreparer:
         log.error("%s", problem)
         return f"cannot record the claim: {problem}"
 
-    def _all(self, claims: Sequence[ClaimRef], error: str, result: str) -> dict[str, Prepared]:
+    def _all(self, claims: Sequence[ClaimRef], error: str,
+             result: PrepareResult) -> dict[str, Prepared]:
         """Every claim of the call answered ``error``, counted as ``result``."""
         for _ in claims:
-            self._result("prepare", result)
+            self._result(result)
         return {c.uid: Prepared(error=error) for c in claims}
 
     def _done(self, claims: Sequence[ClaimRef], error: str) -> dict[str, str]:
         for _ in claims:
-            self._result("unprepare", "error" if error else "success")
+            self._result(UnprepareResult.ERROR if error else UnprepareResult.SUCCESS)
         return {c.uid: error for c in claims}
 
-    def _result(self, call: str, result: str) -> None:
+    def _result(self, result: ClaimResult) -> None:
         if self._on_result is not None:
-            self._on_result(call, result)
+            self._on_result(result)
 
     def _changed(self) -> None:
         if self._on_change is not None:

@@ -19,7 +19,7 @@ from hlplugin.probe import check_host_identity, close_deferred, probe_device
 from hlplugin.settings import HealthSettings
 
 if TYPE_CHECKING:
-    from hlplugin.metrics import Metrics
+    from hlplugin.metrics import ProofMetrics
 
 log = logging.getLogger(__name__)
 _DEVICE = ConditionName.DEVICE
@@ -46,7 +46,7 @@ class DeviceMonitor:
         hypervisor: str,
         settings: HealthSettings,
         *,
-        metrics: Metrics | None = None,
+        metrics: ProofMetrics | None = None,
         device_probe: Callable[[], None] | None = None,
         identity_probe: Callable[[], None] | None = None,
         allocate_probe: Callable[[], None] | None = None,

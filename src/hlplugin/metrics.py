@@ -1,17 +1,24 @@
-"""Hyperlight's Prometheus families: the generic device-plugin ones (deviceplugin.metrics) named
-``hyperlight_*`` with build information (both daemons), plus the main daemon's device checks and
-CDI reconciler (``Metrics``). The bootstrap has neither, so it exports neither.
+"""Hyperlight's Prometheus families, named ``hyperlight_*``: each daemon's registry composes the
+groups whose families it sets, and no other (a family a daemon never sets would export zeros that
+mean nothing, and fire an alert written for another daemon):
+
+- the bootstrap: every daemon's (``daemon_metrics``: deviceplugin.metrics.DaemonMetrics with the
+  build) and a device plugin's (DevicePluginMetrics);
+- the main daemon (``Metrics``): those, and the node proofs' (``ProofMetrics``: device checks,
+  CDI reconciler);
+- the DRA driver (``DraMetrics``): every daemon's, the proofs', and its claims'
+  (``ClaimMetrics``); no device plugin's: it answers no Allocate and opens no ListAndWatch.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
 
-from prometheus_client.metrics import Counter, Gauge, Histogram, Info
+from prometheus_client.metrics import Counter, Gauge, Histogram
 from prometheus_client.registry import CollectorRegistry
 
 from hlplugin import __version__
-from hlplugin.deviceplugin.metrics import DevicePluginMetrics, precreate
+from hlplugin.deviceplugin.metrics import DaemonMetrics, DevicePluginMetrics, precreate
 from hlplugin.names import ConditionName
 
 PREFIX = "hyperlight"
@@ -39,24 +46,21 @@ CDI_REPAIR_CAUSES = tuple(RepairCause)
 CDI_REFUSAL_REASONS = tuple(Refusal)
 
 
-class HyperlightMetrics(DevicePluginMetrics):
-    """What every hlplugin daemon exports: the generic families and its build."""
-
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        super().__init__(PREFIX, registry)
-        self.build_info = Info(f"{PREFIX}_build", "Build information.", registry=self.registry)
-        self.build_info.info({"version": __version__})
+def daemon_metrics(registry: CollectorRegistry | None = None) -> DaemonMetrics:
+    """Every hlplugin daemon's own group: the generic families, named ``hyperlight_*``, and its
+    build."""
+    return DaemonMetrics(PREFIX, registry, version=__version__)
 
 
-class Metrics(HyperlightMetrics):
-    """The main daemon's: also its device checks and its CDI reconciler."""
+class ProofMetrics:
+    """The node proofs' families (proofs.py: the device monitor and the CDI reconciler), in the
+    registry of a daemon that keeps them."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         # Here, not at the top: importing this module must not load the prober (the bootstrap).
         from hlplugin.probe import REASONS as PROBE_REASONS
 
-        super().__init__(registry)
-        r = self.registry
+        self.registry = r = registry if registry is not None else CollectorRegistry()
         self.probe_duration = Histogram(
             f"{PREFIX}_probe_duration_seconds", "Duration of a hypervisor device check.",
             ["check"], registry=r,
@@ -82,16 +86,40 @@ class Metrics(HyperlightMetrics):
         })
 
 
-DRA_PREPARE_RESULTS = ("success", "refused", "error")
-DRA_UNPREPARE_RESULTS = ("success", "error")
-
-
-class DraMetrics(Metrics):
-    """The DRA driver's: the main daemon's proofs (device checks, CDI reconciler), and its claims."""
+class Metrics:
+    """The main daemon's registry: every daemon's group, a device plugin's and the proofs'."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        super().__init__(registry)
-        r = self.registry
+        self.daemon = daemon_metrics(registry)
+        self.registry = self.daemon.registry
+        self.plugin = DevicePluginMetrics(self.daemon)
+        self.proofs = ProofMetrics(self.registry)
+
+
+class PrepareResult(StrEnum):
+    """How NodePrepareResources answered one claim (``dra_prepares``, label ``result``)."""
+
+    SUCCESS = "success"
+    REFUSED = "refused"  # the device or the CDI spec cannot serve a claim now
+    ERROR = "error"  # the record: unreadable, refused, locked by another instance, unwritable
+
+
+class UnprepareResult(StrEnum):
+    """How NodeUnprepareResources answered one claim (``dra_unprepares``, label ``result``)."""
+
+    SUCCESS = "success"
+    ERROR = "error"
+
+
+# A claim's outcome: its type names the call (each has its own family and its own results).
+ClaimResult = PrepareResult | UnprepareResult
+
+
+class ClaimMetrics:
+    """The DRA driver's own families: its claims, by call and result, and its health streams."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry()
         self.dra_prepares = Counter(
             f"{PREFIX}_dra_prepares", "Claims answered by NodePrepareResources, by result.",
             ["result"], registry=r)
@@ -104,9 +132,19 @@ class DraMetrics(Metrics):
         self.dra_health_streams = Gauge(
             f"{PREFIX}_dra_health_streams", "Resource-health streams the kubelet holds open "
             "(0: the kubelet does not hear the device's health from us).", registry=r)
-        precreate({self.dra_prepares: DRA_PREPARE_RESULTS,
-                   self.dra_unprepares: DRA_UNPREPARE_RESULTS})
+        precreate({self.dra_prepares: PrepareResult, self.dra_unprepares: UnprepareResult})
 
-    def claim_result(self, call: str, result: str) -> None:
-        family = self.dra_prepares if call == "prepare" else self.dra_unprepares
+    def claim_result(self, result: ClaimResult) -> None:
+        family = self.dra_prepares if isinstance(result, PrepareResult) else self.dra_unprepares
         family.labels(result=result).inc()
+
+
+class DraMetrics:
+    """The DRA driver's registry: every daemon's group, the proofs' (the main daemon's device
+    checks and CDI reconciler), and its claims'."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.daemon = daemon_metrics(registry)
+        self.registry = self.daemon.registry
+        self.proofs = ProofMetrics(self.registry)
+        self.claims = ClaimMetrics(self.registry)

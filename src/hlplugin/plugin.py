@@ -20,6 +20,7 @@ from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.kubelet.deviceplugin.servicer import TrackedDevicePlugin
 from hlplugin.deviceplugin.kubelet.deviceplugin.standing import UNREGISTERED
 from hlplugin.deviceplugin.kubelet.role import Role
+from hlplugin.deviceplugin.metrics import DevicePluginMetrics
 from hlplugin.deviceplugin.process.daemon import Daemon, Launch, Started
 from hlplugin.metrics import Metrics
 from hlplugin.names import HYPERVISOR_RESOURCE as RESOURCE
@@ -50,7 +51,7 @@ class HypervisorPlugin(TrackedDevicePlugin):
     """hyperlight.dev/hypervisor: N shareable slots, each a CDI reference to the one device."""
 
     def __init__(self, hypervisor: str, devices: DeviceList, tracker: HealthTracker, gate: Gate, *,
-                 cdi_annotations: bool = False, metrics: Metrics | None = None,
+                 cdi_annotations: bool = False, metrics: DevicePluginMetrics | None = None,
                  first: asyncio.Future[Any] | None = None) -> None:
         super().__init__(devices, tracker, metrics, first=first)
         self.hypervisor = hypervisor
@@ -77,7 +78,8 @@ async def serve(settings: ServeSettings, launch: Launch | None = None) -> None:
     # each of its syscalls; while the event loop is busy (concurrent Allocates), each of those
     # would wait out the interpreter's 5 ms switch interval. A shorter one bounds that wait.
     sys.setswitchinterval(SWITCH_INTERVAL)
-    proofs = Proofs(settings.cdi, settings.health, Metrics())
+    metrics = Metrics()
+    proofs = Proofs(settings.cdi, settings.health, metrics.daemon, metrics.proofs)
 
     async def setup(hv: str) -> Started:
         # A standby (another instance serves our socket: a surge rollout) leaves the CDI spec
@@ -96,8 +98,8 @@ async def serve(settings: ServeSettings, launch: Launch | None = None) -> None:
             settings.kubelet, SOCKET, RESOURCE,
             lambda: HypervisorPlugin(hv, devices, proofs.tracker, checks.gate, first=first,
                                      cdi_annotations=settings.cdi.annotations,
-                                     metrics=proofs.metrics),
-            dir_setting=PLUGIN_DIR_FLAG, metrics=proofs.metrics, role=role)
+                                     metrics=metrics.plugin),
+            dir_setting=PLUGIN_DIR_FLAG, metrics=metrics.plugin, role=role)
         return Started(lifecycle, {**checks.tasks(), "plugin": lifecycle.run()})
 
     await Daemon(proofs.spec("hlplugin serve", settings.http, setup, launch,

@@ -18,15 +18,16 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 from hlplugin import cdi, cdi_spec
-from hlplugin.detect import wait_for_hypervisor
+from hlplugin.detect import pending, wait_for_hypervisor
 from hlplugin.deviceplugin.health.conditions import Condition, HealthState, HealthTracker
 from hlplugin.deviceplugin.health.producer import Trigger
 from hlplugin.deviceplugin.kubelet.role import Role
+from hlplugin.deviceplugin.metrics import DaemonMetrics
 from hlplugin.deviceplugin.process.daemon import DaemonSpec, Launch, Started
 from hlplugin.deviceplugin.settings import HttpSettings
 from hlplugin.health import DeviceMonitor
-from hlplugin.metrics import Metrics
-from hlplugin.settings import CdiSettings, HealthSettings, show
+from hlplugin.metrics import ProofMetrics
+from hlplugin.settings import CdiSettings, HealthSettings
 
 CONDITIONS = (*cdi.CdiReconciler.CONDITIONS, *DeviceMonitor.CONDITIONS)
 
@@ -61,9 +62,13 @@ class Proofs:
     """What a daemon that hands the device out needs before the hypervisor is known; ``spec``
     makes its DaemonSpec, ``build`` its Checks."""
 
-    def __init__(self, cdi_settings: CdiSettings, health: HealthSettings, metrics: Metrics) -> None:
+    def __init__(self, cdi_settings: CdiSettings, health: HealthSettings, daemon: DaemonMetrics,
+                 metrics: ProofMetrics) -> None:
+        """``daemon``: the daemon's own metrics group (its spec's); ``metrics``: the proofs',
+        in the same registry."""
         self.cdi = cdi_settings
         self.health = health
+        self.daemon_metrics = daemon
         self.metrics = metrics
         self.tracker = HealthTracker(required=CONDITIONS)
         self.warnings: list[str] = []  # /readyz's: how the CDI directory is exposed, if it is
@@ -88,8 +93,8 @@ class Proofs:
         lists the exposure warnings. ``unstarted``: its kubelet side's conditions meanwhile;
         ``advisory``: conditions shown, not gating (see DaemonSpec)."""
         return DaemonSpec(
-            name, http, self.tracker, self.metrics,
+            name, http, self.tracker, self.daemon_metrics,
             functools.partial(wait_for_hypervisor, self.health), setup,
-            pending={"hypervisor": f"no mshv or kvm device under {show(self.health.dev_dir)}"},
+            pending=pending(self.health),
             launch=launch or Launch(), unstarted=unstarted, warnings=self.warnings,
             advisory=advisory)

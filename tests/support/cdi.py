@@ -34,7 +34,8 @@ class Reconciler:
         self.tracker = HealthTracker(required=("cdi",))
         self.metrics = Metrics()
         settings, rest = split_settings(CdiSettings, kwargs, dir=cdi_dir)
-        self.rec = CdiReconciler(settings, DESIRED, tracker=self.tracker, metrics=self.metrics, **rest)
+        self.rec = CdiReconciler(settings, DESIRED, tracker=self.tracker, metrics=self.metrics.proofs,
+                                 **rest)
         self.path = cdi_dir / SPEC_FILE
 
     def repairs(self, cause: str) -> float:

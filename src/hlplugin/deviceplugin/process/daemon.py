@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
-from hlplugin.deviceplugin.metrics import DevicePluginMetrics
+from hlplugin.deviceplugin.metrics import DaemonMetrics, HealthDirection
 from hlplugin.deviceplugin.process.http import HttpServer, format_address
 from hlplugin.deviceplugin.process.signals import StopSignals
 from hlplugin.deviceplugin.settings import HttpSettings
@@ -79,7 +79,7 @@ class DaemonSpec(Generic[T]):
     name: str
     http: HttpSettings
     tracker: HealthTracker
-    metrics: DevicePluginMetrics
+    metrics: DaemonMetrics
     wait: Callable[[], Awaitable[T]]
     setup: Callable[[T], Awaitable[Started]]
     pending: Mapping[str, str] = field(default_factory=dict)
@@ -130,12 +130,13 @@ def daemon_readiness(kubelet: Callable[[], KubeletSide | None], tracker: HealthT
     return conditions
 
 
-def track_health_metrics(tracker: HealthTracker, metrics: DevicePluginMetrics) -> None:
+def track_health_metrics(tracker: HealthTracker, metrics: DaemonMetrics) -> None:
     def update(old: HealthState, new: HealthState) -> None:
         for name, condition in new.conditions.items():
             metrics.health_condition.labels(condition=name).set(1 if condition.ok else 0)
         if old.healthy != new.healthy:
-            metrics.health_transitions.labels(to="healthy" if new.healthy else "unhealthy").inc()
+            to = HealthDirection.HEALTHY if new.healthy else HealthDirection.UNHEALTHY
+            metrics.health_transitions.labels(to=to).inc()
 
     update(tracker.state, tracker.state)
     tracker.add_listener(update)

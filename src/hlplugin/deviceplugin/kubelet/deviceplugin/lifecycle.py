@@ -56,7 +56,8 @@ from hlplugin.deviceplugin.kubelet.endpoint import Held, Holder, Identity, wait_
 from hlplugin.deviceplugin.kubelet.endpoint import socket_identity as _socket_identity
 from hlplugin.deviceplugin.kubelet.grpcserver import SelfCall, server_answers
 from hlplugin.deviceplugin.kubelet.role import Role
-from hlplugin.deviceplugin.metrics import DevicePluginMetrics
+from hlplugin.deviceplugin.metrics import DevicePluginMetrics, RegistrationResult
+from hlplugin.deviceplugin.metrics import ReregistrationReason as Reason
 from hlplugin.deviceplugin.settings import KubeletSettings
 
 log = logging.getLogger(__name__)
@@ -280,7 +281,7 @@ class PluginLifecycle:
             self._fail(f"register {kind}", f"registration of {self.resource_name} with the "
                        f"kubelet failed: {explain(error, self._register_timeout, self.kubelet_path)}")
             return Outcome.FAILED
-        self._count("success")
+        self._count(RegistrationResult.SUCCESS)
         self.registered = True
         self._kubelet_identity, self._dead_kubelet, self._quiet_until = kubelet, None, 0.0
         after = f" after {self._failures} failed attempts" if self._failures else ""
@@ -340,9 +341,9 @@ class PluginLifecycle:
                             if streamed else
                             "opened no ListAndWatch stream of %s within %.1f s of Register")
                     log.warning(f"the kubelet {what}; registering anew", self.resource_name,
-                                grace, extra={"reason": "stream_ended"})
+                                grace, extra={"reason": Reason.STREAM_ENDED})
                     if self._metrics is not None:
-                        self._metrics.reregistrations.labels(reason="stream_ended").inc()
+                        self._metrics.reregistrations.labels(reason=Reason.STREAM_ENDED).inc()
                     return Outcome.STREAM_ENDED
             await self._wait(pulse, limit)
 
@@ -376,7 +377,7 @@ class PluginLifecycle:
 
     def _fail(self, kind: str, problem: str) -> None:
         """An attempt that could not register: counted, and shown by /readyz."""
-        self._count("failure")
+        self._count(RegistrationResult.FAILURE)
         self.problem = problem
         self._report(kind, problem)
 
@@ -391,6 +392,6 @@ class PluginLifecycle:
         else:
             log.debug("%s (attempt %d)", problem, self._failures)
 
-    def _count(self, result: str) -> None:
+    def _count(self, result: RegistrationResult) -> None:
         if self._metrics is not None:
-            self._metrics.registrations.labels(result=result).inc()
+            self._metrics.daemon.registrations.labels(result=result).inc()

@@ -22,7 +22,7 @@ from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.kubelet.context import Context
 from hlplugin.deviceplugin.kubelet.deviceplugin.devicelist import HEALTHY, UNHEALTHY, DeviceList
 from hlplugin.deviceplugin.kubelet.deviceplugin.interfaces import PluginServicer
-from hlplugin.deviceplugin.metrics import DevicePluginMetrics
+from hlplugin.deviceplugin.metrics import AllocationResult, DevicePluginMetrics
 from hlplugin.deviceplugin.quoting import quote
 
 log = logging.getLogger(__name__)
@@ -103,13 +103,13 @@ class TrackedDevicePlugin(PluginServicer):
         await self.check_request(request, context, self.advertised_hint)
         problem = await self.gate()
         if problem is not None:
-            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, problem, "refused",
-                               RefusalKind.UNUSABLE)
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, problem,
+                               AllocationResult.REFUSED, RefusalKind.UNUSABLE)
         response = pb.AllocateResponse()
         for container in request.container_requests:
             self.grant(container, response.container_responses.add())
         if self.metrics is not None:
-            self.metrics.allocations.labels(result="success").inc()
+            self.metrics.allocations.labels(result=AllocationResult.SUCCESS).inc()
         return response
 
     def close_streams(self) -> None:
@@ -173,8 +173,8 @@ class TrackedDevicePlugin(PluginServicer):
         containers = request.container_requests
 
         async def malformed(message: str) -> NoReturn:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, message, "invalid",
-                               RefusalKind.MALFORMED)
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, message,
+                               AllocationResult.INVALID, RefusalKind.MALFORMED)
 
         if not containers:
             await malformed("no container requests in the Allocate (the kubelet sends one)")
@@ -199,7 +199,8 @@ class TrackedDevicePlugin(PluginServicer):
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                                f"unknown device IDs {', '.join(quote(i) for i in unknown[:5])}"
-                               f"{more}{advertised}", "invalid", RefusalKind.UNKNOWN_IDS)
+                               f"{more}{advertised}", AllocationResult.INVALID,
+                               RefusalKind.UNKNOWN_IDS)
 
     def _stream_opened(self, delta: int) -> None:
         self.open_streams += delta
@@ -236,7 +237,7 @@ class TrackedDevicePlugin(PluginServicer):
             self.metrics.devices_healthy.set(len(self.device_ids) if state.healthy else 0)
 
     async def _refuse(self, context: Context, code: grpc.StatusCode, message: str,
-                      result: str, kind: RefusalKind) -> NoReturn:
+                      result: AllocationResult, kind: RefusalKind) -> NoReturn:
         if self.metrics is not None:
             self.metrics.allocations.labels(result=result).inc()
         # The log's cause: the kind alone where the request shapes the message (see RefusalKind).

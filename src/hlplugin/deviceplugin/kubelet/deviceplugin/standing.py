@@ -4,6 +4,7 @@ conditions, and the call /healthz makes to our own server."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
@@ -13,9 +14,18 @@ from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.kubelet.role import Role
 
+
+class Readiness(StrEnum):
+    """A device plugin's kubelet conditions (/readyz keys)."""
+
+    REGISTERED = "registered"
+    LISTANDWATCH = "listandwatch"
+
+
 # /readyz's kubelet conditions before a lifecycle is built (the daemon waits for its device).
-UNREGISTERED = {"registered": (False, "not registered with the kubelet"),
-                "listandwatch": (False, "the kubelet has no ListAndWatch open")}
+UNREGISTERED: dict[str, tuple[bool, str]] = {
+    Readiness.REGISTERED: (False, "not registered with the kubelet"),
+    Readiness.LISTANDWATCH: (False, "the kubelet has no ListAndWatch open")}
 _EMPTY = pb.Empty()
 
 
@@ -48,10 +58,11 @@ def conditions(lifecycle: Lifecycle) -> dict[str, tuple[bool, str]]:
     if lifecycle.role.standby:
         note = (f"standby: {lifecycle.role.holder} serves {lifecycle.socket_path}; this "
                 f"instance takes over when it goes")
-        return {"registered": (True, note), "listandwatch": (True, "standby")}
+        return {Readiness.REGISTERED: (True, note), Readiness.LISTANDWATCH: (True, "standby")}
     if lifecycle.transition:
-        return {"registered": (True, lifecycle.transition),
-                "listandwatch": (True, lifecycle.transition)}
+        return {Readiness.REGISTERED: (True, lifecycle.transition),
+                Readiness.LISTANDWATCH: (True, lifecycle.transition)}
     streams = lifecycle.open_streams
-    return {"registered": (lifecycle.registered, lifecycle.status),
-            "listandwatch": (streams > 0, "" if streams else UNREGISTERED["listandwatch"][1])}
+    return {Readiness.REGISTERED: (lifecycle.registered, lifecycle.status),
+            Readiness.LISTANDWATCH: (streams > 0,
+                                     "" if streams else UNREGISTERED[Readiness.LISTANDWATCH][1])}
