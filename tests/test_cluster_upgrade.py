@@ -112,10 +112,14 @@ def vm_worker(cluster: Cluster) -> None:
     cluster.until(running, 90, "the VM worker running")
 
 
-def rolled_out(cluster: Cluster) -> None:
+def rolled_out(cluster: Cluster) -> int:
+    """Wait for both rollouts as an operator does; how many main pods are still terminating then
+    (each holds its device-access slot until it is gone: bootstrap.SLOTS says why three)."""
     for name in DAEMONSETS:
         cluster.kubectl("-n", NAMESPACE, "rollout", "status", f"daemonset/{name}", "--timeout=180s",
                         timeout=200)
+    return sum(bool(p["metadata"].get("deletionTimestamp")) for p in cluster.pods(NAMESPACE)
+               if p["metadata"]["name"].startswith(f"{DAEMONSETS[1]}-"))
 
 
 def test_upgrade_fails_no_pod(release: Installed) -> None:
@@ -145,6 +149,7 @@ def rollouts(release: Installed, upgrade: Callable[[Cluster, int], object], roun
     offset = len(c.log("kubelet"))
     wall = time.time()
     churn = Churn(c)
+    terminating: list[int] = []  # main pods still terminating when each rollout was done
     worker = threading.Thread(target=churn.run, daemon=True)
     with Sampler(c, "/api/v1/nodes/hlnode", lambda n: n["status"].get("allocatable", {}).get(HYPERVISOR)) \
             as sampler:
@@ -152,9 +157,9 @@ def rollouts(release: Installed, upgrade: Callable[[Cluster, int], object], roun
         try:
             for i in range(rounds):
                 upgrade(c, i)
-                rolled_out(c)
+                terminating.append(rolled_out(c))
                 c.helm("rollback", RELEASE, "-n", NAMESPACE)
-                rolled_out(c)
+                terminating.append(rolled_out(c))
         finally:
             churn.done.set()
             worker.join(30)
@@ -180,7 +185,8 @@ def rollouts(release: Installed, upgrade: Callable[[Cluster, int], object], roun
           f"below 2k {len(drops)} (first {drops[:3]}); warnings {len(warnings)}; workload pods "
           f"{len(churn.outcomes)}, failed admission {len(churn.failed())}; VMs created by the running "
           f"worker {vms}, its restarts {vm_restarts}; gaps over the {GAP_AIM * 1000:.0f} ms aim "
-          f"{len(over_aim)} of {len(measured)}")
+          f"{len(over_aim)} of {len(measured)}; main pods still terminating at each rollout's end "
+          f"{terminating}")
     assert vm_restarts == 0 and vms > 0, f"the running workload lost its device: {worker_log[-2000:]}"
     assert not failed_pods and not [w for w in warnings if "FailedDaemonPod" in w], warnings
     # A readiness probe that met a terminating pod's port closed: a pod stopped before its second
