@@ -111,6 +111,14 @@ def scheduling_refusals(c: Cluster, name: str) -> list[str]:
             if e["reason"] == "FailedScheduling" and e["involvedObject"]["name"] == name]
 
 
+def device_health(c: Cluster, name: str) -> list[tuple[str, str, str]]:
+    """The pod's devices as the kubelet shows their health in its status (gate
+    ResourceHealthStatus, on in 1.36): (resource ID, health, message) for each."""
+    statuses = c.get("pod", name, "-n", NS)["status"].get("containerStatuses", [])
+    return [(r["resourceID"], r.get("health", ""), r.get("message", ""))
+            for s in statuses for a in s.get("allocatedResourcesStatus", []) for r in a.get("resources", [])]
+
+
 def recorded_claims(c: Cluster) -> set[str]:
     record = c.run / "kubelet" / "plugins" / DRA_DRIVER / "checkpoint.json"
     return set(json.loads(record.read_text())["entries"]) if record.exists() else set()
@@ -305,8 +313,10 @@ def test_a_device_failing_its_proofs_takes_no_new_claim_while_a_running_pod_keep
         dra: Cluster) -> None:
     """The CDI spec's path taken by a directory the driver may not remove (a hostile node's
     fault of tests/test_cdi_hostile.py): the driver's proofs fail, the device is tainted
-    NoSchedule, a new claim's pod stays Pending with the scheduler's reason, and the pod that
-    holds a claim keeps making VMs. The path given back, the taint goes and the pod is served."""
+    NoSchedule, a new claim's pod stays Pending with the scheduler's reason, the pod that holds a
+    claim keeps making VMs and its status shows the device Unhealthy with the failing condition
+    (issue 42 item 5: the kubelet's ResourceHealthStatus gate, on in 1.36). The path given back,
+    the taint goes, the device shows Healthy again and the pod is served."""
     c = dra
     spec = c.run / "run-cdi" / "hyperlight.json"
     aside = spec.with_name("hyperlight.json.test-aside")
@@ -318,6 +328,11 @@ def test_a_device_failing_its_proofs_takes_no_new_claim_while_a_running_pod_keep
         spec.mkdir()
         c.until(lambda: bool(our_slices(c)[0]["spec"]["devices"][0].get("taints")), 60,
                 "the device tainted")
+        c.until(lambda: [h for _, h, _ in device_health(c, "dra-before")] == ["Unhealthy"], 60,
+                "the holding pod's status showing its device Unhealthy")
+        print(f"the holding pod's device while unhealthy: {device_health(c, 'dra-before')}")
+        ((resource, _, message),) = device_health(c, "dra-before")
+        assert resource == f"{DRA_DRIVER}/{NODE}/kvm" and "cdi" in message, (resource, message)
         c.apply(claim_pod("dra-after", "hv"))
         c.until(lambda: bool(scheduling_refusals(c, "dra-after")), 60, "the scheduler's refusal")
         assert phase(c, "dra-after") == "Pending"
@@ -325,6 +340,8 @@ def test_a_device_failing_its_proofs_takes_no_new_claim_while_a_running_pod_keep
         holding(c, "dra-before")
         spec.rmdir()
         c.until(lambda: not our_slices(c)[0]["spec"]["devices"][0].get("taints"), 60, "the taint gone")
+        c.until(lambda: [h for _, h, _ in device_health(c, "dra-before")] == ["Healthy"], 60,
+                "the holding pod's device Healthy again")
         c.until(lambda: phase(c, "dra-after") == "Running", 120, "the second pod served once healthy")
     finally:
         if spec.is_dir():

@@ -90,7 +90,9 @@ class ProcessState:
         gc.collect()
         deadline = time.monotonic() + wait
         for thread in threading.enumerate():
-            if f"{thread.name} ({thread.ident})" not in before.threads:
+            # A lingering helper is not waited for: it ends only when its runner is collected,
+            # and waiting for it cost each module that used one the whole ``wait`` (10 s).
+            if f"{thread.name} ({thread.ident})" not in before.threads and not _lingers(thread):
                 thread.join(max(0.0, deadline - time.monotonic()))
         gc.collect()
         return cls.now()
