@@ -328,11 +328,18 @@ def test_a_device_failing_its_proofs_takes_no_new_claim_while_a_running_pod_keep
         spec.mkdir()
         c.until(lambda: bool(our_slices(c)[0]["spec"]["devices"][0].get("taints")), 60,
                 "the device tainted")
-        c.until(lambda: [h for _, h, _ in device_health(c, "dra-before")] == ["Unhealthy"], 60,
-                "the holding pod's status showing its device Unhealthy")
-        print(f"the holding pod's device while unhealthy: {device_health(c, 'dra-before')}")
-        ((resource, _, message),) = device_health(c, "dra-before")
-        assert resource == f"{DRA_DRIVER}/{NODE}/kvm" and "cdi" in message, (resource, message)
+        # The kubelet opens the driver's health stream only with its ResourceHealthStatus gate on
+        # (on in 1.36); off, pod status has no device health, and tests/test_dra_service.py's
+        # stream tests are what checks it.
+        gate = "Successfully started WatchResources health stream" in c.log("kubelet")
+        print(f"the kubelet's ResourceHealthStatus gate: {'on' if gate else 'off: pod status not checked'}")
+        if gate:
+            c.until(lambda: [h for _, h, _ in device_health(c, "dra-before")] == ["Unhealthy"], 60,
+                    "the holding pod's status showing its device Unhealthy")
+            print(f"the holding pod's device while unhealthy: {device_health(c, 'dra-before')}")
+            ((resource, _, message),) = device_health(c, "dra-before")
+            # The kubelet names the device by the CDI device it was prepared as; the message is ours.
+            assert resource == "hyperlight.dev/hypervisor=kvm" and message.startswith("cdi: "), message
         c.apply(claim_pod("dra-after", "hv"))
         c.until(lambda: bool(scheduling_refusals(c, "dra-after")), 60, "the scheduler's refusal")
         assert phase(c, "dra-after") == "Pending"
@@ -340,8 +347,9 @@ def test_a_device_failing_its_proofs_takes_no_new_claim_while_a_running_pod_keep
         holding(c, "dra-before")
         spec.rmdir()
         c.until(lambda: not our_slices(c)[0]["spec"]["devices"][0].get("taints"), 60, "the taint gone")
-        c.until(lambda: [h for _, h, _ in device_health(c, "dra-before")] == ["Healthy"], 60,
-                "the holding pod's device Healthy again")
+        if gate:
+            c.until(lambda: [h for _, h, _ in device_health(c, "dra-before")] == ["Healthy"], 60,
+                    "the holding pod's device Healthy again")
         c.until(lambda: phase(c, "dra-after") == "Running", 120, "the second pod served once healthy")
     finally:
         if spec.is_dir():
