@@ -1,5 +1,5 @@
 """What a Kubernetes client adds to the DRA driver (issue 31, item 3; issue 41, item 1): import
-time and resident memory on top of `import hlplugin.dra`, each in a fresh interpreter, medians of
+time and resident memory on top of `import hlplugin.dra.driver`, each in a fresh interpreter, medians of
 N runs, beside the standard library's TLS (what any client pays) measured in the same run.
 
 Our own client (`hlplugin.kubeapi`, built from an in-cluster configuration: a service account
@@ -64,7 +64,7 @@ context = ssl.create_default_context(cafile={ca!r})
 """
 _PROBE = """
 import gc, json, sys, time
-import hlplugin.dra
+import hlplugin.dra.driver
 def rss():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:"))
 gc.collect()
@@ -121,7 +121,7 @@ def main() -> int:
         if args.kubernetes_asyncio:
             cases.append(("kubernetes_asyncio ResourceV1Api", _KUBERNETES_ASYNCIO,
                           args.kubernetes_asyncio))
-        print(f"on top of import hlplugin.dra, medians of {args.runs} fresh interpreters")
+        print(f"on top of import hlplugin.dra.driver, medians of {args.runs} fresh interpreters")
         for name, code, site in cases:
             m = measure(code.format(ca=ca, account=account), site, args.runs)
             print(f"{name:40s} +{m['kib'] / 1024:5.1f} MiB RSS  {m['seconds'] * 1000:6.0f} ms  "

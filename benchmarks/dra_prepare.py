@@ -38,7 +38,7 @@ from hlplugin.api import dra_v1_pb2_grpc as pb_grpc
 from hlplugin.deviceplugin.health.conditions import Condition, HealthState, HealthTracker
 from hlplugin.deviceplugin.kubelet.dra.checkpoint import Checkpoint
 from hlplugin.deviceplugin.kubelet.dra.draservice import new_dra_server
-from hlplugin.dra_claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, node_device
+from hlplugin.dra.claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, node_device
 from hlplugin.tools.drive import wait_until
 from hlplugin.tools.process import DaemonProcess
 

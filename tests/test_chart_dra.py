@@ -39,13 +39,14 @@ from support.deploy import (
 from support.fakeapi import FakeApiServer, Sleeps
 from support.fakeslices import NODE, add_node
 
-from hlplugin import config, dra
+from hlplugin import config
+from hlplugin.dra import driver as dra
+from hlplugin.dra.slices import SliceController
 from hlplugin.kubeapi import RESOURCE_SLICES, Backoff, Client, Config
 from hlplugin.kubeapi import config as kubeapi_config
 from hlplugin.names import DRA_DRIVER, HYPERVISOR_RESOURCE
 from hlplugin.nodefacts import NodeDevice
 from hlplugin.settings import DraPluginSettings
-from hlplugin.slices import SliceController
 
 pytestmark = pytest.mark.deploy
 

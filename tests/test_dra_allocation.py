@@ -1,4 +1,4 @@
-"""Claims read in Prepare (hlplugin.dra_allocation): a new claim is answered with what the
+"""Claims read in Prepare (hlplugin.dra.allocation): a new claim is answered with what the
 scheduler allocated it of ours on this node, request by request and share by share, read from an
 API server (the fake of tests/support/fakeapi.py, over real TCP); a recorded one from the record,
 with no API server at all; a claim replaced, unallocated or another driver's is refused with the
@@ -23,9 +23,9 @@ from support.pluginwatcher import FakePluginWatcher
 from hlplugin.deviceplugin.health.conditions import Condition, HealthState, HealthTracker
 from hlplugin.deviceplugin.kubelet.dra.checkpoint import Checkpoint
 from hlplugin.deviceplugin.kubelet.dra.draservice import ClaimRef, PreparedDevice
-from hlplugin.dra_allocation import AllocationReader, allocated
-from hlplugin.dra_claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, NotAllocated
-from hlplugin.dra_record import Entry
+from hlplugin.dra.allocation import AllocationReader, allocated
+from hlplugin.dra.claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, NotAllocated
+from hlplugin.dra.record import Entry
 from hlplugin.kubeapi import RESOURCE_CLAIMS, Backoff, Client, Config
 from hlplugin.names import DRA_DRIVER
 from hlplugin.tools.process import free_port

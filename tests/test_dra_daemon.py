@@ -26,7 +26,7 @@ from support.waits import quiet, quiet_blocking
 from hlplugin import config
 from hlplugin.api import dra_health_v1alpha1_pb2 as health_pb
 from hlplugin.cdi_spec import SPEC_FILE
-from hlplugin.dra_claims import CHECKPOINT_FILE, LOCK_FILE
+from hlplugin.dra.claims import CHECKPOINT_FILE, LOCK_FILE
 from hlplugin.names import CDI_WRITER_FILE, DRA_DRIVER, dra_socket_names
 from hlplugin.tools.process import DaemonProcess
 

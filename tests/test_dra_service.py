@@ -31,7 +31,7 @@ from hlplugin.deviceplugin.kubelet.dra.draservice import (
     new_dra_server,
 )
 from hlplugin.deviceplugin.kubelet.dra.pluginwatcher import DRA_PLUGIN, WatcherPlugin
-from hlplugin.dra_claims import (
+from hlplugin.dra.claims import (
     CHECKPOINT_FILE,
     CHECKPOINT_KIND,
     LOCK_FILE,

@@ -1,5 +1,5 @@
 """`hlplugin dra` publishes this node's ResourceSlice where it runs in a cluster, and only there.
-The driver runs as a process, hlplugin.dra.dra with its flags parsed as the command line parses
+The driver runs as a process, hlplugin.dra.driver.dra with its flags parsed as the command line parses
 them, but its API server named (tests/support/dracluster.py: the fake on loopback of
 tests/support/fakeapi.py) in place of the in-cluster one a pod has, whose CA and token live at a
 fixed path no test may write. The slice carries --slots and the proofs' health (a taint while
@@ -23,10 +23,11 @@ from support.fakeapi import FakeApiServer
 from support.fakeslices import NODE, add_node
 from support.pluginwatcher import FakePluginWatcher
 
-from hlplugin import config, dra, kubeapi
+from hlplugin import config, kubeapi
+from hlplugin.dra import driver as dra
+from hlplugin.dra.slices import UNHEALTHY_TAINT
 from hlplugin.kubeapi import RESOURCE_SLICES
 from hlplugin.names import DRA_DRIVER
-from hlplugin.slices import UNHEALTHY_TAINT
 from hlplugin.tools.process import free_port
 
 NAME = f"{NODE}-{DRA_DRIVER}"

@@ -161,8 +161,8 @@ def test_the_check_sees_tooling_by_name() -> None:
 
 
 def test_the_driver_loads_no_tooling_or_exposition_before_it_serves() -> None:
-    modules = loaded_after("import hlplugin.cli, hlplugin.dra")
-    assert {"hlplugin.dra", "hlplugin.cdi", "hlplugin.health", "hlplugin.api.dra_v1_pb2"} <= modules
+    modules = loaded_after("import hlplugin.cli, hlplugin.dra.driver")
+    assert {"hlplugin.dra.driver", "hlplugin.cdi", "hlplugin.health", "hlplugin.api.dra_v1_pb2"} <= modules
     assert not offenders(modules, EXPOSITION)
 
 
@@ -171,7 +171,7 @@ def test_the_driver_loads_no_api_client_or_slice_controller_before_it_knows_it_i
     """Outside a cluster (run by hand, a test) the driver pays nothing for its control-plane side:
     hlplugin.dra imports the client and the controller only once cluster_api finds a pod's
     service account (tests/test_dra_slices.py runs both sides)."""
-    modules = loaded_after("import hlplugin.cli, hlplugin.dra")
-    control_plane = ("hlplugin.kubeapi", "hlplugin.slices", "hlplugin.dra_slices",
+    modules = loaded_after("import hlplugin.cli, hlplugin.dra.driver")
+    control_plane = ("hlplugin.kubeapi", "hlplugin.dra.slices", "hlplugin.dra.controlplane",
                      "hlplugin.nodefacts")
-    assert "hlplugin.dra" in modules and not offenders(modules, control_plane)
+    assert "hlplugin.dra.driver" in modules and not offenders(modules, control_plane)

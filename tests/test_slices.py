@@ -1,4 +1,4 @@
-"""The slice controller (hlplugin.slices) against the fake API server on loopback: the slice's
+"""The slice controller (hlplugin.dra.slices) against the fake API server on loopback: the slice's
 shape, put back when deleted or edited, its pool generation, left in place on stop, kept through
 an outage and a 403 (said in its condition), a field the server drops named, and health as a
 device taint (or the device withdrawn where the server keeps no taints)."""
@@ -18,9 +18,9 @@ from support.fakeapi import FakeApiServer, Sleeps
 from support.fakeslices import NODE, GateOffApiServer, PortApiServer, add_node
 from support.waits import quiet
 
+from hlplugin.dra.slices import SliceController, slice_name
 from hlplugin.kubeapi import RESOURCE_SLICES, Backoff, Client, Config
 from hlplugin.nodefacts import NodeDevice
-from hlplugin.slices import SliceController, slice_name
 
 SLICES = RESOURCE_SLICES.path()
 NAME = f"{NODE}-hyperlight.dev"
@@ -194,7 +194,7 @@ async def test_a_field_the_server_drops_is_named_and_not_rewritten(
         caplog: pytest.LogCaptureFixture) -> None:
     async with GateOffApiServer("allowMultipleAllocations") as server:
         add_node(server)
-        with caplog.at_level(logging.WARNING, "hlplugin.slices"):
+        with caplog.at_level(logging.WARNING, "hlplugin.dra.slices"):
             async with running(server) as controller:
                 await published(server, controller)
                 await quiet(0.1, "a rewrite that must not come")

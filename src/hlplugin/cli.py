@@ -71,7 +71,7 @@ _COMMANDS = {
     "bootstrap": Command("run the bootstrap plugin (hyperlight.dev/device-access)",
                          config.BOOTSTRAP_OPTIONS, daemon=("hlplugin.bootstrap", "bootstrap")),
     "dra": Command("run the DRA driver hyperlight.dev (opt-in, in place of serve on a node)",
-                   config.DRA_OPTIONS, daemon=("hlplugin.dra", "dra")),
+                   config.DRA_OPTIONS, daemon=("hlplugin.dra.driver", "dra")),
     "cdi": Command("print the CDI spec the daemon keeps, or --check a file against it",
                    config.CDI_OPTIONS, _cdi_command),
     "doctor": Command("check whether this node could serve Hyperlight workloads",

@@ -66,8 +66,9 @@ async def readyz(proc: DriverProcess) -> tuple[int, dict[str, Any]]:
 
 
 def main(url: str, argv: Sequence[str]) -> None:
-    from hlplugin import cli, config, dra, logs
+    from hlplugin import cli, config, logs
     from hlplugin.deviceplugin.process.daemon import Launch
+    from hlplugin.dra import driver as dra
     from hlplugin.kubeapi import Config
 
     args = cli.build_parser("dra").parse_args(argv)

@@ -39,7 +39,7 @@ from hlplugin.deviceplugin.health.conditions import Condition, HealthState
 from hlplugin.deviceplugin.kubelet.dra.checkpoint import Checkpoint, Corrupt, InstanceLock
 from hlplugin.deviceplugin.kubelet.dra.draservice import ClaimRef, Prepared, PreparedDevice
 from hlplugin.deviceplugin.ownedfile import NotRegular
-from hlplugin.dra_record import Entry, Pin, entry
+from hlplugin.dra.record import Entry, Pin, entry
 from hlplugin.metrics import ClaimResult, PrepareResult, UnprepareResult
 from hlplugin.names import DRA_DRIVER
 

@@ -1,6 +1,6 @@
 """What the DRA driver's checkpoint holds for one claim (an Entry, checked field by field when
 read), and the Pin that tells whether the record's file is still the one this instance last read
-or wrote: the pieces of dra_claims.ClaimPreparer's record that need no event loop."""
+or wrote: the pieces of claims.ClaimPreparer's record that need no event loop."""
 
 from __future__ import annotations
 

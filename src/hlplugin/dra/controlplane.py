@@ -1,7 +1,7 @@
 """The DRA driver's control-plane side as `hlplugin dra` runs it: this node's ResourceSlice kept
 by ``slices.SliceController``, one more root task of the driver, beside its kubelet side.
 
-Imported by hlplugin.dra only when the driver runs in a cluster (hlplugin.dra.cluster_api): the
+Imported by hlplugin.dra only when the driver runs in a cluster (hlplugin.dra.driver.cluster_api): the
 API client's wing (hlplugin.kubeapi) and the controller cost a driver run by hand nothing, not
 even their import (tests/test_lean_imports.py).
 """
@@ -12,9 +12,9 @@ import asyncio
 from pathlib import Path
 
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
+from hlplugin.dra.slices import SliceController
 from hlplugin.kubeapi import Client, Config
 from hlplugin.nodefacts import read_node_device
-from hlplugin.slices import SliceController
 
 
 class Slices:

@@ -1,9 +1,9 @@
 """The DRA driver reads a claim's allocation from the API server: what the scheduler gave the
 claim, in its status, is what Prepare answers (docs/dra.md, "Claims").
 
-Imported by hlplugin.dra only when the driver runs in a cluster (hlplugin.dra.cluster_api), as
-dra_slices.py is; run by hand, the driver answers with the node's one device
-(dra_claims.node_device).
+Imported by hlplugin.dra only when the driver runs in a cluster (hlplugin.dra.driver.cluster_api), as
+controlplane.py is; run by hand, the driver answers with the node's one device
+(dra.claims.node_device).
 
 - Only the results of our driver on this node's pool are answered, each with the names of the
   requests it serves: the kubelet gives a claim's CDI devices to the containers that name those
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hlplugin.deviceplugin.kubelet.dra.draservice import ClaimRef, PreparedDevice
-from hlplugin.dra_claims import ClaimPreparer, NotAllocated
+from hlplugin.dra.claims import ClaimPreparer, NotAllocated
 from hlplugin.kubeapi import RESOURCE_CLAIMS, Backoff, Client, KubeApiError, NotFound, Object
 from hlplugin.names import DRA_DRIVER
 
@@ -38,7 +38,7 @@ READ_BACKOFF = Backoff(attempts=3)
 
 
 class AllocationReader:
-    """dra_claims.Allocation from the API server; ``condition`` is /readyz's note on the last read
+    """dra.claims.Allocation from the API server; ``condition`` is /readyz's note on the last read
     (a 403 names the verb and resource, so a missing RBAC rule is seen before a pod waits on it)."""
 
     def __init__(self, client: Client, pool: str, hypervisor: str, cdi_name: str, *,

@@ -4,10 +4,10 @@ service in both API versions (deviceplugin.kubelet.dra: pluginwatcher, draservic
 main daemon's: the CDI reconciler keeps the node's one hyperlight.json (taken over, never a
 second spec declaring the device) and the device monitor checks the device before every Prepare.
 
-Its control-plane side, in a cluster only: this node's ResourceSlice (dra_slices.py), one more
+Its control-plane side, in a cluster only: this node's ResourceSlice (controlplane.py), one more
 root task that the kubelet side never waits on, and each new claim's allocation read in Prepare
-(dra_allocation.py), the record's leftovers pruned. Run by hand, outside a cluster, a claim is
-answered with the node's one device (dra_claims.node_device).
+(allocation.py), the record's leftovers pruned. Run by hand, outside a cluster, a claim is
+answered with the node's one device (dra.claims.node_device).
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ from hlplugin.deviceplugin.kubelet.dra.pluginwatcher import DRA_PLUGIN, WatcherP
 from hlplugin.deviceplugin.kubelet.dra.writer import SharedWriter
 from hlplugin.deviceplugin.metrics import RegistrationResult
 from hlplugin.deviceplugin.process.daemon import Conditions, Daemon, Launch, Started
-from hlplugin.dra_claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, node_device
+from hlplugin.dra.claims import CHECKPOINT_FILE, CHECKPOINT_KIND, ClaimPreparer, node_device
 from hlplugin.metrics import DraMetrics
 from hlplugin.names import CDI_WRITER_FILE, DRA_DRIVER, REGISTRY_DIR_FLAG, dra_socket_names
 from hlplugin.proofs import Proofs
 from hlplugin.settings import DraSettings
 
 if TYPE_CHECKING:
-    from hlplugin.dra_allocation import AllocationReader
-    from hlplugin.dra_slices import Slices
+    from hlplugin.dra.allocation import AllocationReader
+    from hlplugin.dra.controlplane import Slices
     from hlplugin.kubeapi import Config
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class DraDriver:
         cdi_name = cdi_spec.qualified_name(hypervisor)
         self.reader: AllocationReader | None = None  # claims read from the API: in a cluster
         if api is not None:
-            from hlplugin.dra_allocation import AllocationReader
+            from hlplugin.dra.allocation import AllocationReader
             from hlplugin.kubeapi import Client
 
             self.reader = AllocationReader(Client(api), pool, hypervisor, cdi_name)
@@ -135,7 +135,7 @@ class DraDriver:
 
         self.slices: Slices | None = None  # this node's ResourceSlice: in a cluster only
         if api is not None:
-            from hlplugin.dra_slices import Slices
+            from hlplugin.dra.controlplane import Slices
 
             self.slices = Slices(api, pool, hypervisor, settings.health.dev_dir,
                                  slots=settings.dra.slots, tracker=tracker)
@@ -162,7 +162,7 @@ class DraDriver:
         if self.slices is not None:
             tasks["slices"] = self.slices.run()
         if self.reader is not None:
-            from hlplugin.dra_allocation import keep_pruned
+            from hlplugin.dra.allocation import keep_pruned
 
             tasks["claims-prune"] = keep_pruned(self.claims, self.reader)
         return tasks
