@@ -270,7 +270,7 @@ class _Pair:
         """Both sides are gone: the guard no longer holds this pair (a connecting task was
         cancelled, and close() awaits it)."""
         if self.client.transport is None and self.upstream.transport is None:
-            self.guard._pairs.discard(self)
+            self.guard._forget(self)
 
 
 class FrameGuard:
@@ -286,6 +286,7 @@ class FrameGuard:
         self._bound: tuple[Path, int, int] | None = None  # the path we bound, its device and inode
         self._pairs: set[_Pair] = set()
         self._connecting: set[asyncio.Task[None]] = set()
+        self._emptied: asyncio.Future[None] | None = None  # set when the last pair is forgotten
         self.refusals = 0
         self._unlogged = 0
         self._logged_at = -LOG_EVERY
@@ -318,6 +319,11 @@ class FrameGuard:
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)
 
+    def _forget(self, pair: _Pair) -> None:
+        self._pairs.discard(pair)
+        if not self._pairs and self._emptied is not None and not self._emptied.done():
+            self._emptied.set_result(None)
+
     def _refused(self, why: str) -> None:
         self.refusals += 1
         self._unlogged += 1
@@ -327,17 +333,31 @@ class FrameGuard:
                         "flood; a gRPC client's are a few hundred bytes)", self._unlogged, why)
             self._logged_at, self._unlogged = now, 0
 
-    async def close(self) -> None:
-        """Stop accepting, end every forwarded connection at once, remove our path. Stop the gRPC
-        server first, so that its goodbyes reach the clients. All of it is done before the first
-        await, so a cancellation meanwhile (the daemon re-cancels while stopping) cuts short
-        only the wait for the ended connections' clean-up, never the ending."""
+    def stop_listening(self) -> None:
+        """Refuse new connections at once, as a gRPC server that begins to stop does; the ones
+        being forwarded go on."""
+        if self._server is not None:
+            self._server.close()  # closes the listening socket at once
+
+    async def close(self, drain: float = 0.0) -> None:
+        """Stop accepting, remove our path, give the forwarded connections up to ``drain``
+        seconds to end by themselves, then end every one left at once. Stop the gRPC server
+        first: it closes its connections, and the guard closes each client's in turn once what
+        the server sent is written, so its goodbyes reach the clients. A cancellation during the
+        drain ends the connections at once; the ending itself is done before any later await,
+        so a cancellation then (the daemon re-cancels while stopping) cuts short only the wait
+        for the ended connections' clean-up, never the ending."""
         server, self._server = self._server, None
         if server is not None:
-            server.close()  # closes the listening socket at once
+            server.close()
         self._unlink()
-        for pair in list(self._pairs):
-            pair.abort()
+        try:
+            if self._pairs and drain > 0:
+                self._emptied = asyncio.get_running_loop().create_future()
+                await asyncio.wait({self._emptied}, timeout=drain)
+        finally:
+            for pair in list(self._pairs):
+                pair.abort()
         if self._connecting:
             await asyncio.wait(set(self._connecting))
         if server is not None:

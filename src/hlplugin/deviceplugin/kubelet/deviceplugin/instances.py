@@ -13,13 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from hlplugin.deviceplugin.health.watch import Wakeup
 from hlplugin.deviceplugin.kubelet.deviceplugin.devicelist import new_server
 from hlplugin.deviceplugin.kubelet.deviceplugin.interfaces import PluginServicer, ServicerFactory
 from hlplugin.deviceplugin.kubelet.endpoint import Endpoint, find_holder
-from hlplugin.deviceplugin.kubelet.grpcserver import stop_server, to_completion
+from hlplugin.deviceplugin.kubelet.grpcserver import to_completion
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +32,8 @@ HANDOVER_SETTLE = 0.02
 
 @dataclass
 class Instance:
-    server: grpc.aio.Server
     servicer: PluginServicer
-    endpoint: Endpoint
+    endpoint: Endpoint  # with the servicer's gRPC server
     live: bool = False  # serving at its endpoint, and not stopping
 
 
@@ -66,10 +63,10 @@ class Instances:
             raise RuntimeError(found)  # before gRPC tries, and logs its own line every retry
         servicer = self._make_servicer()
         servicer.on_streams_changed = self._wakeup.fire
-        instance = Instance(new_server(servicer), servicer, Endpoint(self.socket_path))
+        instance = Instance(servicer, Endpoint(self.socket_path, new_server(servicer)))
         self.current = instance
         try:
-            await instance.endpoint.serve(instance.server)
+            await instance.endpoint.serve()
         except BaseException:
             await self.stop(instance)  # never leave a server to the GC
             raise
@@ -96,9 +93,10 @@ class Instances:
         instance.live = False
         instance.servicer.close_streams()
         try:
-            await stop_server(instance.server)  # within its deadline, whatever a client holds
+            # Within its deadline, whatever a client holds; the path removed unless another
+            # instance has taken it over.
+            await instance.endpoint.stop()
         finally:
-            instance.endpoint.remove()  # unless another instance has taken the path over
             if self.current is instance:
                 self.current = None
 
