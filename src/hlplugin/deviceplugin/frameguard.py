@@ -33,9 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import socket
+import struct
+import termios
 import time
 from pathlib import Path
 
@@ -266,6 +269,20 @@ class _Pair:
         if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()
 
+    def holding(self) -> bool:
+        """Bytes the server sent are not yet written to the client: unread on the upstream
+        connection, or waiting in the client's write buffer."""
+        client, upstream = self.client.transport, self.upstream.transport
+        if client is not None and client.get_write_buffer_size():
+            return True
+        sock = upstream.get_extra_info("socket") if upstream is not None else None
+        if sock is None:
+            return False
+        with contextlib.suppress(OSError):
+            unread: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+            return unread > 0
+        return False
+
     def _forget(self) -> None:
         """Both sides are gone: the guard no longer holds this pair (a connecting task was
         cancelled, and close() awaits it)."""
@@ -332,6 +349,21 @@ class FrameGuard:
             log.warning("closed %d connection(s) on the gRPC socket: %s (an HTTP/2 CONTINUATION "
                         "flood; a gRPC client's are a few hundred bytes)", self._unlogged, why)
             self._logged_at, self._unlogged = now, 0
+
+    async def forwarded(self, timeout: float) -> None:
+        """Return once what the server has sent so far is written to its clients (nothing unread
+        from it, nothing in a client's write buffer), or after ``timeout`` seconds (a client
+        that does not read). Without the guard gRPC writes to the client's socket itself; a
+        hand-over waits on this before its socket goes, so that the stream ends it has sent are
+        with the kubelet as soon as they were without the guard, however late this process gets
+        the CPU again."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout
+        await asyncio.sleep(0)  # the reads already due run first
+        for _ in range(int(timeout * 1000) + 1):
+            if not any(pair.holding() for pair in self._pairs) or loop.time() >= until:
+                return
+            await asyncio.sleep(0.001)
 
     def stop_listening(self) -> None:
         """Refuse new connections at once, as a gRPC server that begins to stop does; the ones

@@ -272,6 +272,12 @@ class Endpoint:
         publish(self._bound, self.path)
         self.identity = socket_identity(self.path)
 
+    async def forwarded(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) until what the server has sent is with its clients
+        (FrameGuard.forwarded): before a hand-over's remove()."""
+        if self._guard is not None:
+            await self._guard.forwarded(timeout)
+
     def remove(self) -> None:
         """Unlink the path if the socket there is still the one we published, then forget it.
         The server goes on serving the connections it has (a hand-over removes first)."""

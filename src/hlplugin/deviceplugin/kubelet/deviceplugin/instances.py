@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 # not. Its share of the kubelet's gap: tests/test_handover.py.
 HANDOVER_WAIT = 0.5
 HANDOVER_SETTLE = 0.02
+HANDOVER_FORWARD = 0.05  # at most, for the frame guard to pass on what the streams' ends wrote
 
 
 @dataclass
@@ -110,6 +111,9 @@ class Instances:
         if streamed:
             with contextlib.suppress(asyncio.CancelledError):
                 await to_completion(self._streams_ended(instance))
+                # Their ends through the frame guard to the kubelet before the standby may take
+                # the socket, as gRPC wrote them to the kubelet's connection itself.
+                await to_completion(instance.endpoint.forwarded(HANDOVER_FORWARD))
         instance.endpoint.remove()
 
     async def _streams_ended(self, instance: Instance) -> None:
