@@ -4,9 +4,8 @@ bounded before grpc sees it (docs/security.md, "The CONTINUATION flood").
 A client that sends HEADERS without END_HEADERS and then CONTINUATION frames for ever makes grpc
 core buffer the header block whole before it decodes any of it: 16 KiB frames on 4 raw
 connections took an empty grpc.aio server from 33 to 135 MiB, and the daemons past their memory
-limits (OOM-killed, the node's capacity gone until they are back). No grpc option bounds it;
-grpc's own 16 KiB SETTINGS_MAX_HEADER_LIST_SIZE applies to the decoded list, once the block is
-whole.
+limits (OOM-killed, the node's capacity gone until they are back). No grpc option bounds it (its
+16 KiB SETTINGS_MAX_HEADER_LIST_SIZE applies to the decoded list, once the block is whole).
 
 So the public unix socket is ours: each connection accepted there is forwarded, byte for byte
 and untouched, to the gRPC server listening on a private address, and the client's bytes are read
@@ -270,8 +269,7 @@ class _Pair:
             task.cancel()
 
     def holding(self) -> bool:
-        """Bytes the server sent are not yet written to the client: unread on the upstream
-        connection, or waiting in the client's write buffer."""
+        """Bytes the server sent not yet written to the client: unread upstream, or buffered."""
         client, upstream = self.client.transport, self.upstream.transport
         if client is not None and client.get_write_buffer_size():
             return True
@@ -279,8 +277,7 @@ class _Pair:
         if sock is None:
             return False
         with contextlib.suppress(OSError):
-            unread: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
-            return unread > 0
+            return bool(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)))[0])
         return False
 
     def _forget(self) -> None:
@@ -351,34 +348,29 @@ class FrameGuard:
             self._logged_at, self._unlogged = now, 0
 
     async def forwarded(self, timeout: float) -> None:
-        """Return once what the server has sent so far is written to its clients (nothing unread
-        from it, nothing in a client's write buffer), or after ``timeout`` seconds (a client
-        that does not read). Without the guard gRPC writes to the client's socket itself; a
-        hand-over waits on this before its socket goes, so that the stream ends it has sent are
-        with the kubelet as soon as they were without the guard, however late this process gets
-        the CPU again."""
-        loop = asyncio.get_running_loop()
-        until = loop.time() + timeout
+        """Return once what the server has sent so far is written to its clients, or after
+        ``timeout`` seconds (a client that does not read). Without the guard gRPC writes to the
+        client's socket itself: a hand-over waits on this before its socket goes, so that the
+        stream ends it sent are with the kubelet however late this process next gets the CPU."""
+        until = asyncio.get_running_loop().time() + timeout
         await asyncio.sleep(0)  # the reads already due run first
         for _ in range(int(timeout * 1000) + 1):
-            if not any(pair.holding() for pair in self._pairs) or loop.time() >= until:
+            if not any(p.holding() for p in self._pairs) or asyncio.get_running_loop().time() >= until:
                 return
             await asyncio.sleep(0.001)
 
     def stop_listening(self) -> None:
-        """Refuse new connections at once, as a gRPC server that begins to stop does; the ones
-        being forwarded go on."""
+        """Refuse new connections at once, as a stopping gRPC server does; forwarded ones go on."""
         if self._server is not None:
             self._server.close()  # closes the listening socket at once
 
     async def close(self, drain: float = 0.0) -> None:
-        """Stop accepting, remove our path, give the forwarded connections up to ``drain``
-        seconds to end by themselves, then end every one left at once. Stop the gRPC server
-        first: it closes its connections, and the guard closes each client's in turn once what
-        the server sent is written, so its goodbyes reach the clients. A cancellation during the
-        drain ends the connections at once; the ending itself is done before any later await,
-        so a cancellation then (the daemon re-cancels while stopping) cuts short only the wait
-        for the ended connections' clean-up, never the ending."""
+        """Stop accepting, remove our path, give the connections up to ``drain`` seconds to end by
+        themselves, then end the rest at once. Stop the gRPC server first: each connection it
+        closes the guard closes once what it sent is written, so its goodbyes reach the clients.
+        A cancellation during the drain ends them at once; the ending is done before any later
+        await, so a cancellation then (the daemon re-cancels while stopping) cuts short only the
+        wait for their clean-up."""
         server, self._server = self._server, None
         if server is not None:
             server.close()
