@@ -81,7 +81,7 @@ class Instances:
             instance.endpoint.remove_stale()
             instance.endpoint.take()
         except BaseException:
-            await self.stop(instance)  # gRPC removes its private name
+            await self.stop(instance)  # the guard removes its private name
             raise
         instance.live = True
         return instance
