@@ -13,14 +13,11 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any
 
 import pytest
-from support.cluster import PAUSE_IMAGE, Cluster, Sampler
+from support.cluster import Cluster, Sampler
 from support.clusterfixtures import DAEMONSETS, NAMESPACE, RELEASE, Installed
-from support.waits import quiet_blocking
+from support.upgrades import HYPERVISOR, KLOG, Churn, seconds, stamp
 
 ROUNDS = int(os.environ.get("HLPLUGIN_UPGRADE_ROUNDS", "10"))
 
@@ -30,15 +27,8 @@ pytestmark = [
 GAP_GUARD = 1.0  # seconds: a hand-over that took longer did not happen as designed
 GAP_AIM = 0.100
 
-HYPERVISOR = "hyperlight.dev/hypervisor"
-KLOG = r"^[IWE]\d{4} (\d\d:\d\d:\d\d\.\d+)\s+\d+ \S+\] "
 ENDED = re.compile(KLOG + r'"ListAndWatch ended unexpectedly for device plugin".*resource="([^"]+)"', re.M)
 PUSHED = re.compile(KLOG + r'"State pushed for device plugin" resource="([^"]+)"', re.M)
-
-
-def seconds(clock: str) -> float:
-    hours, minutes, rest = clock.split(":")
-    return int(hours) * 3600 + int(minutes) * 60 + float(rest)
 
 
 def gaps(log: str, resource: str) -> list[float]:
@@ -46,43 +36,6 @@ def gaps(log: str, resource: str) -> list[float]:
     ends = [seconds(m.group(1)) for m in ENDED.finditer(log) if m.group(2) == resource]
     pushes = [seconds(m.group(1)) for m in PUSHED.finditer(log) if m.group(2) == resource]
     return [min((p for p in pushes if p >= end), default=float("inf")) - end for end in ends]
-
-
-def stamp(event: dict[str, Any]) -> float:
-    text = event.get("lastTimestamp") or event.get("eventTime") or event["metadata"]["creationTimestamp"]
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
-@dataclass
-class Churn:
-    """A workload pod created every 0.5 s, each deleted once the kubelet decided on it."""
-
-    cluster: Cluster
-    outcomes: dict[str, str] = field(default_factory=dict)
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        n = 0
-        while not self.done.is_set():
-            n += 1
-            self.cluster.apply({
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": f"churn-{n}", "namespace": "default", "labels": {"app": "churn"}},
-                "spec": {"terminationGracePeriodSeconds": 0, "containers": [{
-                    "name": "c", "image": PAUSE_IMAGE, "imagePullPolicy": "Never",
-                    "resources": {"limits": {HYPERVISOR: "1"}}}]}})
-            decided = []
-            for pod in self.cluster.pods("default", "app=churn"):
-                phase = pod["status"].get("phase", "")
-                if phase in ("Running", "Failed") and pod["metadata"]["name"] not in self.outcomes:
-                    self.outcomes[pod["metadata"]["name"]] = pod["status"].get("reason") or phase
-                    decided.append(pod["metadata"]["name"])
-            if decided:
-                self.cluster.kubectl("delete", "pod", "-n", "default", "--wait=false", *decided)
-            quiet_blocking(0.5, "the workload's pace: one pod every 0.5 s")
-
-    def failed(self) -> list[str]:
-        return [name for name, outcome in self.outcomes.items() if outcome == "UnexpectedAdmissionError"]
 
 
 VM_WORKER = "vm-worker"

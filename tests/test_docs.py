@@ -75,6 +75,10 @@ FOREIGN = {
     "number of requested devices 2001 exceeds the claim limit of 32": "the scheduler's event (DRA)",
     'namespaces "hyperlight-system" not found': "the API server's, as helm install prints it",
     'namespaces "hyperlight-system" already exists': "the API server's, as Helm 3 prints it",
+    '"Registered DRA plugin"': "the kubelet's DRA plugin manager (log)",
+    '"Unregistered DRA plugin"': "the kubelet's DRA plugin manager (log)",
+    '"WatchResources health stream has ended"': "the kubelet's DRA health streams (log)",
+    '"Successfully started WatchResources health stream"': "the kubelet's DRA health streams (log)",
 }
 
 

@@ -454,6 +454,22 @@ async def test_two_pods_of_a_surging_upgrade_serve_side_by_side() -> None:
             assert devices(await watcher.prepare(DRA_DRIVER, CLAIM), CLAIM[1])  # recorded
 
 
+async def test_a_stopping_driver_withdraws_its_registration_and_stays_ready() -> None:
+    """Stopped (cancelled), the registration socket goes first and the kubelet unregisters us,
+    but readiness holds: a terminating pod's probe must not fail (a Warning event) while its
+    servers stop. Removed by someone else, the registration is a failure (the next test)."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as pod:
+        await registered(watcher, pod.plugin)
+        pod.task.cancel()
+        await asyncio.wait({pod.task})
+        await watcher.sync()
+        assert not watcher.plugins and os.listdir(node.registry) == []
+        assert not pod.plugin.registered and pod.plugin.stopping and pod.plugin.ready
+        assert pod.plugin.status.startswith("stopping: ")
+
+
 async def test_a_removed_registration_socket_is_published_again() -> None:
     node = Node()
     watcher = FakePluginWatcher(node.registry)
@@ -462,6 +478,8 @@ async def test_a_removed_registration_socket_is_published_again() -> None:
         os.unlink(plugin.registration_path)
         await watcher.sync()
         assert not watcher.plugins  # the kubelet unregistered us
+        await wait_until(lambda: not plugin.ready, 20, "not ready while unregistered")
+        assert not plugin.stopping
         await registered(watcher, plugin)
         assert len(watcher.infos) == 2
 

@@ -168,7 +168,7 @@ class DraDriver:
         return tasks
 
     def conditions(self) -> dict[str, tuple[bool, str]]:
-        return {Readiness.REGISTERED: (self.plugin.registered, self.plugin.status),
+        return {Readiness.REGISTERED: (self.plugin.ready, self.plugin.status),
                 Readiness.CHECKPOINT: self.claims.condition()}
 
     def advisory(self) -> dict[str, tuple[bool, str]]:

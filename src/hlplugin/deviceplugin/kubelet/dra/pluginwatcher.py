@@ -74,6 +74,7 @@ class WatcherPlugin:
         self._on_status = on_status
         self._wakeup = Wakeup(DirWatcher(registry_dir, {registration_name}, poll_interval=1.0))
         self.registered = False
+        self.stopping = False  # cancelled: our registration withdrawn on purpose
         self.serving = False  # our endpoint is published and its server runs
         self.problem = (f"the kubelet's plugin watcher has not called on {self.registration_path} "
                         f"yet (is {dir_setting} the kubelet's plugins_registry?)")
@@ -81,6 +82,14 @@ class WatcherPlugin:
     @property
     def status(self) -> str:
         return "" if self.registered else self.problem
+
+    @property
+    def ready(self) -> bool:
+        """Registered, or stopping: the registration withdrawn on purpose (the kubelet calls the
+        newer pod of a surge) is no failure. The kubelet probes a terminating pod's readiness,
+        and a failed probe is a Warning event for a rollout that went right (each of 4 rollouts
+        on the real cluster raised one, the old pod answering 503 while its servers stopped)."""
+        return self.registered or self.stopping
 
     def _status(self, registered: bool, error: str) -> None:
         self.registered = registered
@@ -133,9 +142,13 @@ class WatcherPlugin:
                 await self._wakeup.wait(pulse, self._recheck)
             log.warning("our registration socket %s was removed or replaced; publishing it again",
                         self.registration_path)
+        except asyncio.CancelledError:
+            self.stopping = True
+            raise
         finally:
             self.registered = False
-            self.problem = f"{self.registration_path} is not published (being published again)"
+            self.problem = (f"stopping: {self.registration_path} withdrawn" if self.stopping else
+                            f"{self.registration_path} is not published (being published again)")
             registration.remove()  # first: the kubelet unregisters us before the endpoint goes
             with contextlib.suppress(asyncio.CancelledError):
                 await stop_server(server)
