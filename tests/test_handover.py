@@ -340,30 +340,39 @@ async def test_the_http_port_stays_open_for_a_readiness_probe_due_soon(
         assert answer == (200 if probed else 0), probed
 
 
-async def test_one_kubelet_probe_is_enough_to_wait_for_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A pod stopped before its second readiness probe (a rollout rolled back at once) has seen one
-    probe only: from the kubelet (its User-Agent), the next is due the manifests' period later and
-    is answered before the port closes; one request from anything else is no probe."""
+async def answer_while_stopping(monkeypatch: pytest.MonkeyPatch, agent: str, silence: float,
+                                then: float, period: float = 0.3) -> int:
+    """One probe from ``agent``, ``silence`` seconds with none, stop(), and ``then`` seconds later
+    the next probe: its status, or 0 when the port was closed (the manifests' period: ``period``)."""
     from prometheus_client import CollectorRegistry
 
     from hlplugin.deviceplugin.process import http, probeclearance
 
-    period = 0.3
     monkeypatch.setattr(probeclearance, "MANIFEST_PERIOD", period)
     monkeypatch.setattr(probeclearance, "PROBE_PERIODS", (0.2, 30.0))
 
     def ready() -> dict[str, tuple[bool, str]]:
         return {"registered": (True, "")}
 
+    server = http.HttpServer(ready, lambda: (True, ""), CollectorRegistry())
+    await server.start(("127.0.0.1", 0))
+    assert await get_status(server.port, agent=agent) == 200
+    await asyncio.sleep(silence)  # the emulated world's time: no probe meanwhile
+    stopping = asyncio.create_task(server.stop())
+    await asyncio.sleep(then)  # the next probe's time
+    answer = await get_status(server.port, agent=agent)
+    await asyncio.wait({stopping}, timeout=GUARD)
+    assert stopping.done()
+    return answer
+
+
+async def test_one_kubelet_probe_is_enough_to_wait_for_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod stopped before its second readiness probe (a rollout rolled back at once) has seen one
+    probe only: from the kubelet (its User-Agent), the next is due the manifests' period later and
+    is answered before the port closes; one request from anything else is no probe."""
+    period = 0.3
     for agent in ("kube-probe/1.36", "curl/8.5"):
-        server = http.HttpServer(ready, lambda: (True, ""), CollectorRegistry())
-        await server.start(("127.0.0.1", 0))
-        assert await get_status(server.port, agent=agent) == 200
-        stopping = asyncio.create_task(server.stop())
-        await asyncio.sleep(period)  # the kubelet's probe period: the emulated world's time
-        answer = await get_status(server.port, agent=agent)
-        await asyncio.wait({stopping}, timeout=GUARD)
-        assert stopping.done()
+        answer = await answer_while_stopping(monkeypatch, agent, 0.0, period, period)
         assert answer == (200 if agent.startswith("kube-probe/") else 0), agent
 
 
@@ -373,25 +382,8 @@ async def test_a_kubelet_probe_overdue_waits_a_period_for_the_restarted_kubelets
     overdue, and the new kubelet's first probe comes within a period of its start, on a phase of
     its own. So an overdue kubelet probe keeps the port open for one more period, and the probe
     that comes within it is answered; a request from anything else still closes it at once."""
-    from prometheus_client import CollectorRegistry
-
-    from hlplugin.deviceplugin.process import http, probeclearance
-
     period = 0.3
-    monkeypatch.setattr(probeclearance, "MANIFEST_PERIOD", period)
-    monkeypatch.setattr(probeclearance, "PROBE_PERIODS", (0.2, 30.0))
-
-    def ready() -> dict[str, tuple[bool, str]]:
-        return {"registered": (True, "")}
-
     for agent in ("kube-probe/1.36", "curl/8.5"):
-        server = http.HttpServer(ready, lambda: (True, ""), CollectorRegistry())
-        await server.start(("127.0.0.1", 0))
-        assert await get_status(server.port, agent=agent) == 200
-        await asyncio.sleep(3 * period)  # the kubelet restarting: no probe for three periods
-        stopping = asyncio.create_task(server.stop())
-        await asyncio.sleep(period / 2)  # the new kubelet's first probe, on a phase of its own
-        answer = await get_status(server.port, agent=agent)
-        await asyncio.wait({stopping}, timeout=GUARD)
-        assert stopping.done()
+        # The kubelet restarting: no probe for three periods; its first, on a phase of its own.
+        answer = await answer_while_stopping(monkeypatch, agent, 3 * period, period / 2, period)
         assert answer == (200 if agent.startswith("kube-probe/") else 0), agent
