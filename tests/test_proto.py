@@ -1,5 +1,6 @@
 """The generated code in src/hlplugin/api is exactly what protos/ generates."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -97,11 +98,12 @@ def test_dra_api_is_the_kubelets(version: str) -> None:
 # --- against the kubelet itself -------------------------------------------------------------------
 
 def _kubelet_xz() -> Path | None:
-    """The v1.36 kubelet of ../shared/k8s (README there), beside the repository or its worktree."""
-    for base in (ROOT.parent, ROOT.parent.parent):
-        path = base / "shared" / "k8s" / "kubelet.xz"
-        if path.is_file():
-            return path
+    """The v1.36 kubelet of HLPLUGIN_K8S_DIR (as the cluster tests take it), else of ../shared/k8s
+    (README there) beside the repository or its worktree: a clone elsewhere still finds it."""
+    dirs = [Path(os.environ["HLPLUGIN_K8S_DIR"])] if os.environ.get("HLPLUGIN_K8S_DIR") else []
+    for k8s in (*dirs, ROOT.parent / "shared" / "k8s", ROOT.parent.parent / "shared" / "k8s"):
+        if (k8s / "kubelet.xz").is_file():
+            return k8s / "kubelet.xz"
     return None
 
 
@@ -167,7 +169,7 @@ def test_every_kubelet_api_we_speak_is_the_v1_36_kubelets_own() -> None:
 
     xz = _kubelet_xz()
     if xz is None:
-        pytest.skip("no ../shared/k8s/kubelet.xz (the v1.36 kubelet) beside the repository")
+        pytest.skip("no kubelet.xz (the v1.36 kubelet) in HLPLUGIN_K8S_DIR or ../shared/k8s")
     theirs = _embedded_descriptors(lzma.decompress(xz.read_bytes()))
     assert set(OURS) <= set(theirs), sorted(theirs)
     for path, module in OURS.items():
