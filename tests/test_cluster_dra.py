@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 from support.cluster import NODE, Cluster, Sampler
 from support.clusterfixtures import DAEMONSETS, NAMESPACE, RELEASE, Installed
-from support.upgrades import KLOG, Churn, seconds, stamp
+from support.upgrades import KLOG, Churn, access_drops, access_sampler, seconds, stamp
 
 from hlplugin.names import DRA_DRIVER
 
@@ -494,7 +494,7 @@ def driver_rollouts(c: Cluster, rounds: int) -> None:
         assert uid in recorded_claims(c)
         (before,) = our_slices(c)
         path = f"/apis/resource.k8s.io/v1/resourceslices/{before['metadata']['name']}"
-        with Sampler(c, path, lambda s: s["metadata"]["uid"]) as sampler:
+        with Sampler(c, path, lambda s: s["metadata"]["uid"]) as sampler, access_sampler(c) as access:
             worker.start()
             try:
                 for i in range(rounds):
@@ -548,7 +548,9 @@ def driver_rollouts(c: Cluster, rounds: int) -> None:
               f"workload warnings {len(workload_warnings)} {workload_warnings[:5]}; our warnings "
               f"{len(warnings)}; slice samples {len(sampler.samples)}, errors {len(sampler.errors)}; "
               f"the holder's VMs {vms}, claim kept {kept}, lost after {lost}; driver pods still "
-              f"terminating at each rollout's end {terminating}; registration sockets {sockets}")
+              f"terminating at each rollout's end {terminating}; registration sockets {sockets}; "
+              f"device-access allocatable below its slots in {len(access_drops(access))} of "
+              f"{len(access.samples)} samples (first {access_drops(access)[:3]})")
         assert kept and not lost, lost
         assert not unserved, (unserved, workload_warnings[:20])
         assert not warnings, "\n".join(warnings[:20])

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 from support.cluster import Cluster, Sampler
 from support.clusterfixtures import DAEMONSETS, NAMESPACE, RELEASE, Installed
-from support.upgrades import HYPERVISOR, KLOG, Churn, seconds, stamp
+from support.upgrades import HYPERVISOR, KLOG, Churn, access_drops, access_sampler, seconds, stamp
 
 ROUNDS = int(os.environ.get("HLPLUGIN_UPGRADE_ROUNDS", "10"))
 
@@ -105,7 +105,7 @@ def rollouts(release: Installed, upgrade: Callable[[Cluster, int], object], roun
     terminating: list[int] = []  # main pods still terminating when each rollout was done
     worker = threading.Thread(target=churn.run, daemon=True)
     with Sampler(c, "/api/v1/nodes/hlnode", lambda n: n["status"].get("allocatable", {}).get(HYPERVISOR)) \
-            as sampler:
+            as sampler, access_sampler(c) as access:
         worker.start()
         try:
             for i in range(rounds):
@@ -139,7 +139,8 @@ def rollouts(release: Installed, upgrade: Callable[[Cluster, int], object], roun
           f"{len(churn.outcomes)}, failed admission {len(churn.failed())}; VMs created by the running "
           f"worker {vms}, its restarts {vm_restarts}; gaps over the {GAP_AIM * 1000:.0f} ms aim "
           f"{len(over_aim)} of {len(measured)}; main pods still terminating at each rollout's end "
-          f"{terminating}")
+          f"{terminating}; device-access allocatable below its slots in {len(access_drops(access))} of "
+          f"{len(access.samples)} samples (first {access_drops(access)[:3]})")
     assert vm_restarts == 0 and vms > 0, f"the running workload lost its device: {worker_log[-2000:]}"
     assert not failed_pods and not [w for w in warnings if "FailedDaemonPod" in w], warnings
     # A readiness probe that met a terminating pod's port closed: a pod stopped before its second

@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from support.cluster import PAUSE_IMAGE, Cluster
+from hlplugin.bootstrap import SLOTS as ACCESS_SLOTS
+from support.cluster import NODE, PAUSE_IMAGE, Cluster, Sampler
 from support.waits import quiet_blocking
 
 HYPERVISOR = "hyperlight.dev/hypervisor"
+ACCESS = "hyperlight.dev/device-access"
 KLOG = r"^[IWE]\d{4} (\d\d:\d\d:\d\d\.\d+)\s+\d+ \S+\] "  # a klog line's header; group 1 its clock
 
 
@@ -24,6 +26,20 @@ def seconds(clock: str) -> float:
 def stamp(event: dict[str, Any]) -> float:
     text = event.get("lastTimestamp") or event.get("eventTime") or event["metadata"]["creationTimestamp"]
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def access_sampler(cluster: Cluster) -> Sampler:
+    """The node's allocatable ``hyperlight.dev/device-access`` every 100 ms: a surge pod of ours
+    that waits with "Insufficient hyperlight.dev/device-access" is told apart from a drop in the
+    bootstrap's slots (its own hand-over) by these samples."""
+    return Sampler(cluster, f"/api/v1/nodes/{NODE}",
+                   lambda n: n["status"].get("allocatable", {}).get(ACCESS))
+
+
+def access_drops(sampler: Sampler) -> list[tuple[float, Any]]:
+    """(seconds since the first sample, value) of every sample below the bootstrap's slots."""
+    start = sampler.samples[0][0] if sampler.samples else 0.0
+    return [(round(t - start, 1), v) for t, v in sampler.samples if v != str(ACCESS_SLOTS)]
 
 
 @dataclass
