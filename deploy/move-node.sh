@@ -1,26 +1,29 @@
 #!/usr/bin/env bash
-# Move one node between the device plugin and the DRA driver, the safe path of docs/dra.md
-# ("Moving a node between the device plugin and the driver"): cordon, refuse while a workload
-# pod holds the device the old way, switch the node's hyperlight.dev/dra label, wait for the new
-# daemon, its device and the node's allocatable, then uncordon.
+# Move one node between the device plugin and the DRA driver, the runbook of docs/dra.md
+# ("Moving a node between the device plugin and the driver"): cordon, let the pods placed before
+# the cordon start, label the node hyperlight.dev/dra=moving (neither daemon runs there) until the
+# old daemon's pod is gone, then label it for the new one (hyperlight.dev/dra=true for the driver,
+# no label for the device plugin), wait for it, its device and the node's allocatable, uncordon.
+# So the kubelet never has both. Pods the device plugin served keep their device through a move
+# to the driver, and the 1.36 kubelet admits the driver's pods beside them: they are listed.
 #
 #   deploy/move-node.sh --to dra NODE
 #   deploy/move-node.sh --to device-plugin NODE
 #
 # --dry-run runs only the reads and prints the commands that would change the cluster.
-# --keep-pods moves the node although workload pods hold the device the old way (unproved:
-# --to dra then waits the kubelet's 5 minutes out, which --no-grace skips). --namespace NS (default
-# hyperlight-system); --timeout SECONDS for each wait (default 300). KUBECTL overrides kubectl.
-# A failed step leaves the node cordoned and says so.
+# --to device-plugin refuses while pods the driver serves run on the node: each one ended after the
+# driver left stays Terminating until the driver serves the node again. --keep-pods moves it anyway.
+# --namespace NS (default hyperlight-system); --timeout SECONDS for each wait (default 300).
+# KUBECTL overrides kubectl. A failed step leaves the node cordoned and says so.
 set -Eeuo pipefail
 
 usage() {  # a usage error: to stderr, exit 2
-    sed -n '2,14s/^# \{0,1\}//p' "$0" >&2
+    sed -n '2,18s/^# \{0,1\}//p' "$0" >&2
     exit 2
 }
 
 help() {  # asked for: to stdout, exit 0
-    sed -n '2,14s/^# \{0,1\}//p' "$0"
+    sed -n '2,18s/^# \{0,1\}//p' "$0"
     exit 0
 }
 
@@ -30,8 +33,6 @@ namespace=hyperlight-system
 timeout=300
 dry_run=false
 keep_pods=false
-grace=true
-held_kept=false  # --keep-pods moved the node with pods holding the device the old way
 nodes=()
 
 while [ $# -gt 0 ]; do
@@ -44,7 +45,6 @@ while [ $# -gt 0 ]; do
         --timeout=*) timeout=${1#*=}; shift ;;
         --dry-run) dry_run=true; shift ;;
         --keep-pods) keep_pods=true; shift ;;
-        --no-grace) grace=false; shift ;;
         -h|--help) help ;;
         -*) echo "unknown option: $1" >&2; usage ;;
         *) nodes+=("$1"); shift ;;
@@ -106,11 +106,21 @@ daemon_gone() { [ -z "$(daemon_pods "$1")" ]; }
 node_field() { "$kubectl" get node "$node" -o "jsonpath={$1}"; }
 allocatable_zero() { case "$(node_field ".status.allocatable.$resource")" in ''|0) return 0 ;; esac; return 1; }
 allocatable_up() { ! allocatable_zero; }
-capacity_zero() { case "$(node_field ".status.capacity.$resource")" in ''|0) return 0 ;; esac; return 1; }
 slice_published() {
     [ -n "$("$kubectl" get resourceslices \
         --field-selector "spec.driver=hyperlight.dev,spec.nodeName=$node" -o name)" ]
 }
+
+starting() {  # workload pods asking for the device, placed on the node and not started yet
+    "$kubectl" get pods -A --field-selector "spec.nodeName=$node,status.phase=Pending" \
+        -o "jsonpath={range .items[*]}{.metadata.namespace}/{.metadata.name}|{.spec.containers[*].resources.limits.$resource}|{.spec.resourceClaims[*].name}{\"\\n\"}{end}" |
+        while IFS='|' read -r pod slots claims; do
+            [ -n "$pod" ] || continue
+            case "$pod" in "$namespace"/*) continue ;; esac
+            if [ -n "$slots$claims" ]; then echo "$pod"; fi
+        done
+}
+none_starting() { [ -z "$(starting)" ]; }
 
 holding() {  # the workload pods on the node that hold the device the way being left
     "$kubectl" get pods -A \
@@ -140,15 +150,22 @@ left_cordoned() {
 trap 'left_cordoned' ERR
 
 change cordon "$node"
+# A pod the scheduler placed just before the cordon is served the old way: admitted and prepared
+# while the old daemon still runs (one that met the driver gone stayed Pending on the real cluster).
+wait_for "the pods placed on $node before the cordon to start" none_starting
 
 held=$(holding)
 if [ -n "$held" ]; then
-    if $keep_pods; then
-        say "moving with these pods still holding the device the old way (--keep-pods):"
+    if [ "$to" = dra ]; then
+        # Proved on the 1.36 cluster (tests/test_cluster_migrate.py): they keep their device, and
+        # the kubelet skips its device manager for a pod the driver serves.
+        say "these pods keep the device the device plugin gave them:"
         echo "$held"
-        held_kept=true
+    elif $keep_pods; then
+        say "moving with these pods the driver serves (--keep-pods): each one ended before the driver serves $node again stays Terminating:"
+        echo "$held"
     else
-        say "these pods hold the device the old way; let them finish or drain them, or give --keep-pods:" >&2
+        say "the driver serves these pods; let them finish or drain them, or give --keep-pods:" >&2
         echo "$held" >&2
         left_cordoned
         trap - ERR
@@ -156,22 +173,18 @@ if [ -n "$held" ]; then
     fi
 fi
 
+# The old daemon's pod goes before the new one's comes: hyperlight.dev/dra=moving keeps both off.
+change label node "$node" hyperlight.dev/dra=moving --overwrite
 if [ "$to" = dra ]; then
+    wait_for "the device plugin's pod to leave $node" daemon_gone hyperlight-device-plugin
     change label node "$node" hyperlight.dev/dra=true --overwrite
     wait_for "the driver's pod on $node to be Ready" daemon_ready hyperlight-dra
-    wait_for "the device plugin's pod to leave $node" daemon_gone hyperlight-device-plugin
     wait_for "the driver's ResourceSlice for $node" slice_published
     wait_for "$node's allocatable hyperlight.dev/hypervisor to be 0" allocatable_zero
-    # With no device-plugin pod left, the 1.36 kubelet admits a pod the driver serves within its
-    # 5 minutes (tests/test_cluster_dra.py); with one left that is unproved: wait them out.
-    if $grace && $held_kept; then
-        timeout=$((timeout > 420 ? timeout : 420))  # the kubelet's 5 minutes and a status update
-        wait_for "$node's capacity hyperlight.dev/hypervisor to be 0 (the kubelet's 5 minutes)" capacity_zero
-    fi
 else
+    wait_for "the driver's pod to leave $node" daemon_gone hyperlight-dra
     change label node "$node" hyperlight.dev/dra-
     wait_for "the device plugin's pod on $node to be Ready" daemon_ready hyperlight-device-plugin
-    wait_for "the driver's pod to leave $node" daemon_gone hyperlight-dra
     wait_for "$node's allocatable hyperlight.dev/hypervisor to be above 0" allocatable_up
 fi
 

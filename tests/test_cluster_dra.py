@@ -29,7 +29,17 @@ from typing import Any
 import pytest
 from support.cluster import NODE, Cluster, Sampler
 from support.clusterfixtures import DAEMONSETS, NAMESPACE, RELEASE, Installed
-from support.upgrades import KLOG, Churn, access_drops, access_sampler, seconds, stamp
+from support.upgrades import (
+    KLOG,
+    KUBELET_VERBOSITY,
+    REGISTRATION,
+    Churn,
+    access_drops,
+    access_sampler,
+    kubelet_verbosity,
+    seconds,
+    stamp,
+)
 
 from hlplugin.names import DRA_DRIVER
 
@@ -394,9 +404,7 @@ DRA_ROUNDS = int(os.environ.get("HLPLUGIN_DRA_UPGRADE_ROUNDS", "3"))
 LONG_ROUNDS = 10
 LONG_RUN = bool(os.environ.get("HLPLUGIN_LONG_RUN"))
 GAP_GUARD = 1.0  # seconds without a registered instance of the driver: the surge did not hand over
-REGISTRATION = re.compile(KLOG + r'"(Registered|Unregistered) DRA plugin"(.*)$', re.M)
 HEALTH_ENDED = re.compile(KLOG + r'"WatchResources health stream has ended"', re.M)
-KUBELET_VERBOSITY = 2  # tests/support/cluster.py starts the kubelet with --v 2
 HEALTH_STARTED = re.compile(KLOG + r'"Successfully started WatchResources health stream"', re.M)
 
 
@@ -446,13 +454,6 @@ def health_streams(log: str) -> list[tuple[float, int, int | None]]:
     changes = [(seconds(m.group(1)), 1, None) for m in HEALTH_STARTED.finditer(log)]
     changes += [(seconds(m.group(1)), -1, None) for m in HEALTH_ENDED.finditer(log)]
     return sorted(changes, key=lambda change: change[0])
-
-
-def kubelet_verbosity(c: Cluster, level: int) -> str:
-    """The kubelet's log verbosity set at run time (its /debug/flags/v, through the API server)."""
-    result = c.kubectl("replace", "--raw", f"/api/v1/nodes/{NODE}/proxy/debug/flags/v", "-f", "-",
-                       input=str(level), check=False)
-    return (result.stdout + result.stderr).strip()
 
 
 def driver_rolled_out(c: Cluster) -> int:
@@ -519,7 +520,7 @@ def driver_rollouts(c: Cluster, rounds: int) -> None:
         for pod in c.pods(NS, "app=churn"):
             name = pod["metadata"]["name"]
             if name not in churn.outcomes and not pod["metadata"].get("deletionTimestamp"):
-                churn.outcomes[name] = pod["status"].get("reason") or pod["status"].get("phase", "")
+                churn.record(pod)
         stuck = [n for n, outcome in churn.outcomes.items() if outcome == "Pending"]
         unserved = {n: outcome for n, outcome in churn.outcomes.items() if outcome != "Running"}
         holding(c, HOLDER)

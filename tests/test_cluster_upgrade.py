@@ -9,7 +9,6 @@ shared 2-core machine measures the machine (docs/benchmarks.md has the figures).
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +16,18 @@ from collections.abc import Callable
 import pytest
 from support.cluster import Cluster, Sampler
 from support.clusterfixtures import DAEMONSETS, NAMESPACE, RELEASE, Installed
-from support.upgrades import HYPERVISOR, KLOG, Churn, access_drops, access_sampler, seconds, stamp
+from support.upgrades import (
+    ENDED,
+    HYPERVISOR,
+    PUSHED,
+    VM_WORKER,
+    Churn,
+    access_drops,
+    access_sampler,
+    seconds,
+    stamp,
+    vm_worker,
+)
 
 ROUNDS = int(os.environ.get("HLPLUGIN_UPGRADE_ROUNDS", "10"))
 
@@ -27,42 +37,12 @@ pytestmark = [
 GAP_GUARD = 1.0  # seconds: a hand-over that took longer did not happen as designed
 GAP_AIM = 0.100
 
-ENDED = re.compile(KLOG + r'"ListAndWatch ended unexpectedly for device plugin".*resource="([^"]+)"', re.M)
-PUSHED = re.compile(KLOG + r'"State pushed for device plugin" resource="([^"]+)"', re.M)
-
 
 def gaps(log: str, resource: str) -> list[float]:
     """For each end of a plugin's stream the kubelet logged, the time to its next first list."""
     ends = [seconds(m.group(1)) for m in ENDED.finditer(log) if m.group(2) == resource]
     pushes = [seconds(m.group(1)) for m in PUSHED.finditer(log) if m.group(2) == resource]
     return [min((p for p in pushes if p >= end), default=float("inf")) - end for end in ends]
-
-
-VM_WORKER = "vm-worker"
-
-
-def vm_worker(cluster: Cluster) -> None:
-    """The examples' VM check as a pod that creates a VM every 0.5 s through its slot, as UID
-    65534, for the length of the upgrades: a check that fails exits, and the container restarts."""
-    cluster.kubectl("create", "configmap", "hyperlight-vm-check", "-n", "default",
-                    "--from-file=deploy/examples/vm_check.py", check=False)
-    cluster.apply({
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": VM_WORKER, "namespace": "default"},
-        "spec": {"terminationGracePeriodSeconds": 1,
-                 "securityContext": {"runAsNonRoot": True, "runAsUser": 65534, "runAsGroup": 65534},
-                 "containers": [{
-                     "name": "c", "image": Cluster.chart_image(), "imagePullPolicy": "IfNotPresent",
-                     "command": ["python3", "/opt/vm-check/vm_check.py", "--interval", "0.5"],
-                     "resources": {"limits": {HYPERVISOR: "1"}},
-                     "securityContext": {"allowPrivilegeEscalation": False,
-                                         "capabilities": {"drop": ["ALL"]}},
-                     "volumeMounts": [{"name": "check", "mountPath": "/opt/vm-check", "readOnly": True}]}],
-                 "volumes": [{"name": "check", "configMap": {"name": "hyperlight-vm-check"}}]}})
-
-    def running() -> bool:
-        return bool(cluster.get("pod", VM_WORKER, "-n", "default")["status"].get("phase") == "Running")
-
-    cluster.until(running, 90, "the VM worker running")
 
 
 def rolled_out(cluster: Cluster) -> int:

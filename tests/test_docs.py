@@ -79,6 +79,11 @@ FOREIGN = {
     '"Unregistered DRA plugin"': "the kubelet's DRA plugin manager (log)",
     '"WatchResources health stream has ended"': "the kubelet's DRA health streams (log)",
     '"Successfully started WatchResources health stream"': "the kubelet's DRA health streams (log)",
+    '"Skipping allocation for DRA-backed extended resource" resourceName="hyperlight.dev/hypervisor"':
+        "the kubelet's device manager (log)",
+    '"Error syncing pod, skipping" err="unprepare dynamic resources: DRA driver hyperlight.dev is not '
+    'registered"': "the kubelet's pod workers (log)",
+    "unprepare dynamic resources: DRA driver hyperlight.dev is not registered": "the kubelet's DRA manager",
 }
 
 

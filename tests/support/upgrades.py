@@ -1,10 +1,14 @@
-"""What the real cluster's upgrade tests share (tests/test_cluster_upgrade.py for the device
-plugin, tests/test_cluster_dra.py for the DRA driver): the kubelet's log clock, events' times, and
-the workload that creates a pod asking ``hyperlight.dev/hypervisor: 1`` every 0.5 s throughout."""
+"""What the real cluster's upgrade and migration tests share (tests/test_cluster_upgrade.py for
+the device plugin, tests/test_cluster_dra.py for the DRA driver, tests/test_cluster_migrate.py for
+a node moved between them): the kubelet's log clock and the lines it logs as a device plugin or a
+DRA driver comes and goes, events' times, the pod that makes a VM every 0.5 s, and the workload
+that creates a pod asking ``hyperlight.dev/hypervisor: 1`` every 0.5 s throughout."""
 
 from __future__ import annotations
 
+import re
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -16,11 +20,25 @@ from support.waits import quiet_blocking
 HYPERVISOR = "hyperlight.dev/hypervisor"
 ACCESS = "hyperlight.dev/device-access"
 KLOG = r"^[IWE]\d{4} (\d\d:\d\d:\d\d\.\d+)\s+\d+ \S+\] "  # a klog line's header; group 1 its clock
+# The device manager (the kubelet's verbosity 2): a plugin's stream ended, a plugin's first list.
+ENDED = re.compile(KLOG + r'"ListAndWatch ended unexpectedly for device plugin".*resource="([^"]+)"', re.M)
+PUSHED = re.compile(KLOG + r'"State pushed for device plugin" resource="([^"]+)"', re.M)
+# The DRA plugin manager (its verbosity 3): an instance of a driver taken or let go, with
+# ``numPlugins``, the instances of that driver it then keeps.
+REGISTRATION = re.compile(KLOG + r'"(Registered|Unregistered) DRA plugin"(.*)$', re.M)
+KUBELET_VERBOSITY = 2  # tests/support/cluster.py starts the kubelet with --v 2
 
 
 def seconds(clock: str) -> float:
     hours, minutes, rest = clock.split(":")
     return int(hours) * 3600 + int(minutes) * 60 + float(rest)
+
+
+def kubelet_verbosity(c: Cluster, level: int) -> str:
+    """The kubelet's log verbosity set at run time (its /debug/flags/v, through the API server)."""
+    result = c.kubectl("replace", "--raw", f"/api/v1/nodes/{NODE}/proxy/debug/flags/v", "-f", "-",
+                       input=str(level), check=False)
+    return (result.stdout + result.stderr).strip()
 
 
 def stamp(event: dict[str, Any]) -> float:
@@ -42,12 +60,47 @@ def access_drops(sampler: Sampler) -> list[tuple[float, Any]]:
     return [(round(t - start, 1), v) for t, v in sampler.samples if v != str(ACCESS_SLOTS)]
 
 
+VM_WORKER = "vm-worker"
+
+
+def vm_worker(cluster: Cluster, name: str = VM_WORKER) -> None:
+    """The examples' VM check as a pod that creates a VM every 0.5 s through its slot, as UID
+    65534, for the length of the upgrades: a check that fails exits, and the container restarts.
+    It asks ``hyperlight.dev/hypervisor: 1`` and is placed by the scheduler, so a driver node
+    serves it through the DeviceClass's mapping."""
+    cluster.kubectl("create", "configmap", "hyperlight-vm-check", "-n", "default",
+                    "--from-file=deploy/examples/vm_check.py", check=False)
+    cluster.apply({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+        "spec": {"terminationGracePeriodSeconds": 1,
+                 "securityContext": {"runAsNonRoot": True, "runAsUser": 65534, "runAsGroup": 65534},
+                 "containers": [{
+                     "name": "c", "image": Cluster.chart_image(), "imagePullPolicy": "IfNotPresent",
+                     "command": ["python3", "/opt/vm-check/vm_check.py", "--interval", "0.5"],
+                     "resources": {"limits": {HYPERVISOR: "1"}},
+                     "securityContext": {"allowPrivilegeEscalation": False,
+                                         "capabilities": {"drop": ["ALL"]}},
+                     "volumeMounts": [{"name": "check", "mountPath": "/opt/vm-check", "readOnly": True}]}],
+                 "volumes": [{"name": "check", "configMap": {"name": "hyperlight-vm-check"}}]}})
+
+    def running() -> bool:
+        return bool(cluster.get("pod", name, "-n", "default")["status"].get("phase") == "Running")
+
+    cluster.until(running, 90, f"the VM worker {name} running")
+
+
 @dataclass
 class Churn:
-    """A workload pod created every 0.5 s, each deleted once the kubelet decided on it."""
+    """A workload pod created every 0.5 s, each deleted once the kubelet decided on it. For each
+    pod decided: its outcome (the status's reason, else its phase), the kubelet's message when it
+    failed, which way it was served when it ran ("driver": the scheduler made it a claim; "device
+    plugin"), and when (time.monotonic()) the workload saw it decided."""
 
     cluster: Cluster
     outcomes: dict[str, str] = field(default_factory=dict)
+    messages: dict[str, str] = field(default_factory=dict)
+    served: dict[str, str] = field(default_factory=dict)
+    decided_at: dict[str, float] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
     created: int = 0
 
@@ -65,12 +118,23 @@ class Churn:
             decided = []
             for pod in self.cluster.pods("default", "app=churn"):
                 phase = pod["status"].get("phase", "")
-                if phase in ("Running", "Failed") and pod["metadata"]["name"] not in self.outcomes:
-                    self.outcomes[pod["metadata"]["name"]] = pod["status"].get("reason") or phase
-                    decided.append(pod["metadata"]["name"])
+                name = pod["metadata"]["name"]
+                if phase in ("Running", "Failed") and name not in self.outcomes:
+                    self.record(pod)
+                    decided.append(name)
             if decided:
                 self.cluster.kubectl("delete", "pod", "-n", "default", "--wait=false", *decided)
             quiet_blocking(0.5, "the workload's pace: one pod every 0.5 s")
+
+    def record(self, pod: dict[str, Any]) -> None:
+        """A pod's outcome as the workload saw it decided (or as it was left at the end)."""
+        name, status = pod["metadata"]["name"], pod["status"]
+        self.outcomes[name] = status.get("reason") or status.get("phase", "")
+        self.decided_at[name] = time.monotonic()
+        if status.get("phase") == "Failed":
+            self.messages[name] = status.get("message", "")
+        elif status.get("phase") == "Running":
+            self.served[name] = "driver" if status.get("extendedResourceClaimStatus") else "device plugin"
 
     def failed(self) -> list[str]:
         return [name for name, outcome in self.outcomes.items() if outcome == "UnexpectedAdmissionError"]

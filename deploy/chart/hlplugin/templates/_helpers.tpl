@@ -80,7 +80,9 @@ rollingUpdate:
 {{/* The pod-level settings every DaemonSet shares: (list $ component), the component being
 "device-plugin", "bootstrap" or "dra". The DRA driver runs only on nodes also labelled
 hyperlight.dev/dra=true, and while it is enabled the main daemon stays off them: a node has two
-hyperlight.dev/device-access, one consumer's and its surge's. */}}
+hyperlight.dev/device-access, one consumer's and its surge's. On a node labelled
+hyperlight.dev/dra=moving neither runs: deploy/move-node.sh lets one go before the other comes,
+so the kubelet never has both (docs/dra.md). */}}
 {{- define "hlplugin.podScheduling" -}}
 {{- $root := index . 0 -}}
 {{- $component := index . 1 -}}
@@ -89,7 +91,7 @@ hyperlight.dev/device-access, one consumer's and its surge's. */}}
 {{- if eq $component "dra" -}}
 {{- $nodeSelector = merge (dict "hyperlight.dev/dra" "true") $root.Values.nodeSelector -}}
 {{- else if and $root.Values.dra.enabled (eq $component "device-plugin") -}}
-{{- $elsewhere := dict "key" "hyperlight.dev/dra" "operator" "NotIn" "values" (list "true") -}}
+{{- $elsewhere := dict "key" "hyperlight.dev/dra" "operator" "NotIn" "values" (list "true" "moving") -}}
 {{- $node := get $affinity "nodeAffinity" | default (dict) -}}
 {{- $required := get $node "requiredDuringSchedulingIgnoredDuringExecution" | default (dict) -}}
 {{- $terms := list -}}
