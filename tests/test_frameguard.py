@@ -475,3 +475,63 @@ def test_the_flood_is_an_allocate_whose_headers_never_end() -> None:
     assert ("/v1beta1.DevicePlugin/Allocate" in dict(decoder.decode(head[9:])).values())
     assert CONTINUATION[3:5] == bytes([0x9, 0]) and len(CONTINUATION) - 9 <= FRAME
     assert {f for f in decoder.decode(CONTINUATION[9:])} == {("x-pa", "v" * 100)}
+
+
+async def test_forwarded_returns_once_what_the_server_sent_is_with_the_client(tmp_path: Path) -> None:
+    """What a hand-over waits on before its socket goes: the server's bytes written to the
+    client's socket (readable there without this loop running again); bounded by its timeout
+    for a client that reads nothing."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def keeps(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_unix_server(keeps, str(tmp_path / "up.sock"))
+    async with server, guard_before(server, tmp_path / "g.sock") as guard:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(client, str(tmp_path / "g.sock"))
+            await wait_for(lambda: bool(writers))
+            writers[0].write(b"the stream's end")  # sent on the upstream socket at once
+            await guard.forwarded(2.0)
+            assert client.recv(100) == b"the stream's end"  # no await between: already there
+            # A client that reads nothing: the guard holds what the kernel does not take.
+            writers[0].write(b"x" * (8 << 20))
+            began = time.monotonic()
+            await guard.forwarded(0.2)
+            assert 0.15 < time.monotonic() - began < 1.0
+            assert any(pair.holding() for pair in guard._pairs)
+    os.unlink(tmp_path / "up.sock")
+
+
+async def test_close_lets_the_server_s_closed_connections_end_in_order_first(tmp_path: Path) -> None:
+    """close(drain): a connection the server has closed is closed on the client's side after what
+    the server sent (read to its end, no reset); one still open upstream is ended at the drain's
+    end."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def keeps(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await reader.read()
+
+    server = await asyncio.start_unix_server(keeps, str(tmp_path / "up.sock"))
+    async with server:
+        guard = FrameGuard(f"unix:{server.sockets[0].getsockname()}")
+        await guard.listen(tmp_path / "g.sock")
+        done_reader, done_writer = await connect(tmp_path / "g.sock")
+        await wait_for(lambda: len(writers) == 1)  # writers[0] is this one's upstream side
+        open_reader, open_writer = await connect(tmp_path / "g.sock")
+        await wait_for(lambda: len(writers) == 2)
+        writers[0].write(b"goodbye")
+        writers[0].close()  # the server ends this one, as a stopping gRPC server does
+        began = time.monotonic()
+        await guard.close(drain=0.3)
+        assert 0.25 < time.monotonic() - began < 1.0  # the open one held the drain to its end
+        assert await asyncio.wait_for(done_reader.read(), 2) == b"goodbye"
+        with contextlib.suppress(ConnectionResetError):
+            assert await asyncio.wait_for(open_reader.read(), 2) == b""
+        for writer in (done_writer, open_writer):
+            writer.close()
+    os.unlink(tmp_path / "up.sock")

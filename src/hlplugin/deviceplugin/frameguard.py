@@ -4,9 +4,8 @@ bounded before grpc sees it (docs/security.md, "The CONTINUATION flood").
 A client that sends HEADERS without END_HEADERS and then CONTINUATION frames for ever makes grpc
 core buffer the header block whole before it decodes any of it: 16 KiB frames on 4 raw
 connections took an empty grpc.aio server from 33 to 135 MiB, and the daemons past their memory
-limits (OOM-killed, the node's capacity gone until they are back). No grpc option bounds it;
-grpc's own 16 KiB SETTINGS_MAX_HEADER_LIST_SIZE applies to the decoded list, once the block is
-whole.
+limits (OOM-killed, the node's capacity gone until they are back). No grpc option bounds it (its
+16 KiB SETTINGS_MAX_HEADER_LIST_SIZE applies to the decoded list, once the block is whole).
 
 So the public unix socket is ours: each connection accepted there is forwarded, byte for byte
 and untouched, to the gRPC server listening on a private address, and the client's bytes are read
@@ -33,9 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import socket
+import struct
+import termios
 import time
 from pathlib import Path
 
@@ -266,11 +268,23 @@ class _Pair:
         if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()
 
+    def holding(self) -> bool:
+        """Bytes the server sent not yet written to the client: unread upstream, or buffered."""
+        client, upstream = self.client.transport, self.upstream.transport
+        if client is not None and client.get_write_buffer_size():
+            return True
+        sock = upstream.get_extra_info("socket") if upstream is not None else None
+        if sock is None:
+            return False
+        with contextlib.suppress(OSError):
+            return bool(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)))[0])
+        return False
+
     def _forget(self) -> None:
         """Both sides are gone: the guard no longer holds this pair (a connecting task was
         cancelled, and close() awaits it)."""
         if self.client.transport is None and self.upstream.transport is None:
-            self.guard._pairs.discard(self)
+            self.guard._forget(self)
 
 
 class FrameGuard:
@@ -286,6 +300,7 @@ class FrameGuard:
         self._bound: tuple[Path, int, int] | None = None  # the path we bound, its device and inode
         self._pairs: set[_Pair] = set()
         self._connecting: set[asyncio.Task[None]] = set()
+        self._emptied: asyncio.Future[None] | None = None  # set when the last pair is forgotten
         self.refusals = 0
         self._unlogged = 0
         self._logged_at = -LOG_EVERY
@@ -318,6 +333,11 @@ class FrameGuard:
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)
 
+    def _forget(self, pair: _Pair) -> None:
+        self._pairs.discard(pair)
+        if not self._pairs and self._emptied is not None and not self._emptied.done():
+            self._emptied.set_result(None)
+
     def _refused(self, why: str) -> None:
         self.refusals += 1
         self._unlogged += 1
@@ -327,17 +347,41 @@ class FrameGuard:
                         "flood; a gRPC client's are a few hundred bytes)", self._unlogged, why)
             self._logged_at, self._unlogged = now, 0
 
-    async def close(self) -> None:
-        """Stop accepting, end every forwarded connection at once, remove our path. Stop the gRPC
-        server first, so that its goodbyes reach the clients. All of it is done before the first
-        await, so a cancellation meanwhile (the daemon re-cancels while stopping) cuts short
-        only the wait for the ended connections' clean-up, never the ending."""
+    async def forwarded(self, timeout: float) -> None:
+        """Return once what the server has sent so far is written to its clients, or after
+        ``timeout`` seconds (a client that does not read). Without the guard gRPC writes to the
+        client's socket itself: a hand-over waits on this before its socket goes, so that the
+        stream ends it sent are with the kubelet however late this process next gets the CPU."""
+        until = asyncio.get_running_loop().time() + timeout
+        await asyncio.sleep(0)  # the reads already due run first
+        for _ in range(int(timeout * 1000) + 1):
+            if not any(p.holding() for p in self._pairs) or asyncio.get_running_loop().time() >= until:
+                return
+            await asyncio.sleep(0.001)
+
+    def stop_listening(self) -> None:
+        """Refuse new connections at once, as a stopping gRPC server does; forwarded ones go on."""
+        if self._server is not None:
+            self._server.close()  # closes the listening socket at once
+
+    async def close(self, drain: float = 0.0) -> None:
+        """Stop accepting, remove our path, give the connections up to ``drain`` seconds to end by
+        themselves, then end the rest at once. Stop the gRPC server first: each connection it
+        closes the guard closes once what it sent is written, so its goodbyes reach the clients.
+        A cancellation during the drain ends them at once; the ending is done before any later
+        await, so a cancellation then (the daemon re-cancels while stopping) cuts short only the
+        wait for their clean-up."""
         server, self._server = self._server, None
         if server is not None:
-            server.close()  # closes the listening socket at once
+            server.close()
         self._unlink()
-        for pair in list(self._pairs):
-            pair.abort()
+        try:
+            if self._pairs and drain > 0:
+                self._emptied = asyncio.get_running_loop().create_future()
+                await asyncio.wait({self._emptied}, timeout=drain)
+        finally:
+            for pair in list(self._pairs):
+                pair.abort()
         if self._connecting:
             await asyncio.wait(set(self._connecting))
         if server is not None:

@@ -13,13 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from hlplugin.deviceplugin.health.watch import Wakeup
 from hlplugin.deviceplugin.kubelet.deviceplugin.devicelist import new_server
 from hlplugin.deviceplugin.kubelet.deviceplugin.interfaces import PluginServicer, ServicerFactory
 from hlplugin.deviceplugin.kubelet.endpoint import Endpoint, find_holder
-from hlplugin.deviceplugin.kubelet.grpcserver import stop_server, to_completion
+from hlplugin.deviceplugin.kubelet.grpcserver import to_completion
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +28,13 @@ log = logging.getLogger(__name__)
 # not. Its share of the kubelet's gap: tests/test_handover.py.
 HANDOVER_WAIT = 0.5
 HANDOVER_SETTLE = 0.02
+HANDOVER_FORWARD = 0.05  # at most, for the frame guard to pass on what the streams' ends wrote
 
 
 @dataclass
 class Instance:
-    server: grpc.aio.Server
     servicer: PluginServicer
-    endpoint: Endpoint
+    endpoint: Endpoint  # with the servicer's gRPC server
     live: bool = False  # serving at its endpoint, and not stopping
 
 
@@ -66,10 +64,10 @@ class Instances:
             raise RuntimeError(found)  # before gRPC tries, and logs its own line every retry
         servicer = self._make_servicer()
         servicer.on_streams_changed = self._wakeup.fire
-        instance = Instance(new_server(servicer), servicer, Endpoint(self.socket_path))
+        instance = Instance(servicer, Endpoint(self.socket_path, new_server(servicer)))
         self.current = instance
         try:
-            await instance.endpoint.serve(instance.server)
+            await instance.endpoint.serve()
         except BaseException:
             await self.stop(instance)  # never leave a server to the GC
             raise
@@ -83,7 +81,7 @@ class Instances:
             instance.endpoint.remove_stale()
             instance.endpoint.take()
         except BaseException:
-            await self.stop(instance)  # gRPC removes its private name
+            await self.stop(instance)  # the guard removes its private name
             raise
         instance.live = True
         return instance
@@ -96,9 +94,10 @@ class Instances:
         instance.live = False
         instance.servicer.close_streams()
         try:
-            await stop_server(instance.server)  # within its deadline, whatever a client holds
+            # Within its deadline, whatever a client holds; the path removed unless another
+            # instance has taken it over.
+            await instance.endpoint.stop()
         finally:
-            instance.endpoint.remove()  # unless another instance has taken the path over
             if self.current is instance:
                 self.current = None
 
@@ -112,6 +111,9 @@ class Instances:
         if streamed:
             with contextlib.suppress(asyncio.CancelledError):
                 await to_completion(self._streams_ended(instance))
+                # Their ends through the frame guard to the kubelet before the standby may take
+                # the socket, as gRPC wrote them to the kubelet's connection itself.
+                await to_completion(instance.endpoint.forwarded(HANDOVER_FORWARD))
         instance.endpoint.remove()
 
     async def _streams_ended(self, instance: Instance) -> None:
