@@ -15,11 +15,17 @@ frame. A header block past ``MAX_HEADER_BLOCK`` bytes or ``MAX_CONTINUATIONS`` C
 frames closes the connection (both sides) before the bytes that pass the bound are forwarded, so
 grpc holds at most one bound's worth per connection, and its connection bound
 (``grpc.max_allowed_incoming_connections``) caps the connections. The next frame-level bound
-goes in ``FrameReader._frame``.
+goes in ``FrameReader._frame`` (h2frames.py).
 
-The offender is closed, not sent GOAWAY: the server-to-client direction is copied untouched and
-unparsed, so a frame of ours could land inside one of grpc's; gRPC clients treat a closed
-connection like a GOAWAY (they reconnect).
+The server's bytes are read the same way, headers only, for one fact: which of the streams the
+client opened the server has ended, with that end written to the client. Without the guard a
+stream's end is with the client once gRPC wrote it; behind it, only once this process's loop has
+forwarded it, which a process busy stopping does late. A hand-over waits on that (forwarded())
+before its socket goes: the kubelet must see the old stream end before the standby registers.
+
+The offender is closed, not sent GOAWAY: the server-to-client direction is copied untouched, so
+a frame of ours could land inside one of grpc's; gRPC clients treat a closed connection like a
+GOAWAY (they reconnect).
 
 Everything runs on the event loop as asyncio protocols: no thread and no task per connection
 (one task while the upstream connection is made). Backpressure is the transports' own: when one
@@ -39,25 +45,19 @@ import socket
 import struct
 import termios
 import time
+from collections.abc import Sequence
 from pathlib import Path
+
+from hlplugin.deviceplugin.h2frames import (  # noqa: F401  (the guard's bounds, re-exported)
+    MAX_CONTINUATIONS,
+    MAX_HEADER_BLOCK,
+    PREFACE,
+    FrameReader,
+    ServerFrames,
+)
 
 log = logging.getLogger(__name__)
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # an HTTP/2 client's first 24 bytes
-FRAME_HEAD = 9  # length (24 bits), type, flags, reserved bit and stream (31 bits)
-HEADERS, PUSH_PROMISE, CONTINUATION = 0x1, 0x5, 0x9
-END_HEADERS = 0x4
-
-# grpc advertises SETTINGS_MAX_HEADER_LIST_SIZE 16 KiB (decoded, with 32 bytes per field) and
-# refuses a call past it; HPACK's encoding is never longer than the list it decodes to but for
-# padding and priority (a few hundred bytes), so a block past 64 KiB is never a call grpc would
-# serve. A gRPC client's blocks are a few hundred bytes at most: its first Allocate's 238, the
-# next ones 8 (HPACK's table).
-MAX_HEADER_BLOCK = 64 * 1024
-# Go's HTTP/2 and grpc split a block only at the peer's frame size (16 KiB at least): 64 KiB
-# needs 4 CONTINUATIONs. 64 leaves room for a client of small frames and stops empty ones,
-# which grow no block but cost a header parse each.
-MAX_CONTINUATIONS = 64
 LOG_EVERY = 10.0  # seconds between warnings about closed connections (a flood opens thousands)
 
 
@@ -81,66 +81,6 @@ def _connect_path(address: str) -> str:
     if address.startswith("unix:"):
         return address.removeprefix("unix:")
     raise ValueError(f"not a unix socket address: {address!r}")
-
-
-class FrameReader:
-    """The client-to-server byte stream read as HTTP/2 frames, headers only.
-
-    ``feed`` takes the bytes as they arrive, in any split, and returns why the connection must be
-    closed, or None. Anything that is not a bound of ours (a bad preface, a frame out of place) is
-    grpc's to refuse and is passed on."""
-
-    def __init__(self) -> None:
-        self._preface = len(PREFACE)  # preface bytes still to come
-        self._head = b""  # a frame header split across reads
-        self._skip = 0  # payload bytes of the current frame still to come
-        self._block: int | None = None  # bytes of the open header block, None outside one
-        self._continuations = 0
-
-    def feed(self, data: bytes) -> str | None:
-        at, end = 0, len(data)
-        if self._preface:
-            at = min(self._preface, end)
-            self._preface -= at
-        while at < end:
-            if self._skip:
-                step = min(self._skip, end - at)
-                self._skip -= step
-                at += step
-                continue
-            if self._head or end - at < FRAME_HEAD:
-                take = FRAME_HEAD - len(self._head)
-                self._head += data[at:at + take]
-                at += take
-                if len(self._head) < FRAME_HEAD:
-                    return None
-                head, self._head = self._head, b""
-            else:
-                head = data[at:at + FRAME_HEAD]
-                at += FRAME_HEAD
-            length = int.from_bytes(head[:3], "big")
-            if refusal := self._frame(head[3], head[4], length):
-                return refusal
-            self._skip = length
-        return None
-
-    def _frame(self, kind: int, flags: int, length: int) -> str | None:
-        """Account for one frame's header; the place for every frame-level bound."""
-        if self._block is not None and kind == CONTINUATION:
-            self._block += length
-            self._continuations += 1
-        elif kind in (HEADERS, PUSH_PROMISE):
-            self._block, self._continuations = length, 0
-        else:
-            self._block = None  # a block cut short: grpc's protocol error, not our bound
-            return None
-        if self._block > MAX_HEADER_BLOCK or self._continuations > MAX_CONTINUATIONS:
-            return (f"a header block of {self._block} bytes in {self._continuations} CONTINUATION "
-                    f"frames, past the bound of {MAX_HEADER_BLOCK} bytes or {MAX_CONTINUATIONS} "
-                    "frames")
-        if flags & END_HEADERS:
-            self._block = None
-        return None
 
 
 class _End(asyncio.Protocol):
@@ -190,7 +130,9 @@ class _Pair:
 
     def __init__(self, guard: FrameGuard) -> None:
         self.guard = guard
-        self.reader = FrameReader()
+        self.streams: set[int] = set()  # opened by the client, not yet ended by the server
+        self.reader = FrameReader(self.streams)
+        self.server = ServerFrames(self.streams)
         self.client = _End(self, client=True)
         self.upstream = _End(self, client=False)
         self.connecting: asyncio.Task[None] | None = None
@@ -216,13 +158,18 @@ class _Pair:
             self.client.resume_reading()
 
     def forward(self, end: _End, data: bytes) -> None:
-        if end.client and (refusal := self.reader.feed(data)):
-            self.guard._refused(refusal)
-            self.abort()
-            return
+        if end.client:
+            if refusal := self.reader.feed(data):
+                self.guard._refused(refusal)
+                self.abort()
+                return
+        else:
+            self.server.feed(data)
         target = self.other(end).transport
         if target is not None and not target.is_closing():
             target.write(data)
+        if not end.client:
+            self.guard._progress()
 
     def half_closed(self) -> None:
         """Pass an EOF on; once both sides sent theirs, the connection is done."""
@@ -268,6 +215,10 @@ class _Pair:
         if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()
 
+    def open(self, ids: frozenset[int]) -> bool:
+        """Any of ``ids`` still open: not ended by the server, and the client still there."""
+        return self.client.transport is not None and not self.streams.isdisjoint(ids)
+
     def holding(self) -> bool:
         """Bytes the server sent not yet written to the client: unread upstream, or buffered."""
         client, upstream = self.client.transport, self.upstream.transport
@@ -285,6 +236,10 @@ class _Pair:
         cancelled, and close() awaits it)."""
         if self.client.transport is None and self.upstream.transport is None:
             self.guard._forget(self)
+            self.guard._progress()
+
+
+Streams = Sequence[tuple[_Pair, frozenset[int]]]  # FrameGuard.streams(): per connection
 
 
 class FrameGuard:
@@ -301,6 +256,7 @@ class FrameGuard:
         self._pairs: set[_Pair] = set()
         self._connecting: set[asyncio.Task[None]] = set()
         self._emptied: asyncio.Future[None] | None = None  # set when the last pair is forgotten
+        self._changed: asyncio.Event | None = None  # set on what the server sent, for forwarded()
         self.refusals = 0
         self._unlogged = 0
         self._logged_at = -LOG_EVERY
@@ -338,6 +294,10 @@ class FrameGuard:
         if not self._pairs and self._emptied is not None and not self._emptied.done():
             self._emptied.set_result(None)
 
+    def _progress(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
     def _refused(self, why: str) -> None:
         self.refusals += 1
         self._unlogged += 1
@@ -347,17 +307,37 @@ class FrameGuard:
                         "flood; a gRPC client's are a few hundred bytes)", self._unlogged, why)
             self._logged_at, self._unlogged = now, 0
 
-    async def forwarded(self, timeout: float) -> None:
-        """Return once what the server has sent so far is written to its clients, or after
-        ``timeout`` seconds (a client that does not read). Without the guard gRPC writes to the
+    def streams(self) -> Streams:
+        """The streams open now on each connection (opened by the client, not yet ended by the
+        server): what a hand-over, having ended its ListAndWatch streams, gives forwarded()."""
+        return [(pair, frozenset(pair.streams)) for pair in self._pairs if pair.streams]
+
+    async def forwarded(self, timeout: float, streams: Streams = ()) -> None:
+        """Return once what the server has sent so far is written to its clients, and each of
+        ``streams`` (from streams()) has been ended by the server and that end written to its
+        client (or its connection is gone); or after ``timeout`` seconds (a client that does
+        not read, a server that does not end them). Without the guard gRPC writes to the
         client's socket itself: a hand-over waits on this before its socket goes, so that the
-        stream ends it sent are with the kubelet however late this process next gets the CPU."""
-        until = asyncio.get_running_loop().time() + timeout
+        stream ends are with the kubelet before the standby registers, however late this
+        process's loop forwards them (the kubelet keeps one client per resource, and an old
+        stream's end seen after the new Register disconnects the new instance). The bytes are in
+        the client's socket when this returns: its reads need this process no more."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout
         await asyncio.sleep(0)  # the reads already due run first
-        for _ in range(int(timeout * 1000) + 1):
-            if not any(p.holding() for p in self._pairs) or asyncio.get_running_loop().time() >= until:
+        while (left := until - loop.time()) > 0:
+            if any(pair.open(ids) for pair, ids in streams):
+                # Woken by what the server sends next (each read is forwarded before it wakes us).
+                if self._changed is None or self._changed.is_set():
+                    self._changed = asyncio.Event()
+                changed = self._changed
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(left):
+                        await changed.wait()
+                continue
+            if not any(p.holding() for p in self._pairs):
                 return
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.001)  # a write buffer draining: nothing tells us when
 
     def stop_listening(self) -> None:
         """Refuse new connections at once, as a stopping gRPC server does; forwarded ones go on."""

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import grpc
 
-from hlplugin.deviceplugin.frameguard import FrameGuard, abstract_address
+from hlplugin.deviceplugin.frameguard import FrameGuard, Streams, abstract_address
 from hlplugin.deviceplugin.kubelet.grpcserver import stop_server, to_completion
 
 Identity = tuple[int, int, int]
@@ -272,11 +272,16 @@ class Endpoint:
         publish(self._bound, self.path)
         self.identity = socket_identity(self.path)
 
-    async def forwarded(self, timeout: float) -> None:
-        """Wait (at most ``timeout``) until what the server has sent is with its clients
-        (FrameGuard.forwarded): before a hand-over's remove()."""
+    def streams(self) -> Streams:
+        """The streams open now at the guard (FrameGuard.streams), for forwarded()."""
+        return self._guard.streams() if self._guard is not None else []
+
+    async def forwarded(self, timeout: float, streams: Streams = ()) -> None:
+        """Wait (at most ``timeout``) until what the server has sent is with its clients, and
+        ``streams`` have been ended and their ends too (FrameGuard.forwarded): before a
+        hand-over's remove()."""
         if self._guard is not None:
-            await self._guard.forwarded(timeout)
+            await self._guard.forwarded(timeout, streams)
 
     def remove(self) -> None:
         """Unlink the path if the socket there is still the one we published, then forget it.

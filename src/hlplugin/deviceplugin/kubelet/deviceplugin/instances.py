@@ -28,7 +28,11 @@ log = logging.getLogger(__name__)
 # not. Its share of the kubelet's gap: tests/test_handover.py.
 HANDOVER_WAIT = 0.5
 HANDOVER_SETTLE = 0.02
-HANDOVER_FORWARD = 0.05  # at most, for the frame guard to pass on what the streams' ends wrote
+# At most, once the streams have ended in our handlers, for gRPC to write their ends and the frame
+# guard to pass them on to the kubelet. Waiting costs the node nothing (the kubelet counts our
+# devices until it sees the end); past it the socket goes anyway, and a standby disconnected by
+# the late end registers again at once (lifecycle.TAKEOVER_WINDOW).
+HANDOVER_FORWARD = 1.0
 
 
 @dataclass
@@ -107,13 +111,17 @@ class Instances:
         re-cancels while stopping) waits for these steps."""
         instance.live = False
         streamed = instance.servicer.open_streams > 0
+        streams = instance.endpoint.streams()  # the ListAndWatch streams among them
         instance.servicer.close_streams()
         if streamed:
             with contextlib.suppress(asyncio.CancelledError):
                 await to_completion(self._streams_ended(instance))
                 # Their ends through the frame guard to the kubelet before the standby may take
-                # the socket, as gRPC wrote them to the kubelet's connection itself.
-                await to_completion(instance.endpoint.forwarded(HANDOVER_FORWARD))
+                # the socket, as gRPC wrote them to the kubelet's connection itself: gRPC writes
+                # them after our handlers return, and the guard forwards them when this loop
+                # next reads, which a process busy stopping does late (issue 40: on the real
+                # cluster the kubelet saw them after the standby's Register, 8 of 19 times).
+                await to_completion(instance.endpoint.forwarded(HANDOVER_FORWARD, streams))
         instance.endpoint.remove()
 
     async def _streams_ended(self, instance: Instance) -> None:
