@@ -44,6 +44,7 @@ from hlplugin.deviceplugin.frameguard import (
     PREFACE,
     FrameGuard,
     FrameReader,
+    ServerFrames,
 )
 from hlplugin.tools.drive import proc_status
 
@@ -141,6 +142,39 @@ def test_reader_counts_a_push_promise_and_only_a_continuation_extends_a_block() 
     # So is a CONTINUATION after END_HEADERS: the block it would extend is over.
     stray = headers(MAX_HEADER_BLOCK - 10, True) + continuation(100, False)
     assert feed_split(opening + stray, 4096) is None
+
+
+def test_the_streams_the_server_ended_leave_once_their_end_passed_whole() -> None:
+    """What a hand-over waits on: a stream the client opened is open until the frame carrying the
+    server's END_STREAM (or its header block's last CONTINUATION) or a reset has passed whole,
+    however the bytes arrive."""
+    for step in (1, 7, 4096):
+        streams: set[int] = set()
+        client, server = FrameReader(streams), ServerFrames(streams)
+
+        def feed(reader: FrameReader | ServerFrames, data: bytes, step: int = step) -> None:
+            for at in range(0, len(data), step):
+                assert reader.feed(data[at:at + step]) is None
+
+        feed(client, PREFACE + frame(0x4, 0, 0, b"") + headers(50, True, 1) + headers(50, True, 3)
+             + headers(50, True, 5) + frame(0x0, 0x1, 1, b"request"))
+        assert streams == {1, 3, 5}  # the client's END_STREAM ends nothing the server owes
+        feed(server, frame(0x4, 0, 0, b"") + headers(30, True, 1) + frame(0x0, 0, 1, b"list"))
+        assert streams == {1, 3, 5}
+        trailers = frame(0x1, 0x1 | 0x4, 1, b"t" * 40)
+        feed(server, trailers[:-1])
+        assert 1 in streams  # its last byte not yet passed
+        feed(server, trailers[-1:])
+        assert streams == {3, 5}
+        feed(server, frame(0x1, 0x1, 3, b"t" * 20) + continuation(10, False, 3))
+        assert streams == {3, 5}  # the block is not whole
+        feed(server, continuation(10, True, 3))
+        assert streams == {5}
+        feed(client, frame(0x3, 0, 5, b"\0\0\0\x08"))  # the client resets it
+        assert streams == set()
+        feed(client, headers(50, True, 7) + headers(50, True, 9))
+        feed(server, frame(0x3, 0, 7, b"\0\0\0\x07") + frame(0x0, 0x1, 9, b""))  # empty DATA
+        assert streams == set()
 
 
 # A real gRPC client through the guard.
@@ -503,6 +537,41 @@ async def test_forwarded_returns_once_what_the_server_sent_is_with_the_client(tm
             await guard.forwarded(0.2)
             assert 0.15 < time.monotonic() - began < 1.0
             assert any(pair.holding() for pair in guard._pairs)
+    os.unlink(tmp_path / "up.sock")
+
+
+async def test_forwarded_waits_for_the_streams_given_to_be_ended_and_with_the_client(
+        tmp_path: Path) -> None:
+    """A hand-over takes the streams open (streams()) before it ends its ListAndWatch streams:
+    forwarded() returns once the server's end of each has been written to its client, not when
+    the server's other bytes are; a stream opened after the look is not waited for."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def keeps(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_unix_server(keeps, str(tmp_path / "up.sock"))
+    async with server, guard_before(server, tmp_path / "g.sock") as guard:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.setblocking(False)
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(client, str(tmp_path / "g.sock"))
+            await loop.sock_sendall(client, PREFACE + frame(0x4, 0, 0, b"") + headers(20, True, 1))
+            await wait_for(lambda: bool(writers) and guard.streams())
+            streams = guard.streams()
+            await loop.sock_sendall(client, headers(20, True, 3))  # after the look
+            writers[0].write(frame(0x1, 0x4, 1, b"h" * 10) + frame(0x0, 0, 1, b"list"))
+            waiting = asyncio.create_task(guard.forwarded(5.0, streams))
+            # A bounded watch, 0.3 s: the server's bytes are with the client, its end is not.
+            done, _ = await asyncio.wait({waiting}, timeout=0.3)
+            assert not done
+            writers[0].write(frame(0x1, 0x1 | 0x4, 1, b"t" * 10))
+            await waiting
+            received = client.recv(1000)  # no await between: already there
+            assert received.endswith(frame(0x1, 0x1 | 0x4, 1, b"t" * 10))
+            assert [ids for _, ids in guard.streams()] == [frozenset({3})]
     os.unlink(tmp_path / "up.sock")
 
 
