@@ -96,7 +96,9 @@ class _End(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         if self.client:
-            transport.pause_reading()  # until the upstream connection is made
+            # Not paused here: on Python 3.11.2 (Debian bookworm's, the image's) reading starts
+            # after connection_made() even when it paused the transport, and a pause_reading()
+            # after that one is then ignored. What arrives first is kept (_Pair.forward).
             self.pair.guard._accepted(self.pair)
 
     def data_received(self, data: bytes) -> None:
@@ -137,6 +139,7 @@ class _Pair:
         self.upstream = _End(self, client=False)
         self.connecting: asyncio.Task[None] | None = None
         self.ended = False
+        self.early: list[bytes] = []  # the client's bytes read before the upstream connection
 
     def other(self, end: _End) -> _End:
         return self.upstream if end is self.client else self.client
@@ -152,6 +155,9 @@ class _Pair:
         if self.ended:  # the client went while we connected
             self.abort()
             return
+        early, self.early = self.early, []
+        if early and self.upstream.transport is not None:
+            self.upstream.transport.write(b"".join(early))
         if self.client.eof:
             self.half_closed()
         else:
@@ -168,6 +174,12 @@ class _Pair:
         target = self.other(end).transport
         if target is not None and not target.is_closing():
             target.write(data)
+        elif target is None and end.client and not self.ended:
+            # The kubelet writes its preface the moment it connects, before the upstream
+            # connection is made: kept (one read: reading pauses) and sent once it is. Dropped,
+            # gRPC closed the connection and the kubelet's dial failed (EOF).
+            self.early.append(data)
+            end.pause_reading()
         if not end.client:
             self.guard._progress()
 
