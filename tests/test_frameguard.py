@@ -45,6 +45,7 @@ from hlplugin.deviceplugin import frameguard
 from hlplugin.deviceplugin.frameguard import (
     MAX_CONTINUATIONS,
     MAX_HEADER_BLOCK,
+    MAX_STREAMS,
     PREFACE,
     FrameGuard,
     FrameReader,
@@ -179,6 +180,11 @@ def test_the_streams_the_server_ended_leave_once_their_end_passed_whole() -> Non
         feed(client, headers(50, True, 7) + headers(50, True, 9))
         feed(server, frame(0x3, 0, 7, b"\0\0\0\x07") + frame(0x0, 0x1, 9, b""))  # empty DATA
         assert streams == set()
+    # HEADERS on fresh ids, one read of thousands: a bounded number is kept.
+    streams = set()
+    fresh = b"".join(headers(0, True, s) for s in range(1, 20001, 2))
+    assert FrameReader(streams).feed(PREFACE + fresh) is None
+    assert len(streams) == MAX_STREAMS
 
 
 # A real gRPC client through the guard.

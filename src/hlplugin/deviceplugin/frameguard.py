@@ -51,6 +51,7 @@ from pathlib import Path
 from hlplugin.deviceplugin.h2frames import (  # noqa: F401  (the guard's bounds, re-exported)
     MAX_CONTINUATIONS,
     MAX_HEADER_BLOCK,
+    MAX_STREAMS,
     PREFACE,
     FrameReader,
     ServerFrames,

@@ -22,6 +22,11 @@ MAX_HEADER_BLOCK = 64 * 1024
 # needs 4 CONTINUATIONs. 64 leaves room for a client of small frames and stops empty ones,
 # which grow no block but cost a header parse each.
 MAX_CONTINUATIONS = 64
+# Streams kept per connection (for the hand-over's wait). grpc serves 10 at once per connection
+# (grpcserver.MAX_STREAMS_PER_CONNECTION) and ends or refuses the rest (RST_STREAM), so a client
+# has at most a few dozen open; one read of HEADERS frames on fresh ids could add thousands
+# before grpc closes the connection for them. Past the bound new ones are not kept.
+MAX_STREAMS = 256
 
 
 class _Frames:
@@ -93,7 +98,7 @@ class FrameReader(_Frames):
 
     def _frame(self, kind: int, flags: int, length: int, stream: int) -> str | None:
         """Account for one frame's header; the place for every frame-level bound."""
-        if kind == HEADERS:
+        if kind == HEADERS and len(self.streams) < MAX_STREAMS:
             self.streams.add(stream)
         elif kind == RST_STREAM:
             self.streams.discard(stream)
