@@ -15,6 +15,16 @@ Each pair starts both servers afresh (which goes first alternates) and measures,
 Reported: each figure's median over the pairs of (guarded - unguarded), and the issue's limits
 (p99 at 16 +1 ms, idle +2 MiB, start +20 ms). Then, unless --no-flood, the CONTINUATION flood
 (64 MiB of header fields on 4 connections) against each, as VmHWM growth. Nothing is asserted.
+
+    python benchmarks/frameguard.py --daemons SRC_WITHOUT [--pairs 5] [--calls 3000]
+
+The same for the main daemon (`hlplugin serve`) on the kubelet emulator, where the guard is wired
+in: this tree's daemon (guarded) against the daemon of SRC_WITHOUT (the src directory of a
+checkout from before the wiring, e.g. `git worktree add /tmp/unguarded <commit>`), both on the
+real /dev/kvm, as five interleaved pairs of fresh daemons: start to registered, idle VmRSS,
+Allocate p50 and p99 at concurrency 1 and 16 over one channel, and the surge hand-over's gap as
+the kubelet sees it (the old stream's end to the new instance's first list; the median of 3 per
+daemon). Needs root and /dev/kvm.
 """
 
 from __future__ import annotations
@@ -31,11 +41,12 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import hpack
 
-import hlplugin.deviceplugin  # noqa: F401  (the daemons import the package anyway; the guard's module is timed)
+import hlplugin.deviceplugin  # the daemons import the package anyway; the guard's module is timed
 from hlplugin.api import deviceplugin_pb2 as pb
 from hlplugin.api import deviceplugin_pb2_grpc as pb_grpc
 
@@ -164,6 +175,67 @@ async def one_pair(tmp: Path, calls: int, guarded_first: bool) -> dict[str, dict
     return figures
 
 
+HYPERVISOR = "hyperlight.dev/hypervisor"
+SLOTS = 2000
+HANDOVERS = 3  # surge hand-overs per daemon and pair
+
+
+async def one_daemon_pair(tmp: Path, calls: int, guarded_first: bool,
+                          without: Path) -> dict[str, dict[str, float]]:
+    """This tree's main daemon and SRC_WITHOUT's measured once, interleaved, each on a kubelet
+    emulator of its own: figure -> {"guarded": v, "unguarded": v}."""
+    from hlplugin.tools import drive  # the daemon mode's only: the server mode stays lean
+
+    trees = {True: str(Path(hlplugin.deviceplugin.__file__).parents[2]), False: str(without)}
+    modes = [True, False] if guarded_first else [False, True]
+    figures: dict[str, dict[str, float]] = {}
+
+    def put(name: str, guarded: bool, value: float) -> None:
+        figures.setdefault(name, {})["guarded" if guarded else "unguarded"] = value
+
+    async with contextlib.AsyncExitStack() as stack:
+        sockets: dict[bool, Path] = {}
+        kubelets: dict[bool, Any] = {}
+        procs: dict[bool, Any] = {}
+        args: dict[bool, list[str]] = {}
+        env: dict[bool, dict[str, str]] = {}
+        for guarded in modes:
+            node = drive.Node.make(tmp / f"d{guarded}")
+            args[guarded] = node.serve_args("--hypervisor", "kvm", "--device-count", str(SLOTS))
+            env[guarded] = {"PYTHONPATH": trees[guarded]}
+            began = time.monotonic()
+            kubelet = kubelets[guarded] = await stack.enter_async_context(drive.emulator(node.plugin_dir))
+            proc = procs[guarded] = await stack.enter_async_context(
+                drive.daemon(args[guarded], env[guarded]))
+            await kubelet.wait_for(lambda k=kubelet: k.allocatable(HYPERVISOR) == SLOTS, 30)
+            put("start to registered", guarded, (time.monotonic() - began) * 1000)
+            sockets[guarded] = node.plugin_dir / "hyperlight.sock"
+            async with stub(sockets[guarded]) as plugin:
+                await plugin.Allocate(REQUEST, timeout=10)
+            await asyncio.sleep(0.5)
+            put("idle working set (VmRSS)", guarded, status(proc.pid, "VmRSS"))
+        for concurrency in (1, 16):
+            for guarded in modes:
+                async with stub(sockets[guarded]) as plugin:
+                    await hammer(plugin, 200, 4)  # warm
+                    p50, p99 = await hammer(plugin, calls, concurrency)
+                put(f"Allocate p50, concurrency {concurrency}", guarded, p50)
+                put(f"Allocate p99, concurrency {concurrency}", guarded, p99)
+        for guarded in modes:
+            kubelet, old, gaps = kubelets[guarded], procs[guarded], []
+            for _ in range(HANDOVERS):
+                new = await stack.enter_async_context(drive.daemon(args[guarded], env[guarded]))
+                await new.wait_http("/readyz", 200, 30)  # the standby, Ready beside the old one
+                calls_before = kubelet.register_calls
+                await old.stop()
+                await kubelet.wait_for(lambda k=kubelet, c=calls_before: k.register_calls > c
+                                       and k.allocatable(HYPERVISOR) == SLOTS, 30)
+                gaps.append(kubelet.handover_gaps(HYPERVISOR)[-1] * 1000)
+                old = new
+            put("surge hand-over gap (kubelet)", guarded, statistics.median(gaps))
+    return figures
+
+
 # The CONTINUATION flood (tests/frameguard_server.py has the same, and says why these fields).
 FIELD = b"\x00\x04x-pa" + bytes([100]) + b"v" * 100
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -221,13 +293,20 @@ async def main() -> int:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--calls", type=int, default=3000, help="Allocates per measurement")
     parser.add_argument("--no-flood", action="store_true")
+    parser.add_argument("--daemons", type=Path, metavar="SRC_WITHOUT",
+                        help="compare the main daemons of this tree and of SRC_WITHOUT instead")
     args = parser.parse_args()
     print(f"{args.pairs} interleaved pairs, {args.calls} Allocates per measurement, "
-          f"{os.cpu_count()} CPUs", flush=True)
+          f"{os.cpu_count()} CPUs" + (f", daemons: unguarded from {args.daemons}" if args.daemons else ""),
+          flush=True)
     pairs = []
     with tempfile.TemporaryDirectory(prefix="fg-") as tmp:
         for n in range(args.pairs):
-            pairs.append(await one_pair(Path(tmp), args.calls, guarded_first=n % 2 == 0))
+            if args.daemons:
+                pairs.append(await one_daemon_pair(Path(tmp) / str(n), args.calls, n % 2 == 0,
+                                                   args.daemons.resolve()))
+            else:
+                pairs.append(await one_pair(Path(tmp), args.calls, guarded_first=n % 2 == 0))
         print(f"{'figure':34s} {'unguarded':>10s} {'guarded':>10s} {'median diff':>12s}  pairs' diffs")
         for name in pairs[0]:
             unit = "MiB" if "VmRSS" in name else "ms"
@@ -239,7 +318,7 @@ async def main() -> int:
             print(f"{name:34s} {statistics.median(p[name]['unguarded'] for p in pairs):10.3f} "
                   f"{statistics.median(p[name]['guarded'] for p in pairs):10.3f} {median:+12.3f} {unit}"
                   f"  [{', '.join(f'{d:+.3f}' for d in diffs)}]{verdict}", flush=True)
-        if not args.no_flood:
+        if not args.no_flood and not args.daemons:
             for guarded in (True, False):
                 before, growth, ended = await flood_growth(Path(tmp), guarded)
                 who = "guarded" if guarded else "unguarded"

@@ -8,6 +8,7 @@ else."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -16,10 +17,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
-from harness import daemon, needs_kvm, scrape, short_dir, value, wait_until
+from frameguard_server import flood
+from harness import daemon, needs_kvm, proc_status, scrape, short_dir, value, wait_until
 from support.pluginwatcher import FakePluginWatcher
 from support.waits import quiet, quiet_blocking
 
@@ -100,6 +103,42 @@ async def test_a_device_that_fails_its_check_refuses_prepare_naming_why() -> Non
     # Its socket gone; no claim recorded, so no checkpoint (the instances' lock files stay).
     assert sorted(os.listdir(node.plugin_dir)) == [CDI_WRITER_FILE, LOCK_FILE]
     assert os.listdir(node.cdi_dir) == ["hyperlight.json"]  # stays, for running containers
+
+
+async def test_a_continuation_flood_on_either_socket_is_cut_off_and_the_driver_keeps_serving() -> None:
+    """Issue 40 item 1 for the DRA driver: the CONTINUATION flood (tests/frameguard_server.py) on
+    its service socket and on its registration socket, each behind the frame guard endpoint.py
+    puts in front of every gRPC server of ours: every flooding connection is closed, the driver's
+    peak memory stays within 8 MiB, a Prepare during each flood is answered within 2 s, and the
+    driver stays registered (its registration socket the same one)."""
+    node = Node()  # no kvm node under --dev-dir: Prepare is refused, naming why, and answered
+    watcher = FakePluginWatcher(node.registry)
+    async with daemon(node.args(), graceful=True) as proc:
+        await registered(watcher)
+        plugin = watcher.newest(DRA_DRIVER)
+        for _ in range(20):  # warm: calls served before the peak is taken
+            await watcher.prepare(DRA_DRIVER, CLAIM)
+        await quiet(1.0, "the driver's start-up settles")
+        idle = proc_status(proc.pid)["VmHWM"]
+        results = []
+        for path in (Path(plugin.info.endpoint), plugin.socket):
+            flooding = asyncio.create_task(flood(path, 4, 64 << 20, seconds=1.5))
+            await asyncio.sleep(0.2)
+            began = time.monotonic()
+            await watcher.prepare(DRA_DRIVER, CLAIM)
+            answered = time.monotonic() - began
+            results.append((path.name, await flooding, answered))
+        await asyncio.sleep(0.3)  # what the driver still had to read
+        peak = proc_status(proc.pid)["VmHWM"]
+        await watcher.sync()
+        assert watcher.newest(DRA_DRIVER).identity == plugin.identity
+        assert json.loads(await proc.wait_http("/healthz", 200))["status"] == "ok"
+    print(f"dra: +{(peak - idle) / 1024:.1f} MiB; " + "; ".join(
+        f"{name}: {r.sent / 2**20:.0f} MiB sent, {r.closed} of {r.opened} closed, Prepare "
+        f"answered in {answered * 1000:.0f} ms" for name, r, answered in results))
+    for _, result, answered in results:
+        assert result.closed >= 4 and answered < 2.0, (result, answered)
+    assert peak - idle <= 8 * 1024, f"peak memory grew by {(peak - idle) / 1024:.1f} MiB"
 
 
 @pytest.mark.slow  # the passing check stands 9 s (HttpSettings.self_check_fresh_for)

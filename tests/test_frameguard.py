@@ -10,12 +10,16 @@ Floods are bounded in bytes and to about a second.
 from __future__ import annotations
 
 import asyncio
+import asyncio.selector_events
 import contextlib
+import fcntl
 import logging
 import os
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -41,9 +45,11 @@ from hlplugin.deviceplugin import frameguard
 from hlplugin.deviceplugin.frameguard import (
     MAX_CONTINUATIONS,
     MAX_HEADER_BLOCK,
+    MAX_STREAMS,
     PREFACE,
     FrameGuard,
     FrameReader,
+    ServerFrames,
 )
 from hlplugin.tools.drive import proc_status
 
@@ -141,6 +147,44 @@ def test_reader_counts_a_push_promise_and_only_a_continuation_extends_a_block() 
     # So is a CONTINUATION after END_HEADERS: the block it would extend is over.
     stray = headers(MAX_HEADER_BLOCK - 10, True) + continuation(100, False)
     assert feed_split(opening + stray, 4096) is None
+
+
+def test_the_streams_the_server_ended_leave_once_their_end_passed_whole() -> None:
+    """What a hand-over waits on: a stream the client opened is open until the frame carrying the
+    server's END_STREAM (or its header block's last CONTINUATION) or a reset has passed whole,
+    however the bytes arrive."""
+    for step in (1, 7, 4096):
+        streams: set[int] = set()
+        client, server = FrameReader(streams), ServerFrames(streams)
+
+        def feed(reader: FrameReader | ServerFrames, data: bytes, step: int = step) -> None:
+            for at in range(0, len(data), step):
+                assert reader.feed(data[at:at + step]) is None
+
+        feed(client, PREFACE + frame(0x4, 0, 0, b"") + headers(50, True, 1) + headers(50, True, 3)
+             + headers(50, True, 5) + frame(0x0, 0x1, 1, b"request"))
+        assert streams == {1, 3, 5}  # the client's END_STREAM ends nothing the server owes
+        feed(server, frame(0x4, 0, 0, b"") + headers(30, True, 1) + frame(0x0, 0, 1, b"list"))
+        assert streams == {1, 3, 5}
+        trailers = frame(0x1, 0x1 | 0x4, 1, b"t" * 40)
+        feed(server, trailers[:-1])
+        assert 1 in streams  # its last byte not yet passed
+        feed(server, trailers[-1:])
+        assert streams == {3, 5}
+        feed(server, frame(0x1, 0x1, 3, b"t" * 20) + continuation(10, False, 3))
+        assert streams == {3, 5}  # the block is not whole
+        feed(server, continuation(10, True, 3))
+        assert streams == {5}
+        feed(client, frame(0x3, 0, 5, b"\0\0\0\x08"))  # the client resets it
+        assert streams == set()
+        feed(client, headers(50, True, 7) + headers(50, True, 9))
+        feed(server, frame(0x3, 0, 7, b"\0\0\0\x07") + frame(0x0, 0x1, 9, b""))  # empty DATA
+        assert streams == set()
+    # HEADERS on fresh ids, one read of thousands: a bounded number is kept.
+    streams = set()
+    fresh = b"".join(headers(0, True, s) for s in range(1, 20001, 2))
+    assert FrameReader(streams).feed(PREFACE + fresh) is None
+    assert len(streams) == MAX_STREAMS
 
 
 # A real gRPC client through the guard.
@@ -475,3 +519,156 @@ def test_the_flood_is_an_allocate_whose_headers_never_end() -> None:
     assert ("/v1beta1.DevicePlugin/Allocate" in dict(decoder.decode(head[9:])).values())
     assert CONTINUATION[3:5] == bytes([0x9, 0]) and len(CONTINUATION) - 9 <= FRAME
     assert {f for f in decoder.decode(CONTINUATION[9:])} == {("x-pa", "v" * 100)}
+
+
+def add_reader_as_in_python_3_11_2(self: Any, fd: int, callback: Any, *args: Any) -> None:
+    """asyncio's _SelectorTransport._add_reader as Debian bookworm's Python 3.11.2 has it (the
+    image's): it starts reading even when connection_made() paused the transport (later
+    releases check is_reading() first)."""
+    if self._closing:
+        return
+    self._loop._add_reader(fd, callback, *args)
+
+
+async def test_what_a_client_sends_before_the_upstream_connection_is_made_is_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kubelet writes its preface the moment it connects; the guard's connection to gRPC is
+    made a loop turn or more later. Reading paused in connection_made() held those bytes back on
+    a recent Python only: on the image's (3.11.2) the guard read them with nowhere to send them
+    and dropped them, gRPC closed the connection for the missing preface, and the kubelet's
+    GetDevicePluginOptions failed (error reading from server: EOF), so registrations failed and
+    were retried with backoff: 5 to 15 s hand-over gaps on the real cluster (issue 40). What
+    arrives first is kept (one read at most: reading pauses) and sent once connected."""
+    monkeypatch.setattr(asyncio.selector_events._SelectorTransport, "_add_reader",
+                        add_reader_as_in_python_3_11_2)
+    gate = asyncio.Event()
+    connect = frameguard._Pair.connect
+
+    async def late(pair: frameguard._Pair, address: str) -> None:
+        await gate.wait()
+        await connect(pair, address)
+
+    monkeypatch.setattr(frameguard._Pair, "connect", late)
+    got: list[bytes] = []
+
+    async def keeps(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        got.append(await reader.read())
+        writer.close()
+
+    server = await asyncio.start_unix_server(keeps, str(tmp_path / "up.sock"))
+    async with server, guard_before(server, tmp_path / "g.sock") as guard:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.setblocking(False)
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(client, str(tmp_path / "g.sock"))
+            sent = PREFACE + frame(0x4, 0, 0, b"") + headers(20, True, 1) + b"d" * 100_000
+            await loop.sock_sendall(client, sent)
+            # The guard has read what it could before the upstream connection is made.
+            await wait_for(lambda: unread(client) < len(sent))
+            gate.set()
+            await loop.sock_sendall(client, b"more")
+            client.shutdown(socket.SHUT_WR)
+            await wait_for(lambda: bool(got))
+            assert got == [sent + b"more"]
+            assert guard.refusals == 0
+    os.unlink(tmp_path / "up.sock")
+
+
+def unread(sock: socket.socket) -> int:
+    """Bytes written on ``sock`` that its peer has not read yet (SIOCOUTQ)."""
+    return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)))[0])
+
+
+async def test_forwarded_returns_once_what_the_server_sent_is_with_the_client(tmp_path: Path) -> None:
+    """What a hand-over waits on before its socket goes: the server's bytes written to the
+    client's socket (readable there without this loop running again); bounded by its timeout
+    for a client that reads nothing."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def keeps(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_unix_server(keeps, str(tmp_path / "up.sock"))
+    async with server, guard_before(server, tmp_path / "g.sock") as guard:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(client, str(tmp_path / "g.sock"))
+            await wait_for(lambda: bool(writers))
+            writers[0].write(b"the stream's end")  # sent on the upstream socket at once
+            await guard.forwarded(2.0)
+            assert client.recv(100) == b"the stream's end"  # no await between: already there
+            # A client that reads nothing: the guard holds what the kernel does not take.
+            writers[0].write(b"x" * (8 << 20))
+            began = time.monotonic()
+            await guard.forwarded(0.2)
+            assert 0.15 < time.monotonic() - began < 1.0
+            assert any(pair.holding() for pair in guard._pairs)
+    os.unlink(tmp_path / "up.sock")
+
+
+async def test_forwarded_waits_for_the_streams_given_to_be_ended_and_with_the_client(
+        tmp_path: Path) -> None:
+    """A hand-over takes the streams open (streams()) before it ends its ListAndWatch streams:
+    forwarded() returns once the server's end of each has been written to its client, not when
+    the server's other bytes are; a stream opened after the look is not waited for."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def keeps(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_unix_server(keeps, str(tmp_path / "up.sock"))
+    async with server, guard_before(server, tmp_path / "g.sock") as guard:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.setblocking(False)
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(client, str(tmp_path / "g.sock"))
+            await loop.sock_sendall(client, PREFACE + frame(0x4, 0, 0, b"") + headers(20, True, 1))
+            await wait_for(lambda: bool(writers) and guard.streams())
+            streams = guard.streams()
+            await loop.sock_sendall(client, headers(20, True, 3))  # after the look
+            writers[0].write(frame(0x1, 0x4, 1, b"h" * 10) + frame(0x0, 0, 1, b"list"))
+            waiting = asyncio.create_task(guard.forwarded(5.0, streams))
+            # A bounded watch, 0.3 s: the server's bytes are with the client, its end is not.
+            done, _ = await asyncio.wait({waiting}, timeout=0.3)
+            assert not done
+            writers[0].write(frame(0x1, 0x1 | 0x4, 1, b"t" * 10))
+            await waiting
+            received = client.recv(1000)  # no await between: already there
+            assert received.endswith(frame(0x1, 0x1 | 0x4, 1, b"t" * 10))
+            assert [ids for _, ids in guard.streams()] == [frozenset({3})]
+    os.unlink(tmp_path / "up.sock")
+
+
+async def test_close_lets_the_server_s_closed_connections_end_in_order_first(tmp_path: Path) -> None:
+    """close(drain): a connection the server has closed is closed on the client's side after what
+    the server sent (read to its end, no reset); one still open upstream is ended at the drain's
+    end."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def keeps(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await reader.read()
+
+    server = await asyncio.start_unix_server(keeps, str(tmp_path / "up.sock"))
+    async with server:
+        guard = FrameGuard(f"unix:{server.sockets[0].getsockname()}")
+        await guard.listen(tmp_path / "g.sock")
+        done_reader, done_writer = await connect(tmp_path / "g.sock")
+        await wait_for(lambda: len(writers) == 1)  # writers[0] is this one's upstream side
+        open_reader, open_writer = await connect(tmp_path / "g.sock")
+        await wait_for(lambda: len(writers) == 2)
+        writers[0].write(b"goodbye")
+        writers[0].close()  # the server ends this one, as a stopping gRPC server does
+        began = time.monotonic()
+        await guard.close(drain=0.3)
+        assert 0.25 < time.monotonic() - began < 1.0  # the open one held the drain to its end
+        assert await asyncio.wait_for(done_reader.read(), 2) == b"goodbye"
+        with contextlib.suppress(ConnectionResetError):
+            assert await asyncio.wait_for(open_reader.read(), 2) == b""
+        for writer in (done_writer, open_writer):
+            writer.close()
+    os.unlink(tmp_path / "up.sock")

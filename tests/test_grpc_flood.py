@@ -1,6 +1,9 @@
-"""The HTTP/2 rapid reset (CVE-2023-44487) on the plugin socket of each daemon, as a real process
-registered with the kubelet emulator: 20,000 HEADERS + RST_STREAM pairs over a few connections,
-then over more connections than the server admits. Unix socket only, bounded in count and time.
+"""HTTP/2 floods on the plugin socket of each daemon, as a real process registered with the
+kubelet emulator, over a few connections, then over more connections than the server admits:
+the rapid reset (CVE-2023-44487; 20,000 HEADERS + RST_STREAM pairs), held back by grpcserver.py's
+bounds, and the CONTINUATION flood (a header block that never ends), held back by the frame guard
+that endpoint.py puts in front of every gRPC server of ours. Unix socket only, bounded in bytes
+and time.
 
 The daemon's peak memory (VmHWM) may grow by at most 8 MiB over its peak before the flood (which
 already includes the kubelet's Allocates at full speed), and the kubelet's own Allocates, issued
@@ -14,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from frameguard_server import flood as continuation_flood
 from h2flood import flood
 from harness import Node, needs_kvm, on_kubelet, proc_status
 from support.waits import quiet
@@ -40,16 +44,19 @@ class Allocations:
     def __init__(self, kubelet: KubeletEmulator, resource: str, device: str) -> None:
         self.kubelet, self.resource, self.device = kubelet, resource, device
         self.calls = 0
+        self.slowest = 0.0  # seconds
         self.failures: list[str] = []
         self._running = True
         self._task = asyncio.create_task(self._loop())
 
     async def _loop(self) -> None:
         while self._running:
+            began = time.monotonic()
             try:
                 await self.kubelet.allocate(self.resource, [[self.device]], timeout=10)
             except AdmissionError as exc:
                 self.failures.append(str(exc)[:200])
+            self.slowest = max(self.slowest, time.monotonic() - began)
             self.calls += 1
 
     async def stop(self) -> None:
@@ -57,16 +64,20 @@ class Allocations:
         await self._task
 
 
+def daemon_argv(node: Node, which: str) -> list[str]:
+    args = DAEMONS[which][0]
+    if which == "serve":
+        return node.serve_args(*args[1:])
+    return [args[0], "--plugin-dir", str(node.plugin_dir), *args[1:]]
+
+
 @pytest.mark.parametrize("which", list(DAEMONS))
 async def test_a_rapid_reset_flood_grows_memory_little_and_fails_no_allocate(
         tmp_path: Path, which: str) -> None:
-    args, resource, socket_name, device = DAEMONS[which]
+    _, resource, socket_name, device = DAEMONS[which]
     node = Node.make(tmp_path)
     path = str(node.plugin_dir / socket_name)
-    argv = [args[0], "--plugin-dir", str(node.plugin_dir), *args[1:]]
-    if which == "serve":
-        argv = node.serve_args(*args[1:])
-    async with on_kubelet(node, argv) as (kubelet, proc):
+    async with on_kubelet(node, daemon_argv(node, which)) as (kubelet, proc):
         await kubelet.wait_for(lambda: kubelet.allocatable(resource) > 0, timeout=30)
         allocations = Allocations(kubelet, resource, device)
         try:
@@ -89,4 +100,57 @@ async def test_a_rapid_reset_flood_grows_memory_little_and_fails_no_allocate(
     assert all(f.pairs == PAIRS for f in floods), floods
     assert allocations.failures == [], allocations.failures[:5]
     assert allocations.calls > 0
+    assert peak - idle <= GROWTH_KIB, f"peak memory grew by {(peak - idle) / 1024:.1f} MiB"
+
+
+CONTINUATION_BUDGET = 64 << 20  # bytes of header fields per flood: ~100 MiB more grpc would hold
+ANSWER_WITHIN = 2.0  # seconds: each of the kubelet's Allocates during the flood
+
+
+@pytest.mark.parametrize("which", list(DAEMONS))
+async def test_a_continuation_flood_is_cut_off_and_the_daemon_keeps_serving(
+        tmp_path: Path, which: str) -> None:
+    """Issue 40 item 1: HEADERS for Allocate without END_HEADERS, then 16 KiB CONTINUATION frames
+    for ever (tests/frameguard_server.py), on 4 connections and then over every connection slot
+    and more. Each flooding connection is closed by the daemon (the frame guard in front of its
+    gRPC server), its peak memory stays within 8 MiB, the kubelet's Allocates are all answered
+    within 2 s, /healthz stays 200, and the daemon is still registered and serving. Without the
+    guard, grpc core buffers each block whole: +194 MiB in one run, none of the 4 closed."""
+    _, resource, socket_name, device = DAEMONS[which]
+    node = Node.make(tmp_path)
+    path = node.plugin_dir / socket_name
+    async with on_kubelet(node, daemon_argv(node, which)) as (kubelet, proc):
+        await kubelet.wait_for(lambda: kubelet.allocatable(resource) > 0, timeout=30)
+        allocations = Allocations(kubelet, resource, device)
+        health: list[int] = []
+        floods = []
+        try:
+            await quiet(1.0, "the kubelet's calls at full speed are part of idle")
+            idle = proc_status(proc.pid)["VmHWM"]
+            for connections in (4, 4 * MAX_CONNECTIONS):
+                flooding = asyncio.create_task(continuation_flood(
+                    path, connections, CONTINUATION_BUDGET, seconds=1.5))
+                while not flooding.done():
+                    health.append((await proc.get("/healthz"))[0])
+                    await asyncio.sleep(0.2)
+                floods.append((connections, await flooding))
+            await asyncio.sleep(0.3)  # what the daemon still had to read
+            peak = proc_status(proc.pid)["VmHWM"]
+        finally:
+            await allocations.stop()
+        assert kubelet.registered(resource)
+        await kubelet.allocate(resource, [[device]])
+        assert (await proc.get("/healthz"))[0] == 200
+        refusals = [m for m in proc.messages() if "closed" in m and "CONTINUATION flood" in m]
+    print(f"{which}: idle peak {idle / 1024:.1f} MiB, after the floods {peak / 1024:.1f} MiB "
+          f"(+{(peak - idle) / 1024:.1f} MiB); {allocations.calls} Allocates meanwhile, the "
+          f"slowest {allocations.slowest * 1000:.0f} ms; " + "; ".join(
+              f"{n} connections: {r.sent / 2**20:.0f} MiB sent, {r.closed} of {r.opened} closed, "
+              f"at most {r.most / 1024:.0f} KiB taken by one" for n, r in floods))
+    for connections, result in floods:
+        assert result.closed >= connections, (connections, result)
+    assert refusals, "the guard logs what it closed"
+    assert allocations.failures == [], allocations.failures[:5]
+    assert allocations.calls > 0 and allocations.slowest < ANSWER_WITHIN
+    assert health and set(health) == {200}, health
     assert peak - idle <= GROWTH_KIB, f"peak memory grew by {(peak - idle) / 1024:.1f} MiB"

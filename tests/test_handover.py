@@ -38,6 +38,7 @@ from support.observers import Calls
 
 from hlplugin.cdi import CdiReconciler
 from hlplugin.cdi_spec import SPEC_FILE, TEMP_PREFIX, render_spec
+from hlplugin.deviceplugin.frameguard import FrameGuard, _End, _Pair
 from hlplugin.deviceplugin.health.conditions import HealthState, HealthTracker
 from hlplugin.deviceplugin.kubelet.deviceplugin.lifecycle import PluginLifecycle
 from hlplugin.deviceplugin.kubelet.role import Role
@@ -202,6 +203,54 @@ async def test_a_taken_over_registration_disconnected_by_a_slow_kubelet_register
         assert any("after the take-over" in r.getMessage() for r in caplog.records)
     finally:
         await kubelet.stop()
+
+
+LATE = 0.3  # seconds the old process's frame guard is late to forward what its server wrote
+
+
+def forward_late(monkeypatch: pytest.MonkeyPatch, guard: FrameGuard) -> None:
+    """From now on ``guard`` passes what its server writes on to the clients LATE seconds after
+    it was read: the old process's event loop, busy stopping, is late to forward the stream ends
+    gRPC wrote to the guard's upstream connection (issue 40). Order is kept (equal delays)."""
+    forward = _Pair.forward
+    loop = asyncio.get_running_loop()
+
+    def late(pair: _Pair, end: _End, data: bytes) -> None:
+        if pair.guard is guard and not end.client:
+            loop.call_later(LATE, forward, pair, end, data)
+        else:
+            forward(pair, end, data)
+
+    monkeypatch.setattr(_Pair, "forward", late)
+
+
+async def test_a_guard_late_to_forward_the_old_streams_end_still_hands_over_in_order(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Behind the frame guard the old stream's end reaches the kubelet only when the old
+    process forwards it, after gRPC wrote it. A process late to forward (busy stopping, its CPU
+    throttled) must not let the standby register first: the kubelet would then disconnect the
+    new instance when it saw the old end (the per-name rule; on the real cluster gaps up to
+    22.9 s). The socket goes only once the end was forwarded: the kubelet sees the old stream end
+    before the new Register, and the new instance registers once, never disconnected."""
+    plugin_dir = short_dir()
+    async with emulator(plugin_dir) as kubelet:
+        stack = AsyncExitStack()
+        old = await stack.enter_async_context(instance(plugin_dir))
+        await kubelet.wait_for(lambda: old.open_streams == 1 and kubelet.allocatable(RESOURCE) == 4)
+        async with instance(plugin_dir, stream_grace=60) as new:
+            await wait_until(lambda: new.role.standby, what="the newcomer stands by")
+            current = old._servers.current
+            assert current is not None and current.endpoint._guard is not None
+            forward_late(monkeypatch, current.endpoint._guard)
+            await stack.aclose()  # SIGTERM to the old one; returns once it has stopped
+            await kubelet.wait_for(lambda: new.open_streams == 1 and kubelet.registered(RESOURCE)
+                                   and kubelet.allocatable(RESOURCE) == 4
+                                   and any(e.kind == "stream_end" for e in kubelet.events),
+                                   timeout=GUARD)
+            kinds = [e.kind for e in kubelet.events if e.kind != "list"]
+            assert kinds == ["register", "stream_end", "disconnect", "register"], kinds
+            assert kubelet.register_calls == 2 and new.registered
+        assert not any("after the take-over" in r.getMessage() for r in caplog.records)
 
 
 @needs_kvm

@@ -215,3 +215,36 @@ def test_every_grpc_server_of_ours_is_built_in_one_place() -> None:
 def test_the_builder_check_sees_a_server_built_elsewhere(tmp_path: Path) -> None:
     (tmp_path / "sample.py").write_text("import grpc\nserver = grpc.aio.server(options=[])\n")
     assert server_builders(tmp_path) == ["sample.py:2"]
+
+
+PUBLISHER = Path("deviceplugin") / "kubelet" / "endpoint.py"
+# Calls that bind a gRPC server to an address, or stop one: endpoint.Endpoint's alone, so that
+# every server of ours is published behind a frame guard, and stops before its guard closes.
+SERVER_CALLS = {"add_insecure_port", "add_secure_port", "stop_server"}
+
+
+def server_binders(root: Path) -> list[str]:
+    """Modules under ``root`` (but the tools, whose emulator plays the kubelet) that bind a gRPC
+    server or stop one other than through endpoint.Endpoint (serve(), stop())."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if relative.parts[0] in {"tools", "api"} or relative in (PUBLISHER, SERVER_BUILDER):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            called = getattr(node, "func", None)
+            if getattr(called, "attr", getattr(called, "id", None)) in SERVER_CALLS:
+                found.append(f"{relative}:{node.lineno}")
+    return found
+
+
+def test_every_grpc_server_of_ours_is_bound_and_stopped_behind_its_frame_guard() -> None:
+    text = (PACKAGE / PUBLISHER).read_text()
+    assert "add_insecure_port(address)" in text and "FrameGuard(address)" in text
+    assert server_binders(PACKAGE) == []
+
+
+def test_the_binder_check_sees_a_server_bound_or_stopped_elsewhere(tmp_path: Path) -> None:
+    (tmp_path / "sample.py").write_text(
+        "server.add_insecure_port('unix:///x')\nawait stop_server(server)\n")
+    assert server_binders(tmp_path) == ["sample.py:1", "sample.py:2"]

@@ -51,9 +51,10 @@ async def test_sigterm_ends_the_daemon_in_time_while_stopped_readers_hold_its_st
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == SLOTS, timeout=30)
             # Every stream the plugin serves beside the kubelet's.
             await start_readers(socket, MAX_STREAMS - 1, readers)
-            # Six health transitions, each a 40 KB list for every stream: the stopped readers'
-            # connections fill, and the daemon holds writes they will never take.
-            for _ in range(3):
+            # Twenty health transitions, each a 40 KB list for every stream: the stopped readers'
+            # connections fill (both hops through the frame guard and the guard's buffer between
+            # them take ~0.5 MB), and the daemon holds writes they will never take.
+            for _ in range(10):
                 obstruct_with_directory(spec)
                 await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 0, timeout=10)
                 os.rmdir(spec)

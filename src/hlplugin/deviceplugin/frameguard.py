@@ -4,9 +4,8 @@ bounded before grpc sees it (docs/security.md, "The CONTINUATION flood").
 A client that sends HEADERS without END_HEADERS and then CONTINUATION frames for ever makes grpc
 core buffer the header block whole before it decodes any of it: 16 KiB frames on 4 raw
 connections took an empty grpc.aio server from 33 to 135 MiB, and the daemons past their memory
-limits (OOM-killed, the node's capacity gone until they are back). No grpc option bounds it;
-grpc's own 16 KiB SETTINGS_MAX_HEADER_LIST_SIZE applies to the decoded list, once the block is
-whole.
+limits (OOM-killed, the node's capacity gone until they are back). No grpc option bounds it (its
+16 KiB SETTINGS_MAX_HEADER_LIST_SIZE applies to the decoded list, once the block is whole).
 
 So the public unix socket is ours: each connection accepted there is forwarded, byte for byte
 and untouched, to the gRPC server listening on a private address, and the client's bytes are read
@@ -16,11 +15,17 @@ frame. A header block past ``MAX_HEADER_BLOCK`` bytes or ``MAX_CONTINUATIONS`` C
 frames closes the connection (both sides) before the bytes that pass the bound are forwarded, so
 grpc holds at most one bound's worth per connection, and its connection bound
 (``grpc.max_allowed_incoming_connections``) caps the connections. The next frame-level bound
-goes in ``FrameReader._frame``.
+goes in ``FrameReader._frame`` (h2frames.py).
 
-The offender is closed, not sent GOAWAY: the server-to-client direction is copied untouched and
-unparsed, so a frame of ours could land inside one of grpc's; gRPC clients treat a closed
-connection like a GOAWAY (they reconnect).
+The server's bytes are read the same way, headers only, for one fact: which of the streams the
+client opened the server has ended, with that end written to the client. Without the guard a
+stream's end is with the client once gRPC wrote it; behind it, only once this process's loop has
+forwarded it, which a process busy stopping does late. A hand-over waits on that (forwarded())
+before its socket goes: the kubelet must see the old stream end before the standby registers.
+
+The offender is closed, not sent GOAWAY: the server-to-client direction is copied untouched, so
+a frame of ours could land inside one of grpc's; gRPC clients treat a closed connection like a
+GOAWAY (they reconnect).
 
 Everything runs on the event loop as asyncio protocols: no thread and no task per connection
 (one task while the upstream connection is made). Backpressure is the transports' own: when one
@@ -33,29 +38,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import socket
+import struct
+import termios
 import time
+from collections.abc import Sequence
 from pathlib import Path
+
+from hlplugin.deviceplugin.h2frames import (  # noqa: F401  (the guard's bounds, re-exported)
+    MAX_CONTINUATIONS,
+    MAX_HEADER_BLOCK,
+    MAX_STREAMS,
+    PREFACE,
+    FrameReader,
+    ServerFrames,
+)
 
 log = logging.getLogger(__name__)
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # an HTTP/2 client's first 24 bytes
-FRAME_HEAD = 9  # length (24 bits), type, flags, reserved bit and stream (31 bits)
-HEADERS, PUSH_PROMISE, CONTINUATION = 0x1, 0x5, 0x9
-END_HEADERS = 0x4
-
-# grpc advertises SETTINGS_MAX_HEADER_LIST_SIZE 16 KiB (decoded, with 32 bytes per field) and
-# refuses a call past it; HPACK's encoding is never longer than the list it decodes to but for
-# padding and priority (a few hundred bytes), so a block past 64 KiB is never a call grpc would
-# serve. A gRPC client's blocks are a few hundred bytes at most: its first Allocate's 238, the
-# next ones 8 (HPACK's table).
-MAX_HEADER_BLOCK = 64 * 1024
-# Go's HTTP/2 and grpc split a block only at the peer's frame size (16 KiB at least): 64 KiB
-# needs 4 CONTINUATIONs. 64 leaves room for a client of small frames and stops empty ones,
-# which grow no block but cost a header parse each.
-MAX_CONTINUATIONS = 64
 LOG_EVERY = 10.0  # seconds between warnings about closed connections (a flood opens thousands)
 
 
@@ -81,66 +84,6 @@ def _connect_path(address: str) -> str:
     raise ValueError(f"not a unix socket address: {address!r}")
 
 
-class FrameReader:
-    """The client-to-server byte stream read as HTTP/2 frames, headers only.
-
-    ``feed`` takes the bytes as they arrive, in any split, and returns why the connection must be
-    closed, or None. Anything that is not a bound of ours (a bad preface, a frame out of place) is
-    grpc's to refuse and is passed on."""
-
-    def __init__(self) -> None:
-        self._preface = len(PREFACE)  # preface bytes still to come
-        self._head = b""  # a frame header split across reads
-        self._skip = 0  # payload bytes of the current frame still to come
-        self._block: int | None = None  # bytes of the open header block, None outside one
-        self._continuations = 0
-
-    def feed(self, data: bytes) -> str | None:
-        at, end = 0, len(data)
-        if self._preface:
-            at = min(self._preface, end)
-            self._preface -= at
-        while at < end:
-            if self._skip:
-                step = min(self._skip, end - at)
-                self._skip -= step
-                at += step
-                continue
-            if self._head or end - at < FRAME_HEAD:
-                take = FRAME_HEAD - len(self._head)
-                self._head += data[at:at + take]
-                at += take
-                if len(self._head) < FRAME_HEAD:
-                    return None
-                head, self._head = self._head, b""
-            else:
-                head = data[at:at + FRAME_HEAD]
-                at += FRAME_HEAD
-            length = int.from_bytes(head[:3], "big")
-            if refusal := self._frame(head[3], head[4], length):
-                return refusal
-            self._skip = length
-        return None
-
-    def _frame(self, kind: int, flags: int, length: int) -> str | None:
-        """Account for one frame's header; the place for every frame-level bound."""
-        if self._block is not None and kind == CONTINUATION:
-            self._block += length
-            self._continuations += 1
-        elif kind in (HEADERS, PUSH_PROMISE):
-            self._block, self._continuations = length, 0
-        else:
-            self._block = None  # a block cut short: grpc's protocol error, not our bound
-            return None
-        if self._block > MAX_HEADER_BLOCK or self._continuations > MAX_CONTINUATIONS:
-            return (f"a header block of {self._block} bytes in {self._continuations} CONTINUATION "
-                    f"frames, past the bound of {MAX_HEADER_BLOCK} bytes or {MAX_CONTINUATIONS} "
-                    "frames")
-        if flags & END_HEADERS:
-            self._block = None
-        return None
-
-
 class _End(asyncio.Protocol):
     """One side of a forwarded connection: what it reads goes to the other side."""
 
@@ -154,7 +97,9 @@ class _End(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         if self.client:
-            transport.pause_reading()  # until the upstream connection is made
+            # Not paused here: on Python 3.11.2 (Debian bookworm's, the image's) reading starts
+            # after connection_made() even when it paused the transport, and a pause_reading()
+            # after that one is then ignored. What arrives first is kept (_Pair.forward).
             self.pair.guard._accepted(self.pair)
 
     def data_received(self, data: bytes) -> None:
@@ -188,11 +133,14 @@ class _Pair:
 
     def __init__(self, guard: FrameGuard) -> None:
         self.guard = guard
-        self.reader = FrameReader()
+        self.streams: set[int] = set()  # opened by the client, not yet ended by the server
+        self.reader = FrameReader(self.streams)
+        self.server = ServerFrames(self.streams)
         self.client = _End(self, client=True)
         self.upstream = _End(self, client=False)
         self.connecting: asyncio.Task[None] | None = None
         self.ended = False
+        self.early: list[bytes] = []  # the client's bytes read before the upstream connection
 
     def other(self, end: _End) -> _End:
         return self.upstream if end is self.client else self.client
@@ -208,19 +156,33 @@ class _Pair:
         if self.ended:  # the client went while we connected
             self.abort()
             return
+        early, self.early = self.early, []
+        if early and self.upstream.transport is not None:
+            self.upstream.transport.write(b"".join(early))
         if self.client.eof:
             self.half_closed()
         else:
             self.client.resume_reading()
 
     def forward(self, end: _End, data: bytes) -> None:
-        if end.client and (refusal := self.reader.feed(data)):
-            self.guard._refused(refusal)
-            self.abort()
-            return
+        if end.client:
+            if refusal := self.reader.feed(data):
+                self.guard._refused(refusal)
+                self.abort()
+                return
+        else:
+            self.server.feed(data)
         target = self.other(end).transport
         if target is not None and not target.is_closing():
             target.write(data)
+        elif target is None and end.client and not self.ended:
+            # The kubelet writes its preface the moment it connects, before the upstream
+            # connection is made: kept (one read: reading pauses) and sent once it is. Dropped,
+            # gRPC closed the connection and the kubelet's dial failed (EOF).
+            self.early.append(data)
+            end.pause_reading()
+        if not end.client:
+            self.guard._progress()
 
     def half_closed(self) -> None:
         """Pass an EOF on; once both sides sent theirs, the connection is done."""
@@ -266,11 +228,31 @@ class _Pair:
         if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()
 
+    def open(self, ids: frozenset[int]) -> bool:
+        """Any of ``ids`` still open: not ended by the server, and the client still there."""
+        return self.client.transport is not None and not self.streams.isdisjoint(ids)
+
+    def holding(self) -> bool:
+        """Bytes the server sent not yet written to the client: unread upstream, or buffered."""
+        client, upstream = self.client.transport, self.upstream.transport
+        if client is not None and client.get_write_buffer_size():
+            return True
+        sock = upstream.get_extra_info("socket") if upstream is not None else None
+        if sock is None:
+            return False
+        with contextlib.suppress(OSError):
+            return bool(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)))[0])
+        return False
+
     def _forget(self) -> None:
         """Both sides are gone: the guard no longer holds this pair (a connecting task was
         cancelled, and close() awaits it)."""
         if self.client.transport is None and self.upstream.transport is None:
-            self.guard._pairs.discard(self)
+            self.guard._forget(self)
+            self.guard._progress()
+
+
+Streams = Sequence[tuple[_Pair, frozenset[int]]]  # FrameGuard.streams(): per connection
 
 
 class FrameGuard:
@@ -286,6 +268,8 @@ class FrameGuard:
         self._bound: tuple[Path, int, int] | None = None  # the path we bound, its device and inode
         self._pairs: set[_Pair] = set()
         self._connecting: set[asyncio.Task[None]] = set()
+        self._emptied: asyncio.Future[None] | None = None  # set when the last pair is forgotten
+        self._changed: asyncio.Event | None = None  # set on what the server sent, for forwarded()
         self.refusals = 0
         self._unlogged = 0
         self._logged_at = -LOG_EVERY
@@ -318,6 +302,15 @@ class FrameGuard:
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)
 
+    def _forget(self, pair: _Pair) -> None:
+        self._pairs.discard(pair)
+        if not self._pairs and self._emptied is not None and not self._emptied.done():
+            self._emptied.set_result(None)
+
+    def _progress(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
     def _refused(self, why: str) -> None:
         self.refusals += 1
         self._unlogged += 1
@@ -327,17 +320,61 @@ class FrameGuard:
                         "flood; a gRPC client's are a few hundred bytes)", self._unlogged, why)
             self._logged_at, self._unlogged = now, 0
 
-    async def close(self) -> None:
-        """Stop accepting, end every forwarded connection at once, remove our path. Stop the gRPC
-        server first, so that its goodbyes reach the clients. All of it is done before the first
-        await, so a cancellation meanwhile (the daemon re-cancels while stopping) cuts short
-        only the wait for the ended connections' clean-up, never the ending."""
+    def streams(self) -> Streams:
+        """The streams open now on each connection (opened by the client, not yet ended by the
+        server): what a hand-over, having ended its ListAndWatch streams, gives forwarded()."""
+        return [(pair, frozenset(pair.streams)) for pair in self._pairs if pair.streams]
+
+    async def forwarded(self, timeout: float, streams: Streams = ()) -> None:
+        """Return once what the server has sent so far is written to its clients, and each of
+        ``streams`` (from streams()) has been ended by the server and that end written to its
+        client (or its connection is gone); or after ``timeout`` seconds (a client that does
+        not read, a server that does not end them). Without the guard gRPC writes to the
+        client's socket itself: a hand-over waits on this before its socket goes, so that the
+        stream ends are with the kubelet before the standby registers, however late this
+        process's loop forwards them (the kubelet keeps one client per resource, and an old
+        stream's end seen after the new Register disconnects the new instance). The bytes are in
+        the client's socket when this returns: its reads need this process no more."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout
+        await asyncio.sleep(0)  # the reads already due run first
+        while (left := until - loop.time()) > 0:
+            if any(pair.open(ids) for pair, ids in streams):
+                # Woken by what the server sends next (each read is forwarded before it wakes us).
+                if self._changed is None or self._changed.is_set():
+                    self._changed = asyncio.Event()
+                changed = self._changed
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(left):
+                        await changed.wait()
+                continue
+            if not any(p.holding() for p in self._pairs):
+                return
+            await asyncio.sleep(0.001)  # a write buffer draining: nothing tells us when
+
+    def stop_listening(self) -> None:
+        """Refuse new connections at once, as a stopping gRPC server does; forwarded ones go on."""
+        if self._server is not None:
+            self._server.close()  # closes the listening socket at once
+
+    async def close(self, drain: float = 0.0) -> None:
+        """Stop accepting, remove our path, give the connections up to ``drain`` seconds to end by
+        themselves, then end the rest at once. Stop the gRPC server first: each connection it
+        closes the guard closes once what it sent is written, so its goodbyes reach the clients.
+        A cancellation during the drain ends them at once; the ending is done before any later
+        await, so a cancellation then (the daemon re-cancels while stopping) cuts short only the
+        wait for their clean-up."""
         server, self._server = self._server, None
         if server is not None:
-            server.close()  # closes the listening socket at once
+            server.close()
         self._unlink()
-        for pair in list(self._pairs):
-            pair.abort()
+        try:
+            if self._pairs and drain > 0:
+                self._emptied = asyncio.get_running_loop().create_future()
+                await asyncio.wait({self._emptied}, timeout=drain)
+        finally:
+            for pair in list(self._pairs):
+                pair.abort()
         if self._connecting:
             await asyncio.wait(set(self._connecting))
         if server is not None:

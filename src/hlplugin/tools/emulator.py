@@ -233,9 +233,13 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             self.rejections.append(problem)
             # The kubelet returns a plain error, which reaches the plugin as UNKNOWN.
             await context.abort(grpc.StatusCode.UNKNOWN, problem)
+        # A connection of its own, as the kubelet's dial makes (grpc-go shares none between its
+        # clients): grpc core would otherwise hand this channel the previous registration's
+        # connection to the same path, still open to the old instance while it stops.
         channel = grpc.aio.insecure_channel(
             f"unix://{self.plugin_dir / request.endpoint}",
-            options=[("grpc.max_receive_message_length", KUBELET_MAX_MESSAGE)])
+            options=[("grpc.max_receive_message_length", KUBELET_MAX_MESSAGE),
+                     ("grpc.use_local_subchannel_pool", 1)])
         try:
             stub = pb_grpc.DevicePluginStub(channel)
             options = await stub.GetDevicePluginOptions(

@@ -17,10 +17,19 @@ take it from each other in turn, for ever. Asking the path first tells the cases
 
 A server must not bind the path itself, though: gRPC removes whatever socket is at its address
 when it stops, so a server stopping after another took the path over would remove the other's
-socket. It binds a private name beside it (private_path) and then publish() links that into place,
-atomically and never over a live holder's socket, so gRPC's clean-up only ever removes the private
-name. ``Endpoint`` remembers which socket it published (its identity), so it removes the path only
-while the socket there is still that one.
+socket. Its socket is bound under a private name beside the path (private_path) and then publish()
+links that into place, atomically and never over a live holder's socket, so clean-up only ever
+removes the private name. ``Endpoint`` remembers which socket it published (its identity), so it
+removes the path only while the socket there is still that one.
+
+The socket published is not gRPC's own but a frame guard's (frameguard.py, docs/security.md "The
+CONTINUATION flood"): it forwards each connection to the gRPC server, listening on a fresh
+abstract address, and closes one whose HTTP/2 header block grows past its bound before grpc core
+buffers it. Every server of ours is published here, so every one is behind a guard. The abstract
+address needs no file: a private socket file in the kubelet's device-plugin directory would be
+removed by the kubelet's start, which removes every file it does not know there. ``stop()`` stops
+the server, then the guard, so that the server's goodbyes (stream ends, GOAWAY) still reach its
+clients through the guard, when and as they did without it.
 """
 
 from __future__ import annotations
@@ -38,9 +47,14 @@ from pathlib import Path
 
 import grpc
 
-from hlplugin.deviceplugin.kubelet.grpcserver import to_completion
+from hlplugin.deviceplugin.frameguard import FrameGuard, Streams, abstract_address
+from hlplugin.deviceplugin.kubelet.grpcserver import stop_server, to_completion
 
 Identity = tuple[int, int, int]
+
+# Seconds the guard waits, once the server has stopped, for the connections the server closed to
+# end on the client's side too (what the server sent written first); then it ends the rest.
+GUARD_DRAIN = 0.1
 
 
 def socket_identity(path: Path) -> Identity | None:
@@ -209,13 +223,15 @@ async def wait_until_free(path: Path, changed: Callable[[], Awaitable[None]],
 
 
 class Endpoint:
-    """Our socket at ``path``, from bind() to remove(): ``identity`` is the socket we published
-    there (None before, and once removed), so "still ours" is a stat, never a guess."""
+    """``server`` published at ``path``, from bind() to stop(): ``identity`` is the socket we
+    published there (None before, and once removed), so "still ours" is a stat, never a guess."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, server: grpc.aio.Server) -> None:
         self.path = path
+        self.server = server
         self.identity: Identity | None = None
         self._bound: Path | None = None  # the private name serve() bound
+        self._guard: FrameGuard | None = None
 
     def ours(self) -> bool:
         """The socket at the path is the one we published (not replaced, not removed)."""
@@ -229,21 +245,26 @@ class Endpoint:
         elif os.path.lexists(self.path):
             raise RuntimeError(f"{self.path} exists and is not a socket; refusing to replace it")
 
-    async def bind(self, server: grpc.aio.Server) -> None:
-        """Start ``server`` on a private name and publish it at the path. Raises Held when a live
-        instance published first, OSError when the path cannot be taken: the caller then stops
-        the server (gRPC removes the private name), and nothing of ours is at the path."""
-        await self.serve(server)
+    async def bind(self) -> None:
+        """Start the server on a private name and publish it at the path. Raises Held when a live
+        instance published first, OSError when the path cannot be taken: the caller then calls
+        stop(), and nothing of ours is left at the path or the private name."""
+        await self.serve()
         self.take()
 
-    async def serve(self, server: grpc.aio.Server) -> None:
-        """Start ``server`` on a private name beside the path (a standby does this while it
-        waits, so that taking over is one link)."""
-        self._bound = bound = private_path(self.path)  # never gRPC's address to remove: see above
-        server.add_insecure_port(f"unix://{bound}")
+    async def serve(self) -> None:
+        """Start the server behind a frame guard listening on a private name beside the path (a
+        standby does this while it waits, so that taking over is one link). Raises OSError when
+        the guard cannot bind there (e.g. a read-only directory): the caller calls stop()."""
+        self._bound = bound = private_path(self.path)
+        address = abstract_address()
+        self.server.add_insecure_port(address)
+        self._guard = guard = FrameGuard(address)
         # start() binds the socket in a task of gRPC's own that a cancellation does not stop, so
-        # it runs to completion; then, cancelled or not, we know the socket and may remove it.
-        await to_completion(server.start())
+        # it runs to completion, and so does the guard's listen: then, cancelled or not, stop()
+        # knows what there is to stop and remove.
+        await to_completion(self.server.start())
+        await to_completion(guard.listen(bound))
 
     def take(self) -> None:
         """Publish the served private name at the path (see publish(): Held, OSError)."""
@@ -251,9 +272,40 @@ class Endpoint:
         publish(self._bound, self.path)
         self.identity = socket_identity(self.path)
 
+    def streams(self) -> Streams:
+        """The streams open now at the guard (FrameGuard.streams), for forwarded()."""
+        return self._guard.streams() if self._guard is not None else []
+
+    async def forwarded(self, timeout: float, streams: Streams = ()) -> None:
+        """Wait (at most ``timeout``) until what the server has sent is with its clients, and
+        ``streams`` have been ended and their ends too (FrameGuard.forwarded): before a
+        hand-over's remove()."""
+        if self._guard is not None:
+            await self._guard.forwarded(timeout, streams)
+
     def remove(self) -> None:
-        """Unlink the path if the socket there is still the one we published, then forget it."""
+        """Unlink the path if the socket there is still the one we published, then forget it.
+        The server goes on serving the connections it has (a hand-over removes first)."""
         identity, self.identity = self.identity, None
         if identity is not None and socket_identity(self.path) == identity:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+
+    async def stop(self) -> bool:
+        """Stop the server (within grpcserver.stop_server's deadline), then its guard, then remove
+        the path while ours; False when the server had to be left running. The server first:
+        its last bytes pass through the guard as they are sent, and each connection the server
+        closes the guard closes in turn, so clients see the ends they saw without the guard;
+        the guard then ends whatever is left (a client that does not read). A cancellation
+        meanwhile is re-raised once all of it is done."""
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.stop_listening()  # new connections refused at once, as by gRPC's stop
+        try:
+            return await stop_server(self.server)
+        finally:
+            try:
+                if guard is not None:
+                    await to_completion(guard.close(drain=GUARD_DRAIN))
+            finally:
+                self.remove()

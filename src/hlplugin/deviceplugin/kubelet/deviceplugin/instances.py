@@ -13,13 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from hlplugin.deviceplugin.health.watch import Wakeup
 from hlplugin.deviceplugin.kubelet.deviceplugin.devicelist import new_server
 from hlplugin.deviceplugin.kubelet.deviceplugin.interfaces import PluginServicer, ServicerFactory
 from hlplugin.deviceplugin.kubelet.endpoint import Endpoint, find_holder
-from hlplugin.deviceplugin.kubelet.grpcserver import stop_server, to_completion
+from hlplugin.deviceplugin.kubelet.grpcserver import to_completion
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +28,17 @@ log = logging.getLogger(__name__)
 # not. Its share of the kubelet's gap: tests/test_handover.py.
 HANDOVER_WAIT = 0.5
 HANDOVER_SETTLE = 0.02
+# At most, once the streams have ended in our handlers, for gRPC to write their ends and the frame
+# guard to pass them on to the kubelet. Waiting costs the node nothing (the kubelet counts our
+# devices until it sees the end); past it the socket goes anyway, and a standby disconnected by
+# the late end registers again at once (lifecycle.TAKEOVER_WINDOW).
+HANDOVER_FORWARD = 1.0
 
 
 @dataclass
 class Instance:
-    server: grpc.aio.Server
     servicer: PluginServicer
-    endpoint: Endpoint
+    endpoint: Endpoint  # with the servicer's gRPC server
     live: bool = False  # serving at its endpoint, and not stopping
 
 
@@ -66,10 +68,10 @@ class Instances:
             raise RuntimeError(found)  # before gRPC tries, and logs its own line every retry
         servicer = self._make_servicer()
         servicer.on_streams_changed = self._wakeup.fire
-        instance = Instance(new_server(servicer), servicer, Endpoint(self.socket_path))
+        instance = Instance(servicer, Endpoint(self.socket_path, new_server(servicer)))
         self.current = instance
         try:
-            await instance.endpoint.serve(instance.server)
+            await instance.endpoint.serve()
         except BaseException:
             await self.stop(instance)  # never leave a server to the GC
             raise
@@ -83,7 +85,7 @@ class Instances:
             instance.endpoint.remove_stale()
             instance.endpoint.take()
         except BaseException:
-            await self.stop(instance)  # gRPC removes its private name
+            await self.stop(instance)  # the guard removes its private name
             raise
         instance.live = True
         return instance
@@ -96,9 +98,10 @@ class Instances:
         instance.live = False
         instance.servicer.close_streams()
         try:
-            await stop_server(instance.server)  # within its deadline, whatever a client holds
+            # Within its deadline, whatever a client holds; the path removed unless another
+            # instance has taken it over.
+            await instance.endpoint.stop()
         finally:
-            instance.endpoint.remove()  # unless another instance has taken the path over
             if self.current is instance:
                 self.current = None
 
@@ -108,10 +111,17 @@ class Instances:
         re-cancels while stopping) waits for these steps."""
         instance.live = False
         streamed = instance.servicer.open_streams > 0
+        streams = instance.endpoint.streams()  # the ListAndWatch streams among them
         instance.servicer.close_streams()
         if streamed:
             with contextlib.suppress(asyncio.CancelledError):
                 await to_completion(self._streams_ended(instance))
+                # Their ends through the frame guard to the kubelet before the standby may take
+                # the socket, as gRPC wrote them to the kubelet's connection itself: gRPC writes
+                # them after our handlers return, and the guard forwards them when this loop
+                # next reads, which a process busy stopping does late (issue 40: on the real
+                # cluster the kubelet saw them after the standby's Register, 8 of 19 times).
+                await to_completion(instance.endpoint.forwarded(HANDOVER_FORWARD, streams))
         instance.endpoint.remove()
 
     async def _streams_ended(self, instance: Instance) -> None:

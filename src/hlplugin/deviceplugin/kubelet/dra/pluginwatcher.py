@@ -31,7 +31,7 @@ from hlplugin.api import pluginregistration_pb2_grpc as reg_grpc
 from hlplugin.deviceplugin.health.watch import DirWatcher, Wakeup
 from hlplugin.deviceplugin.kubelet.context import Context
 from hlplugin.deviceplugin.kubelet.endpoint import Endpoint, Holder, wait_until_free
-from hlplugin.deviceplugin.kubelet.grpcserver import bounded_server, stop_server
+from hlplugin.deviceplugin.kubelet.grpcserver import bounded_server
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +104,9 @@ class WatcherPlugin:
             self._on_status(registered)
 
     async def run(self) -> None:
-        endpoint = Endpoint(self.endpoint_path)
-        server = self._make_server()
+        endpoint = Endpoint(self.endpoint_path, self._make_server())
         try:
-            await self._bind(endpoint, server)
+            await self._bind(endpoint)
             self.serving = True
             log.info("serving %s on %s", self.info.name, self.endpoint_path)
             async with self._wakeup.running():
@@ -116,25 +115,24 @@ class WatcherPlugin:
         finally:
             self.serving = False  # stopping on purpose: the self-check no longer asks
             with contextlib.suppress(asyncio.CancelledError):
-                await stop_server(server)
-            endpoint.remove()
+                await endpoint.stop()
 
-    async def _bind(self, endpoint: Endpoint, server: grpc.aio.Server) -> None:
+    async def _bind(self, endpoint: Endpoint) -> None:
         endpoint.path.parent.mkdir(parents=True, exist_ok=True)
         await wait_until_free(endpoint.path, lambda: asyncio.sleep(self._recheck), _log_holder)
         endpoint.remove_stale()
-        await endpoint.bind(server)
+        await endpoint.bind()
 
     async def _registered_until_removed(self) -> None:
         """Publish the registration socket; return once it is no longer ours (removed,
         replaced); cancelled, remove it first."""
-        registration = Endpoint(self.registration_path)
         # The kubelet sends two tiny messages; the bounds of grpcserver.py for everything else.
         server = bounded_server(64 * 1024)
         reg_grpc.add_RegistrationServicer_to_server(
             RegistrationServicer(self.info, self._status), server)
+        registration = Endpoint(self.registration_path, server)
         try:
-            await self._bind(registration, server)
+            await self._bind(registration)
             while registration.ours():
                 pulse = self._wakeup.pulse()
                 if not registration.ours():
@@ -151,7 +149,7 @@ class WatcherPlugin:
                             f"{self.registration_path} is not published (being published again)")
             registration.remove()  # first: the kubelet unregisters us before the endpoint goes
             with contextlib.suppress(asyncio.CancelledError):
-                await stop_server(server)
+                await registration.stop()
 
 
 def _log_holder(holder: Holder) -> None:
