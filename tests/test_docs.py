@@ -84,6 +84,7 @@ FOREIGN = {
     '"Error syncing pod, skipping" err="unprepare dynamic resources: DRA driver hyperlight.dev is not '
     'registered"': "the kubelet's pod workers (log)",
     "unprepare dynamic resources: DRA driver hyperlight.dev is not registered": "the kubelet's DRA manager",
+    '"ListAndWatch ended unexpectedly for device plugin"': "the kubelet's device manager (log)",
 }
 
 

@@ -63,16 +63,18 @@ def access_drops(sampler: Sampler) -> list[tuple[float, Any]]:
 VM_WORKER = "vm-worker"
 
 
-def vm_worker(cluster: Cluster, name: str = VM_WORKER) -> None:
+def vm_worker(cluster: Cluster, name: str = VM_WORKER, *, selected: bool = False) -> None:
     """The examples' VM check as a pod that creates a VM every 0.5 s through its slot, as UID
     65534, for the length of the upgrades: a check that fails exits, and the container restarts.
     It asks ``hyperlight.dev/hypervisor: 1`` and is placed by the scheduler, so a driver node
-    serves it through the DeviceClass's mapping."""
+    serves it through the DeviceClass's mapping; ``selected`` adds the runbook's check-pod
+    nodeSelector (``kubernetes.io/hostname``: still the scheduler, unlike ``nodeName``)."""
     cluster.kubectl("create", "configmap", "hyperlight-vm-check", "-n", "default",
                     "--from-file=deploy/examples/vm_check.py", check=False)
     cluster.apply({
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
         "spec": {"terminationGracePeriodSeconds": 1,
+                 **({"nodeSelector": {"kubernetes.io/hostname": NODE}} if selected else {}),
                  "securityContext": {"runAsNonRoot": True, "runAsUser": 65534, "runAsGroup": 65534},
                  "containers": [{
                      "name": "c", "image": Cluster.chart_image(), "imagePullPolicy": "IfNotPresent",
