@@ -418,7 +418,7 @@ state = "/run/containerd"
                 str(b / "kubelet"), "--config", str(kubelet_config), "--kubeconfig", str(kubelet),
                 "--hostname-override", NODE, "--node-ip", NODE_IP, "--cgroup-root", "@CGROUP@",
                 "--v", "2"],
-             "env": {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}},
+             "env": {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, "restart_after": 2.0},
         ]
         plan = run / "plan.json"
         plan.write_text(json.dumps({

@@ -119,6 +119,8 @@ class Supervisor:
         self.components = {c["name"]: c for c in plan["components"]}
         self.running: dict[str, subprocess.Popen[bytes]] = {}
         self.exited: dict[str, int] = {}
+        self.exited_at: dict[str, float] = {}  # monotonic time of each exit reaped
+        self.stopped: set[str] = set()  # stopped or killed by a command: never restarted here
         self.logs = Path(plan["logs"])
 
     def start(self, name: str) -> None:
@@ -134,6 +136,7 @@ class Supervisor:
                                               stderr=subprocess.STDOUT, env=env)
         log_file.close()
         self.exited.pop(name, None)
+        self.stopped.discard(name)
         wait_for = spec.get("wait_for")
         if wait_for:
             deadline = time.monotonic() + 30
@@ -145,6 +148,7 @@ class Supervisor:
 
     def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
         proc = self.running.get(name)
+        self.stopped.add(name)
         if proc is None:
             return
         proc.send_signal(sig)
@@ -157,7 +161,14 @@ class Supervisor:
             time.sleep(0.01)
 
     def reap(self) -> None:
-        """Reap every dead child: components and orphans reparented to PID 1 (shims, containers)."""
+        """Reap every dead child: components and orphans reparented to PID 1 (shims, containers).
+        A component that Popen reaped itself (send_signal() polls first, so one that died just as
+        it was stopped) is recorded from its returncode: its pid never comes back here."""
+        for name, proc in list(self.running.items()):
+            if proc.returncode is not None:
+                self.exited[name] = proc.returncode
+                self.exited_at[name] = time.monotonic()
+                del self.running[name]
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -169,7 +180,22 @@ class Supervisor:
                 if proc.pid == pid:
                     proc.returncode = os.waitstatus_to_exitcode(status)
                     self.exited[name] = proc.returncode
+                    self.exited_at[name] = time.monotonic()
                     del self.running[name]
+
+    def restart_exited(self) -> None:
+        """Start again, ``restart_after`` seconds after it exited on its own, a component whose
+        spec has that key, as systemd restarts a node's kubelet (kubeadm's unit: Restart=always):
+        a kubelet started while containerd's CRI is still initializing exits at once ("server is
+        not initialized yet"), which after a reboot on a loaded machine left the node down for
+        every later test. A component a command stopped or killed stays down."""
+        for name, code in list(self.exited.items()):
+            after = self.components[name].get("restart_after")
+            if after is None or name in self.stopped or name in self.running:
+                continue
+            if time.monotonic() - self.exited_at.get(name, 0.0) >= after:
+                log(f"{name} exited ({code}) on its own: starting it again")
+                self.start(name)
 
     def kill_others(self, keep: set[int]) -> None:
         """SIGKILL every process of the namespace but PID 1 and ``keep``, and reap them."""
@@ -243,6 +269,10 @@ class Supervisor:
         while True:
             readable, _, _ = select.select([sys.stdin.fileno()], [], [], 0.2)
             self.reap()
+            try:
+                self.restart_exited()
+            except Exception as exc:  # its next turn tries again
+                log(f"restart failed: {exc}")
             if not readable:
                 continue
             chunk = os.read(sys.stdin.fileno(), 4096)
