@@ -29,6 +29,8 @@ from support.waits import quiet, quiet_blocking
 from hlplugin import config
 from hlplugin.api import dra_health_v1alpha1_pb2 as health_pb
 from hlplugin.cdi_spec import SPEC_FILE
+from hlplugin.deviceplugin.kubelet.dra.checkpoint import InstanceLock
+from hlplugin.deviceplugin.ownedfile import temp_prefix
 from hlplugin.dra.claims import CHECKPOINT_FILE, LOCK_FILE
 from hlplugin.names import CDI_WRITER_FILE, DRA_DRIVER, dra_socket_names
 from hlplugin.tools.process import DaemonProcess
@@ -190,6 +192,30 @@ async def test_prepare_answers_the_cdi_device_the_nodes_one_spec_declares() -> N
         assert {"registered", "checkpoint", "cdi", "device"} <= set(conditions)
         assert CLAIM[1] in json.loads((node.plugin_dir / CHECKPOINT_FILE).read_bytes())["entries"]
     assert sorted(os.listdir(node.plugin_dir)) == [CDI_WRITER_FILE, CHECKPOINT_FILE, LOCK_FILE]
+
+
+async def test_a_start_removes_the_checkpoints_temp_files_only_under_the_instance_lock() -> None:
+    """A temp file beside the record is a crashed write's leftover only when no other instance
+    holds the lock: in a surge it is the other instance's write in flight, and removing it failed
+    that write's rename and its Prepare (the real cluster's DRA upgrade test). Held by "another
+    instance" (this test) through the start, it stays; at a start with the lock free, it goes."""
+    node = Node(dev_dir=Path("/dev"))
+    node.plugin_dir.mkdir(parents=True)
+    in_flight = node.plugin_dir / f"{temp_prefix(CHECKPOINT_FILE)}0123456789abcdef"
+    in_flight.write_bytes(b"{")
+    fd = InstanceLock(node.plugin_dir, LOCK_FILE).try_acquire()
+    assert fd is not None
+    try:
+        watcher = FakePluginWatcher(node.registry)
+        async with daemon(node.args(), graceful=True):
+            await registered(watcher)  # after start(), which waited the lock's budget out
+            assert in_flight.exists()
+    finally:
+        os.close(fd)
+    watcher = FakePluginWatcher(node.registry)
+    async with daemon(node.args(), graceful=True):
+        await registered(watcher)
+        assert not in_flight.exists()
 
 
 @needs_kvm

@@ -228,6 +228,20 @@ class ClaimPreparer:
                               f"{self._lock_wait:g} s")
             await asyncio.sleep(_LOCK_POLL)
 
+    async def cleanup_leftovers(self) -> int:
+        """Remove the temp files a crash in a write of the record left behind, under the instance
+        lock: in a surge the other instance may be writing the record, and its temp file is not a
+        leftover (removed unlocked, the other's rename failed with ENOENT and a Prepare with it, on
+        the real cluster). Without the lock in time it leaves them for the next start."""
+        fd, problem = await self._acquire()
+        if fd is None:
+            log.info("left the checkpoint's temp files for the next start: %s", problem)
+            return 0
+        try:
+            return await self.runner.run(self.checkpoint.cleanup_leftovers)
+        finally:
+            os.close(fd)
+
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Prepared]:
         answers = await self._from_memory(claims)
         if answers is not None:

@@ -147,7 +147,7 @@ class DraDriver:
     async def start(self) -> None:
         """The first passes (CDI, device) and the checkpoint's read, before the kubelet can call."""
         await asyncio.gather(self.checks.first(), self.claims.load())
-        await self.claims.runner.run(self.claims.checkpoint.cleanup_leftovers)
+        await self.claims.cleanup_leftovers()
         if self.claims.condition()[0]:
             log.info("%d prepared claims in %s", len(self.claims.prepared),
                      self.claims.checkpoint.path)
