@@ -174,11 +174,19 @@ def dra(installed: Installed) -> Iterator[Cluster]:
             template("hv-nothing", 'device.attributes["hyperlight.dev"].hypervisor == "nothing"')]})
         yield c
     finally:
-        delete(c, "deployments", "--all")
-        delete(c, "pods", "--all")
-        delete(c, "resourceclaimtemplates", "hv", "hv-plain", "hv-nothing")
-        c.kubectl("label", "node", NODE, f"{LABEL}-", check=False)
-        installed.ensure()  # installs the release again after the uninstall test
+        # Each step whatever the one before did: a delete that failed (a pod stuck after a failed
+        # test) once left the node labelled, and the next module found the driver serving it.
+        try:
+            delete(c, "deployments", "--all")
+        finally:
+            try:
+                delete(c, "pods", "--all")
+            finally:
+                try:
+                    delete(c, "resourceclaimtemplates", "hv", "hv-plain", "hv-nothing")
+                finally:
+                    c.kubectl("label", "node", NODE, f"{LABEL}-", check=False)
+                    installed.ensure()  # installs the release again after the uninstall test
 
 
 def test_the_driver_publishes_the_nodes_slice_as_the_reference_controller_does(dra: Cluster) -> None:
