@@ -32,7 +32,7 @@ import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from hlplugin.deviceplugin.health.bounded import BoundedRunner, CheckFailed
 from hlplugin.deviceplugin.health.conditions import Condition, HealthState
@@ -44,6 +44,7 @@ from hlplugin.metrics import ClaimResult, PrepareResult, UnprepareResult
 from hlplugin.names import DRA_DRIVER
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CHECKPOINT_FILE = "checkpoint.json"
 LOCK_FILE = "checkpoint.lock"  # every instance's (a surge runs two): see checkpoint.InstanceLock
@@ -228,33 +229,28 @@ class ClaimPreparer:
                               f"{self._lock_wait:g} s")
             await asyncio.sleep(_LOCK_POLL)
 
+    async def _locked(self, work: Callable[[], Awaitable[T]], busy: Callable[[str], T]) -> T:
+        """``work()`` under this process's lock and the instances' one; ``busy(why)`` without."""
+        async with self._lock:
+            fd, problem = await self._acquire()
+            if fd is None:
+                return busy(problem)
+            try:
+                return await work()
+            finally:
+                os.close(fd)
+
     async def cleanup_leftovers(self) -> int:
-        """Remove the temp files a crash in a write of the record left behind, under the instance
-        lock: in a surge the other instance may be writing the record, and its temp file is not a
-        leftover (removed unlocked, the other's rename failed with ENOENT and a Prepare with it, on
-        the real cluster). Without the lock in time it leaves them for the next start."""
-        fd, problem = await self._acquire()
-        if fd is None:
-            log.info("left the checkpoint's temp files for the next start: %s", problem)
-            return 0
-        try:
-            return await self.runner.run(self.checkpoint.cleanup_leftovers)
-        finally:
-            os.close(fd)
+        """A crashed write's temp files, under the locks (a surging instance's write has one)."""
+        return await self._locked(lambda: self.runner.run(self.checkpoint.cleanup_leftovers),
+                                  lambda why: 0)  # busy: left for the next start
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Prepared]:
         answers = await self._from_memory(claims)
         if answers is not None:
             return answers
-        async with self._lock:
-            fd, problem = await self._acquire()
-            if fd is None:
-                return self._all(claims, f"cannot prepare now: {problem}",
-                                 PrepareResult.ERROR)
-            try:
-                return await self._prepare(claims)
-            finally:
-                os.close(fd)
+        return await self._locked(lambda: self._prepare(claims), lambda why: self._all(
+            claims, f"cannot prepare now: {why}", PrepareResult.ERROR))
 
     async def _prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Prepared]:
         """Under both locks: read the record anew (another instance may have changed it), then
@@ -313,14 +309,9 @@ class ClaimPreparer:
             return str(exc)
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
-        async with self._lock:
-            fd, problem = await self._acquire()
-            if fd is None:  # transient: the kubelet retries an Unprepare until it succeeds
-                return self._done(claims, f"cannot unprepare now: {problem}")
-            try:
-                return await self._unprepare(claims)
-            finally:
-                os.close(fd)
+        # Busy is transient: the kubelet retries an Unprepare until it succeeds.
+        return await self._locked(lambda: self._unprepare(claims),
+                                  lambda why: self._done(claims, f"cannot unprepare now: {why}"))
 
     async def _unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
         if not await self.load():
@@ -338,27 +329,25 @@ class ClaimPreparer:
     async def prune(self, gone: Callable[[ClaimRef], Awaitable[bool]]) -> int:
         """Forget the recorded claims that ``gone`` says are gone from the API server, whose
         Unprepare will never come (their pods were deleted while the node was down, or while the
-        driver was away past the kubelet's retries): else the record would fill its bound.
-        Asked outside the locks, one claim at a time, so Prepares go on meanwhile; dropped
-        under both, the record read anew. Answers how many were forgotten."""
+        driver was away past the kubelet's retries): else the record would fill its bound. Asked
+        outside the locks, one at a time (Prepares go on); dropped under both. Returns how many."""
         recorded = [entry.claim for entry in (self._claims or {}).values()]
         stale = {claim.uid for claim in recorded if await gone(claim)}
         if not stale:
             return 0
-        async with self._lock:
-            fd, problem = await self._acquire()
-            if fd is None:
-                log.warning("cannot prune %d claims gone from the API server now: %s",
-                            len(stale), problem)
+
+        async def drop() -> int:
+            if not await self.load():
                 return 0
-            try:
-                if not await self.load():
-                    return 0
-                before = len(self._claims or {})
-                await self._drop(stale, "pruned (gone from the API server, never unprepared)")
-                return before - len(self._claims or {})
-            finally:
-                os.close(fd)
+            before = len(self._claims or {})
+            await self._drop(stale, "pruned (gone from the API server, never unprepared)")
+            return before - len(self._claims or {})
+
+        def busy(why: str) -> int:
+            log.warning("cannot prune %d claims gone from the API server now: %s", len(stale), why)
+            return 0
+
+        return await self._locked(drop, busy)
 
     async def _drop(self, uids: set[str], what: str) -> str:
         """Under both locks, the record just read: the entries of ``uids`` removed and saved;
