@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,14 +165,20 @@ async def one_pair(tmp: Path, calls: int, guarded_first: bool) -> dict[str, dict
                 await plugin.Allocate(REQUEST, timeout=10)
             await asyncio.sleep(0.5)
             put("idle working set (VmRSS)", guarded, status(proc.pid, "VmRSS"))
-        for concurrency in (1, 16):
-            for guarded in modes:
-                async with stub(sockets[guarded]) as plugin:
-                    await hammer(plugin, 200, 4)  # warm
-                    p50, p99 = await hammer(plugin, calls, concurrency)
-                put(f"Allocate p50, concurrency {concurrency}", guarded, p50)
-                put(f"Allocate p99, concurrency {concurrency}", guarded, p99)
+        await allocate_latencies(sockets, modes, calls, put)
     return figures
+
+
+async def allocate_latencies(sockets: dict[bool, Path], modes: list[bool], calls: int,
+                             put: Callable[[str, bool, float], None]) -> None:
+    """Allocate p50 and p99 at concurrency 1 and 16 on each mode's socket, interleaved."""
+    for concurrency in (1, 16):
+        for guarded in modes:
+            async with stub(sockets[guarded]) as plugin:
+                await hammer(plugin, 200, 4)  # warm
+                p50, p99 = await hammer(plugin, calls, concurrency)
+            put(f"Allocate p50, concurrency {concurrency}", guarded, p50)
+            put(f"Allocate p99, concurrency {concurrency}", guarded, p99)
 
 
 HYPERVISOR = "hyperlight.dev/hypervisor"
@@ -214,13 +220,7 @@ async def one_daemon_pair(tmp: Path, calls: int, guarded_first: bool,
                 await plugin.Allocate(REQUEST, timeout=10)
             await asyncio.sleep(0.5)
             put("idle working set (VmRSS)", guarded, status(proc.pid, "VmRSS"))
-        for concurrency in (1, 16):
-            for guarded in modes:
-                async with stub(sockets[guarded]) as plugin:
-                    await hammer(plugin, 200, 4)  # warm
-                    p50, p99 = await hammer(plugin, calls, concurrency)
-                put(f"Allocate p50, concurrency {concurrency}", guarded, p50)
-                put(f"Allocate p99, concurrency {concurrency}", guarded, p99)
+        await allocate_latencies(sockets, modes, calls, put)
         for guarded in modes:
             kubelet, old, gaps = kubelets[guarded], procs[guarded], []
             for _ in range(HANDOVERS):
