@@ -284,6 +284,26 @@ async def test_without_the_guard_the_same_flood_grows_the_server(tmp_path: Path)
 # The guard as a socket: half-close, backpressure, ends, shutdown.
 
 @contextlib.asynccontextmanager
+async def kept_connection(tmp_path: Path) -> AsyncIterator[
+        tuple[FrameGuard, socket.socket, list[asyncio.StreamWriter]]]:
+    """A guard in front of a server that keeps each connection until its client ends it (its
+    writers, for a test to write the server's side), and one non-blocking client connected."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def keeps(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_unix_server(keeps, str(tmp_path / "up.sock"))
+    async with server, guard_before(server, tmp_path / "g.sock") as guard:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(client, str(tmp_path / "g.sock"))
+            yield guard, client, writers
+
+
+@contextlib.asynccontextmanager
 async def guard_before(upstream: asyncio.Server, path: Path) -> AsyncIterator[FrameGuard]:
     """A guard at ``path`` forwarding to a plain asyncio server (no HTTP/2 needed past the
     guard's reader)."""
@@ -583,28 +603,17 @@ async def test_forwarded_returns_once_what_the_server_sent_is_with_the_client(tm
     """What a hand-over waits on before its socket goes: the server's bytes written to the
     client's socket (readable there without this loop running again); bounded by its timeout
     for a client that reads nothing."""
-    writers: list[asyncio.StreamWriter] = []
-
-    async def keeps(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writers.append(writer)
-        await reader.read()
-        writer.close()
-
-    server = await asyncio.start_unix_server(keeps, str(tmp_path / "up.sock"))
-    async with server, guard_before(server, tmp_path / "g.sock") as guard:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-            client.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(client, str(tmp_path / "g.sock"))
-            await wait_for(lambda: bool(writers))
-            writers[0].write(b"the stream's end")  # sent on the upstream socket at once
-            await guard.forwarded(2.0)
-            assert client.recv(100) == b"the stream's end"  # no await between: already there
-            # A client that reads nothing: the guard holds what the kernel does not take.
-            writers[0].write(b"x" * (8 << 20))
-            began = time.monotonic()
-            await guard.forwarded(0.2)
-            assert 0.15 < time.monotonic() - began < 1.0
-            assert any(pair.holding() for pair in guard._pairs)
+    async with kept_connection(tmp_path) as (guard, client, writers):
+        await wait_for(lambda: bool(writers))
+        writers[0].write(b"the stream's end")  # sent on the upstream socket at once
+        await guard.forwarded(2.0)
+        assert client.recv(100) == b"the stream's end"  # no await between: already there
+        # A client that reads nothing: the guard holds what the kernel does not take.
+        writers[0].write(b"x" * (8 << 20))
+        began = time.monotonic()
+        await guard.forwarded(0.2)
+        assert 0.15 < time.monotonic() - began < 1.0
+        assert any(pair.holding() for pair in guard._pairs)
     os.unlink(tmp_path / "up.sock")
 
 
@@ -613,33 +622,22 @@ async def test_forwarded_waits_for_the_streams_given_to_be_ended_and_with_the_cl
     """A hand-over takes the streams open (streams()) before it ends its ListAndWatch streams:
     forwarded() returns once the server's end of each has been written to its client, not when
     the server's other bytes are; a stream opened after the look is not waited for."""
-    writers: list[asyncio.StreamWriter] = []
-
-    async def keeps(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writers.append(writer)
-        await reader.read()
-        writer.close()
-
-    server = await asyncio.start_unix_server(keeps, str(tmp_path / "up.sock"))
-    async with server, guard_before(server, tmp_path / "g.sock") as guard:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-            client.setblocking(False)
-            loop = asyncio.get_running_loop()
-            await loop.sock_connect(client, str(tmp_path / "g.sock"))
-            await loop.sock_sendall(client, PREFACE + frame(0x4, 0, 0, b"") + headers(20, True, 1))
-            await wait_for(lambda: bool(writers) and guard.streams())
-            streams = guard.streams()
-            await loop.sock_sendall(client, headers(20, True, 3))  # after the look
-            writers[0].write(frame(0x1, 0x4, 1, b"h" * 10) + frame(0x0, 0, 1, b"list"))
-            waiting = asyncio.create_task(guard.forwarded(5.0, streams))
-            # A bounded watch, 0.3 s: the server's bytes are with the client, its end is not.
-            done, _ = await asyncio.wait({waiting}, timeout=0.3)
-            assert not done
-            writers[0].write(frame(0x1, 0x1 | 0x4, 1, b"t" * 10))
-            await waiting
-            received = client.recv(1000)  # no await between: already there
-            assert received.endswith(frame(0x1, 0x1 | 0x4, 1, b"t" * 10))
-            assert [ids for _, ids in guard.streams()] == [frozenset({3})]
+    async with kept_connection(tmp_path) as (guard, client, writers):
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(client, PREFACE + frame(0x4, 0, 0, b"") + headers(20, True, 1))
+        await wait_for(lambda: bool(writers) and guard.streams())
+        streams = guard.streams()
+        await loop.sock_sendall(client, headers(20, True, 3))  # after the look
+        writers[0].write(frame(0x1, 0x4, 1, b"h" * 10) + frame(0x0, 0, 1, b"list"))
+        waiting = asyncio.create_task(guard.forwarded(5.0, streams))
+        # A bounded watch, 0.3 s: the server's bytes are with the client, its end is not.
+        done, _ = await asyncio.wait({waiting}, timeout=0.3)
+        assert not done
+        writers[0].write(frame(0x1, 0x1 | 0x4, 1, b"t" * 10))
+        await waiting
+        received = client.recv(1000)  # no await between: already there
+        assert received.endswith(frame(0x1, 0x1 | 0x4, 1, b"t" * 10))
+        assert [ids for _, ids in guard.streams()] == [frozenset({3})]
     os.unlink(tmp_path / "up.sock")
 
 
