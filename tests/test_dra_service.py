@@ -190,6 +190,22 @@ async def test_a_restarted_kubelet_registers_the_same_socket_again() -> None:
         assert devices(await restarted.prepare(DRA_DRIVER, CLAIM), CLAIM[1])
 
 
+async def test_the_kubelet_registers_a_socket_once_though_its_inode_changes_after() -> None:
+    """publish() links the socket at its name, then unlinks its private name: the inode's ctime
+    changes after the kubelet may have seen the socket. That is no new socket: a watcher that took
+    it for one notified the driver twice, and a surge's old driver took the CDI spec back."""
+    node = Node()
+    watcher = FakePluginWatcher(node.registry)
+    async with driver(node) as pod:
+        plugin = pod.plugin
+        await registered(watcher, plugin)
+        other = plugin.registration_path.with_name(".another-name")
+        os.link(plugin.registration_path, other)
+        os.unlink(other)  # as publish() removes the private name: only the ctime changes
+        await watcher.sync()
+        assert len(pod.verdicts) == 1 and len(watcher.infos) == 1
+
+
 async def test_a_kubelet_that_knows_only_v1beta1_prepares_through_it() -> None:
     node = Node()
     for services, chosen in ((("v1beta1.DRAPlugin",), "v1beta1.DRAPlugin"),

@@ -83,7 +83,11 @@ class FakePluginWatcher:
             except FileNotFoundError:  # gone since the listing (a socket's temporary name)
                 continue
             if not name.startswith(".") and stat.S_ISSOCK(st.st_mode):
-                present[path] = (st.st_dev, st.st_ino, st.st_ctime_ns)
+                # The kubelet registers a socket when it is created at the name (fsnotify Create).
+                # Its mtime is its bind, so a new socket on a reused inode number differs; not its
+                # ctime, which a plugin's publish (link, then unlink of its private name) changes
+                # after the socket is at the name: that is no new socket.
+                present[path] = (st.st_dev, st.st_ino, st.st_mtime_ns)
         for path in list(self.plugins):
             if present.get(path) != self.plugins[path].identity:
                 del self.plugins[path]
