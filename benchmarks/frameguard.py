@@ -16,12 +16,11 @@ Reported: each figure's median over the pairs of (guarded - unguarded), and the 
 (p99 at 16 +1 ms, idle +2 MiB, start +20 ms). Then, unless --no-flood, the CONTINUATION flood
 (64 MiB of header fields on 4 connections) against each, as VmHWM growth. Nothing is asserted.
 
-    python benchmarks/frameguard.py --daemons SRC_WITHOUT [--pairs 5] [--calls 3000]
+    python benchmarks/frameguard.py --daemons [--pairs 5] [--calls 3000]
 
-The same for the main daemon (`hlplugin serve`) on the kubelet emulator, where the guard is wired
-in: this tree's daemon (guarded) against the daemon of SRC_WITHOUT (the src directory of a
-checkout from before the wiring, e.g. `git worktree add /tmp/unguarded <commit>`), both on the
-real /dev/kvm, as five interleaved pairs of fresh daemons: start to registered, idle VmRSS,
+The same for the main daemon (`hlplugin serve`) on the kubelet emulator: this tree's daemon with
+--frame-guard true against the same daemon with it off (the default), both on the real
+/dev/kvm, as five interleaved pairs of fresh daemons: start to registered, idle VmRSS,
 Allocate p50 and p99 at concurrency 1 and 16 over one channel, and the surge hand-over's gap as
 the kubelet sees it (the old stream's end to the new instance's first list; the median of 3 per
 daemon). Needs root and /dev/kvm.
@@ -186,13 +185,12 @@ SLOTS = 2000
 HANDOVERS = 3  # surge hand-overs per daemon and pair
 
 
-async def one_daemon_pair(tmp: Path, calls: int, guarded_first: bool,
-                          without: Path) -> dict[str, dict[str, float]]:
-    """This tree's main daemon and SRC_WITHOUT's measured once, interleaved, each on a kubelet
-    emulator of its own: figure -> {"guarded": v, "unguarded": v}."""
+async def one_daemon_pair(tmp: Path, calls: int, guarded_first: bool) -> dict[str, dict[str, float]]:
+    """The main daemon with and without --frame-guard measured once, interleaved, each on a
+    kubelet emulator of its own: figure -> {"guarded": v, "unguarded": v}."""
     from hlplugin.tools import drive  # the daemon mode's only: the server mode stays lean
 
-    trees = {True: str(Path(hlplugin.deviceplugin.__file__).parents[2]), False: str(without)}
+    tree = str(Path(hlplugin.deviceplugin.__file__).parents[2])
     modes = [True, False] if guarded_first else [False, True]
     figures: dict[str, dict[str, float]] = {}
 
@@ -207,8 +205,9 @@ async def one_daemon_pair(tmp: Path, calls: int, guarded_first: bool,
         env: dict[bool, dict[str, str]] = {}
         for guarded in modes:
             node = drive.Node.make(tmp / f"d{guarded}")
-            args[guarded] = node.serve_args("--hypervisor", "kvm", "--device-count", str(SLOTS))
-            env[guarded] = {"PYTHONPATH": trees[guarded]}
+            args[guarded] = node.serve_args("--hypervisor", "kvm", "--device-count", str(SLOTS),
+                                            "--frame-guard", str(guarded).lower())
+            env[guarded] = {"PYTHONPATH": tree}
             began = time.monotonic()
             kubelet = kubelets[guarded] = await stack.enter_async_context(drive.emulator(node.plugin_dir))
             proc = procs[guarded] = await stack.enter_async_context(
@@ -293,18 +292,17 @@ async def main() -> int:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--calls", type=int, default=3000, help="Allocates per measurement")
     parser.add_argument("--no-flood", action="store_true")
-    parser.add_argument("--daemons", type=Path, metavar="SRC_WITHOUT",
-                        help="compare the main daemons of this tree and of SRC_WITHOUT instead")
+    parser.add_argument("--daemons", action="store_true",
+                        help="compare the main daemon with and without --frame-guard instead")
     args = parser.parse_args()
     print(f"{args.pairs} interleaved pairs, {args.calls} Allocates per measurement, "
-          f"{os.cpu_count()} CPUs" + (f", daemons: unguarded from {args.daemons}" if args.daemons else ""),
+          f"{os.cpu_count()} CPUs" + (", serve with and without --frame-guard" if args.daemons else ""),
           flush=True)
     pairs = []
     with tempfile.TemporaryDirectory(prefix="fg-") as tmp:
         for n in range(args.pairs):
             if args.daemons:
-                pairs.append(await one_daemon_pair(Path(tmp) / str(n), args.calls, n % 2 == 0,
-                                                   args.daemons.resolve()))
+                pairs.append(await one_daemon_pair(Path(tmp) / str(n), args.calls, n % 2 == 0))
             else:
                 pairs.append(await one_pair(Path(tmp), args.calls, guarded_first=n % 2 == 0))
         print(f"{'figure':34s} {'unguarded':>10s} {'guarded':>10s} {'median diff':>12s}  pairs' diffs")

@@ -17,14 +17,12 @@ import pytest
 from support.cluster import Cluster, Sampler
 from support.clusterfixtures import DAEMONSETS, NAMESPACE, RELEASE, Installed
 from support.upgrades import (
-    ENDED,
     HYPERVISOR,
-    PUSHED,
     VM_WORKER,
     Churn,
     access_drops,
     access_sampler,
-    seconds,
+    gaps,
     stamp,
     vm_worker,
 )
@@ -36,13 +34,6 @@ pytestmark = [
 ]
 GAP_GUARD = 1.0  # seconds: a hand-over that took longer did not happen as designed
 GAP_AIM = 0.100
-
-
-def gaps(log: str, resource: str) -> list[float]:
-    """For each end of a plugin's stream the kubelet logged, the time to its next first list."""
-    ends = [seconds(m.group(1)) for m in ENDED.finditer(log) if m.group(2) == resource]
-    pushes = [seconds(m.group(1)) for m in PUSHED.finditer(log) if m.group(2) == resource]
-    return [min((p for p in pushes if p >= end), default=float("inf")) - end for end in ends]
 
 
 def rolled_out(cluster: Cluster) -> int:

@@ -169,6 +169,7 @@ def test_provenance_of_every_setting() -> None:
         "plugin_dir": "default", "dev_dir": "default", "hypervisor": "flag",
         "http_address": "default", "log_format": "default", "log_level": "environment",
         "register_timeout": "default",  # invalid in the environment: the default runs
+        "frame_guard": "default",
     }
     settings = resolution.settings
     assert settings.logging.level == "debug" and settings.health.hypervisor == "kvm"
@@ -177,7 +178,7 @@ def test_provenance_of_every_setting() -> None:
     assert resolution.describe() == (
         "from flags: hypervisor=kvm; from the environment: log_level=debug; defaults: "
         "plugin_dir=/var/lib/kubelet/device-plugins, dev_dir=/dev, http_address=0.0.0.0:8081, "
-        "log_format=text, register_timeout=5.0")
+        "log_format=text, register_timeout=5.0, frame_guard=false")
 
 
 @pytest.mark.parametrize(("argv", "error"), [
@@ -188,7 +189,8 @@ def test_provenance_of_every_setting() -> None:
         ("serve", "--http-address", "nonsense"), ("serve", "--log-format", "xml"),
         ("serve", "--log-level", "loud"), ("serve", "--cdi-interval", "-3"),
         ("serve", "--cdi-interval", "1e9"), ("bootstrap", "--register-timeout", "nan"),
-        ("serve", "--cdi-interval", "10x"), ("serve", "--health-interval", "500ms")]),
+        ("serve", "--cdi-interval", "10x"), ("serve", "--health-interval", "500ms"),
+        ("dra", "--frame-guard", "maybe")]),
     (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["doctor", "--no-such-flag", "extra"], "unrecognized arguments: --no-such-flag extra"),
     # no room for a socket path in it

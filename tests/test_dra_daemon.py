@@ -110,12 +110,12 @@ async def test_a_device_that_fails_its_check_refuses_prepare_naming_why() -> Non
 async def test_a_continuation_flood_on_either_socket_is_cut_off_and_the_driver_keeps_serving() -> None:
     """Issue 40 item 1 for the DRA driver: the CONTINUATION flood (tests/frameguard_server.py) on
     its service socket and on its registration socket, each behind the frame guard endpoint.py
-    puts in front of every gRPC server of ours: every flooding connection is closed, the driver's
-    peak memory stays within 8 MiB, a Prepare during each flood is answered within 2 s, and the
-    driver stays registered (its registration socket the same one)."""
+    puts in front of every gRPC server of ours with --frame-guard true: every flooding connection
+    is closed, the driver's peak memory stays within 8 MiB, a Prepare during each flood is
+    answered within 2 s, and the driver stays registered (its registration socket the same one)."""
     node = Node()  # no kvm node under --dev-dir: Prepare is refused, naming why, and answered
     watcher = FakePluginWatcher(node.registry)
-    async with daemon(node.args(), graceful=True) as proc:
+    async with daemon([*node.args(), "--frame-guard", "true"], graceful=True) as proc:
         await registered(watcher)
         plugin = watcher.newest(DRA_DRIVER)
         for _ in range(20):  # warm: calls served before the peak is taken

@@ -2,8 +2,9 @@
 kubelet emulator, over a few connections, then over more connections than the server admits:
 the rapid reset (CVE-2023-44487; 20,000 HEADERS + RST_STREAM pairs), held back by grpcserver.py's
 bounds, and the CONTINUATION flood (a header block that never ends), held back by the frame guard
-that endpoint.py puts in front of every gRPC server of ours. Unix socket only, bounded in bytes
-and time.
+that endpoint.py puts in front of every gRPC server of ours with --frame-guard true (off by
+default: the flood is contained by the pod's memory limit, tests/test_cluster_flood.py). Unix
+socket only, bounded in bytes and time.
 
 The daemon's peak memory (VmHWM) may grow by at most 8 MiB over its peak before the flood (which
 already includes the kubelet's Allocates at full speed), and the kubelet's own Allocates, issued
@@ -64,8 +65,8 @@ class Allocations:
         await self._task
 
 
-def daemon_argv(node: Node, which: str) -> list[str]:
-    args = DAEMONS[which][0]
+def daemon_argv(node: Node, which: str, *more: str) -> list[str]:
+    args = [*DAEMONS[which][0], *more]
     if which == "serve":
         return node.serve_args(*args[1:])
     return [args[0], "--plugin-dir", str(node.plugin_dir), *args[1:]]
@@ -119,7 +120,7 @@ async def test_a_continuation_flood_is_cut_off_and_the_daemon_keeps_serving(
     _, resource, socket_name, device = DAEMONS[which]
     node = Node.make(tmp_path)
     path = node.plugin_dir / socket_name
-    async with on_kubelet(node, daemon_argv(node, which)) as (kubelet, proc):
+    async with on_kubelet(node, daemon_argv(node, which, "--frame-guard", "true")) as (kubelet, proc):
         await kubelet.wait_for(lambda: kubelet.allocatable(resource) > 0, timeout=30)
         allocations = Allocations(kubelet, resource, device)
         health: list[int] = []
@@ -154,3 +155,17 @@ async def test_a_continuation_flood_is_cut_off_and_the_daemon_keeps_serving(
     assert allocations.calls > 0 and allocations.slowest < ANSWER_WITHIN
     assert health and set(health) == {200}, health
     assert peak - idle <= GROWTH_KIB, f"peak memory grew by {(peak - idle) / 1024:.1f} MiB"
+
+
+@pytest.mark.parametrize("which", list(DAEMONS))
+async def test_by_default_no_frame_guard_cuts_a_header_block_off(tmp_path: Path, which: str) -> None:
+    """--frame-guard is off by default (its cost: docs/security.md): gRPC's own socket is
+    published, and a header block past the guard's bound (1 MiB, 64 frames) is not cut off."""
+    _, resource, socket_name, _ = DAEMONS[which]
+    node = Node.make(tmp_path)
+    async with on_kubelet(node, daemon_argv(node, which)) as (kubelet, proc):
+        await kubelet.wait_for(lambda: kubelet.allocatable(resource) > 0, timeout=30)
+        result = await continuation_flood(node.plugin_dir / socket_name, 1, 1 << 20, seconds=5,
+                                          reconnect=False)
+        assert result.sent >= 1 << 20 and result.closed == 0, result
+        assert not [m for m in proc.messages() if "CONTINUATION flood" in m]

@@ -53,7 +53,7 @@ GUARD = 2.0  # seconds: a guard against a hang, not a measure (the figure is pri
 
 
 @asynccontextmanager
-async def instance(plugin_dir: Path, socket_name: str = "hyperlight.sock",
+async def instance(plugin_dir: Path, socket_name: str = "hyperlight.sock", guard: bool = False,
                    **options: float) -> AsyncIterator[PluginLifecycle]:
     tracker = healthy_tracker()
 
@@ -61,7 +61,8 @@ async def instance(plugin_dir: Path, socket_name: str = "hyperlight.sock",
         return tracker.state
 
     plugin = PluginLifecycle(KubeletSettings(plugin_dir, **options), socket_name, RESOURCE,
-                             lambda: HypervisorPlugin("kvm", slots("kvm", 4), tracker, gate))
+                             lambda: HypervisorPlugin("kvm", slots("kvm", 4), tracker, gate),
+                             guard=guard)
     async with running(plugin):
         yield plugin
 
@@ -235,9 +236,9 @@ async def test_a_guard_late_to_forward_the_old_streams_end_still_hands_over_in_o
     plugin_dir = short_dir()
     async with emulator(plugin_dir) as kubelet:
         stack = AsyncExitStack()
-        old = await stack.enter_async_context(instance(plugin_dir))
+        old = await stack.enter_async_context(instance(plugin_dir, guard=True))
         await kubelet.wait_for(lambda: old.open_streams == 1 and kubelet.allocatable(RESOURCE) == 4)
-        async with instance(plugin_dir, stream_grace=60) as new:
+        async with instance(plugin_dir, guard=True, stream_grace=60) as new:
             await wait_until(lambda: new.role.standby, what="the newcomer stands by")
             current = old._servers.current
             assert current is not None and current.endpoint._guard is not None

@@ -219,7 +219,7 @@ def test_the_builder_check_sees_a_server_built_elsewhere(tmp_path: Path) -> None
 
 PUBLISHER = Path("deviceplugin") / "kubelet" / "endpoint.py"
 # Calls that bind a gRPC server to an address, or stop one: endpoint.Endpoint's alone, so that
-# every server of ours is published behind a frame guard, and stops before its guard closes.
+# --frame-guard puts every server of ours behind a guard, and each stops before its guard closes.
 SERVER_CALLS = {"add_insecure_port", "add_secure_port", "stop_server"}
 
 
@@ -238,7 +238,7 @@ def server_binders(root: Path) -> list[str]:
     return found
 
 
-def test_every_grpc_server_of_ours_is_bound_and_stopped_behind_its_frame_guard() -> None:
+def test_every_grpc_server_of_ours_is_bound_and_stopped_where_the_frame_guard_is_set() -> None:
     text = (PACKAGE / PUBLISHER).read_text()
     assert "add_insecure_port(address)" in text and "FrameGuard(address)" in text
     assert server_binders(PACKAGE) == []

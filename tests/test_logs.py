@@ -342,25 +342,30 @@ def test_everything_on_stderr_is_one_record_per_line_in_either_format() -> None:
 
 
 @needs_root
-async def test_daemon_json_stderr_includes_grpc_bind_failures(tmp_path: Path) -> None:
+@pytest.mark.parametrize("guard", [False, True])
+async def test_daemon_json_stderr_includes_grpc_bind_failures(tmp_path: Path, guard: bool) -> None:
     """A daemon whose socket cannot be bound (a plugin directory on read-only storage) in JSON
-    mode: the failure, naming the socket and the system's reason, is a JSON record like the rest,
-    and the start-up line says where each setting came from. (The socket there is the frame
-    guard's, endpoint.py: gRPC itself listens on an abstract address, which binds.)"""
+    mode: the failure is a JSON record like the rest (gRPC's own add_port lines; with the frame
+    guard, whose socket it is there while gRPC listens on an abstract address, our warning naming
+    the socket and the system's reason), and the start-up line says where each setting came
+    from."""
     missing = Path(tempfile.mkdtemp(prefix="hlp-ro-", dir="/tmp"))  # short: a socket path
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(missing)], check=True)  # noqa: ASYNC221 (the loop runs nothing else here)
 
     try:
         env = {"HYPERLIGHT_REGISTER_TIMEOUT": "2.5", "HYPERLIGHT_HTTP_ADDRESS": "garbage"}
         proc = await Daemon(["bootstrap", "--plugin-dir", str(missing), "--dev-dir", "/dev",
-                             "--hypervisor", "kvm"], env).start()
+                             "--hypervisor", "kvm", "--frame-guard", str(guard).lower()],
+                            env).start()
         try:
             socket = missing / "hyperlight-device-access.sock"
             await wait_until(lambda: any(
                 line["level"] == "warning" and line["logger"].startswith("hlplugin.")
                 and f"cannot serve on {socket}: " in line["message"]
                 and "Read-only file system" in line["message"]
-                for line in proc.lines), timeout=20)
+                for line in proc.lines) if guard else sum(
+                line["logger"] == "grpc" and "add_port" in str(line.get("fields"))
+                for line in proc.lines) >= 2, timeout=20)
         finally:
             assert await proc.stop() == 0
         assert proc.raw and len(proc.raw) == len(proc.lines), [
@@ -371,7 +376,8 @@ async def test_daemon_json_stderr_includes_grpc_bind_failures(tmp_path: Path) ->
         assert start["fields"]["sources"] == {
             "plugin_dir": "flag", "dev_dir": "flag", "hypervisor": "flag",
             "http_address": "flag",  # the harness passes it, so the environment's is unused
-            "log_format": "flag", "log_level": "default", "register_timeout": "environment"}
+            "log_format": "flag", "log_level": "default", "register_timeout": "environment",
+            "frame_guard": "flag"}
         assert start["fields"]["settings"]["register_timeout"] == "2.5"
         assert start["fields"]["settings"]["plugin_dir"] == str(missing)
     finally:

@@ -107,7 +107,7 @@ async def bootstrap(settings: BootstrapSettings, launch: Launch | None = None, *
         lifecycle = PluginLifecycle(
             settings.kubelet, SOCKET, RESOURCE,
             lambda: DeviceAccessPlugin(hv, tracker, gate.fresh, metrics),
-            dir_setting=PLUGIN_DIR_FLAG, metrics=metrics)
+            dir_setting=PLUGIN_DIR_FLAG, metrics=metrics, guard=settings.frame_guard)
         return Started(lifecycle, {"device-health": watch.run(),
                                    "plugin": lifecycle.run()})
 

@@ -172,18 +172,19 @@ OPTIONS: dict[str, Option] = {o.dest: o for o in (
     Option("dra.pod_uid", "--pod-uid", "HYPERLIGHT_POD_UID", parsers.pod_uid, "UID"),
     Option("dra.node_name", "--node-name", "HYPERLIGHT_NODE_NAME", parsers.node_name, "NAME"),
     Option("dra.slots", "--slots", "HYPERLIGHT_SLOTS", parsers.slots, "N", bounds=f"1-{MAX_SLOTS}"),
+    Option("frame_guard", "--frame-guard", "HYPERLIGHT_FRAME_GUARD", parsers.boolean, "true|false"),
 )}
 
 SERVE_OPTIONS = ("plugin_dir", "cdi_dir", "dev_dir", "host_dev_dir", "hypervisor", "device_count",
                  "device_uid", "device_gid", "http_address", "log_format", "log_level",
                  "cdi_annotations", "cdi_interval", "health_interval", "probe_timeout",
-                 "guest_check", "register_timeout")
+                 "guest_check", "register_timeout", "frame_guard")
 BOOTSTRAP_OPTIONS = ("plugin_dir", "dev_dir", "hypervisor", "http_address", "log_format",
-                     "log_level", "register_timeout")
+                     "log_level", "register_timeout", "frame_guard")
 DRA_OPTIONS = ("registry_dir", "dra_dir", "pod_uid", "node_name", "slots", "cdi_dir", "dev_dir",
                "host_dev_dir", "hypervisor", "device_uid", "device_gid", "http_address",
                "log_format", "log_level", "cdi_interval", "health_interval", "probe_timeout",
-               "guest_check")
+               "guest_check", "frame_guard")
 # `hlplugin cdi` takes the serve command line as it is, so an operator can paste it; only the
 # hypervisor, uid and gid shape the spec.
 CDI_OPTIONS = SERVE_OPTIONS

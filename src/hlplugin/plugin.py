@@ -99,7 +99,7 @@ async def serve(settings: ServeSettings, launch: Launch | None = None) -> None:
             lambda: HypervisorPlugin(hv, devices, proofs.tracker, checks.gate, first=first,
                                      cdi_annotations=settings.cdi.annotations,
                                      metrics=metrics.plugin),
-            dir_setting=PLUGIN_DIR_FLAG, metrics=metrics.plugin, role=role)
+            dir_setting=PLUGIN_DIR_FLAG, metrics=metrics.plugin, role=role, guard=settings.frame_guard)
         return Started(lifecycle, {**checks.tasks(), "plugin": lifecycle.run()})
 
     await Daemon(proofs.spec("hlplugin serve", settings.http, setup, launch,

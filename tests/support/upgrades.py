@@ -34,6 +34,13 @@ def seconds(clock: str) -> float:
     return int(hours) * 3600 + int(minutes) * 60 + float(rest)
 
 
+def gaps(log: str, resource: str) -> list[float]:
+    """For each end of a plugin's stream the kubelet logged, the time to its next first list."""
+    ends = [seconds(m.group(1)) for m in ENDED.finditer(log) if m.group(2) == resource]
+    pushes = [seconds(m.group(1)) for m in PUSHED.finditer(log) if m.group(2) == resource]
+    return [min((p for p in pushes if p >= end), default=float("inf")) - end for end in ends]
+
+
 def kubelet_verbosity(c: Cluster, level: int) -> str:
     """The kubelet's log verbosity set at run time (its /debug/flags/v, through the API server)."""
     result = c.kubectl("replace", "--raw", f"/api/v1/nodes/{NODE}/proxy/debug/flags/v", "-f", "-",

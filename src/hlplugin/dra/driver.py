@@ -142,7 +142,7 @@ class DraDriver:
         self.plugin = WatcherPlugin(
             settings.dra.registry_dir, registration, plugin_dir / service, DRA_PLUGIN, DRA_DRIVER,
             SERVICES, functools.partial(new_dra_server, self.claims, self.health), on_status=status,
-            dir_setting=REGISTRY_DIR_FLAG)
+            dir_setting=REGISTRY_DIR_FLAG, guard=settings.frame_guard)
 
     async def start(self) -> None:
         """The first passes (CDI, device) and the checkpoint's read, before the kubelet can call."""

@@ -22,10 +22,12 @@ links that into place, atomically and never over a live holder's socket, so clea
 removes the private name. ``Endpoint`` remembers which socket it published (its identity), so it
 removes the path only while the socket there is still that one.
 
-The socket published is not gRPC's own but a frame guard's (frameguard.py, docs/security.md "The
-CONTINUATION flood"): it forwards each connection to the gRPC server, listening on a fresh
-abstract address, and closes one whose HTTP/2 header block grows past its bound before grpc core
-buffers it. Every server of ours is published here, so every one is behind a guard. The abstract
+With ``guard`` (a daemon's setting), the socket published is not gRPC's own but a frame
+guard's (frameguard.py, docs/security.md "The CONTINUATION flood"): it forwards each connection to
+the gRPC server, listening on a fresh abstract address, and closes one whose HTTP/2 header block
+grows past its bound before grpc core buffers it. Every server of ours is published here, so the
+setting covers every one. It is off by default: its hop costs about 0.1 ms a call, past the
+budget at 16 calls at once, and the memory limit contains the flood instead. The abstract
 address needs no file: a private socket file in the kubelet's device-plugin directory would be
 removed by the kubelet's start, which removes every file it does not know there. ``stop()`` stops
 the server, then the guard, so that the server's goodbyes (stream ends, GOAWAY) still reach its
@@ -226,9 +228,10 @@ class Endpoint:
     """``server`` published at ``path``, from bind() to stop(): ``identity`` is the socket we
     published there (None before, and once removed), so "still ours" is a stat, never a guess."""
 
-    def __init__(self, path: Path, server: grpc.aio.Server) -> None:
+    def __init__(self, path: Path, server: grpc.aio.Server, *, guard: bool = False) -> None:
         self.path = path
         self.server = server
+        self.guarded = guard
         self.identity: Identity | None = None
         self._bound: Path | None = None  # the private name serve() bound
         self._guard: FrameGuard | None = None
@@ -253,10 +256,14 @@ class Endpoint:
         self.take()
 
     async def serve(self) -> None:
-        """Start the server behind a frame guard listening on a private name beside the path (a
-        standby does this while it waits, so that taking over is one link). Raises OSError when
-        the guard cannot bind there (e.g. a read-only directory): the caller calls stop()."""
+        """Start the server, behind its frame guard if guarded, listening on a private name beside
+        the path (a standby does this while it waits, so that taking over is one link). Raises
+        OSError when it cannot bind there (e.g. a read-only directory): the caller calls stop()."""
         self._bound = bound = private_path(self.path)
+        if not self.guarded:  # gRPC's own socket; its stop removes the private name only
+            self.server.add_insecure_port(f"unix://{bound}")
+            await to_completion(self.server.start())
+            return
         address = abstract_address()
         self.server.add_insecure_port(address)
         self._guard = guard = FrameGuard(address)

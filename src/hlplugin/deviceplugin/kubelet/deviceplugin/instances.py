@@ -43,9 +43,12 @@ class Instance:
 
 
 class Instances:
-    def __init__(self, socket_path: Path, make_servicer: ServicerFactory, wakeup: Wakeup) -> None:
-        """``wakeup`` fires on every change of a servicer's streams (and of the directory)."""
+    def __init__(self, socket_path: Path, make_servicer: ServicerFactory, wakeup: Wakeup, *,
+                 guard: bool = False) -> None:
+        """``wakeup`` fires on every change of a servicer's streams (and of the directory);
+        ``guard``: each server behind a frame guard (Endpoint)."""
         self.socket_path = socket_path
+        self._guard = guard
         self._make_servicer = make_servicer
         self._wakeup = wakeup
         self.current: Instance | None = None
@@ -68,7 +71,7 @@ class Instances:
             raise RuntimeError(found)  # before gRPC tries, and logs its own line every retry
         servicer = self._make_servicer()
         servicer.on_streams_changed = self._wakeup.fire
-        instance = Instance(servicer, Endpoint(self.socket_path, new_server(servicer)))
+        instance = Instance(servicer, Endpoint(self.socket_path, new_server(servicer), guard=self._guard))
         self.current = instance
         try:
             await instance.endpoint.serve()

@@ -74,9 +74,10 @@ TAKEOVER_GRACE = 0.1
 class PluginLifecycle:
     def __init__(self, settings: KubeletSettings, socket_name: str, resource_name: str,
                  make_servicer: ServicerFactory, *, metrics: DevicePluginMetrics | None = None,
-                 dir_setting: str = DIR_SETTING, role: Role | None = None) -> None:
+                 dir_setting: str = DIR_SETTING, role: Role | None = None, guard: bool = False) -> None:
         """``dir_setting``: how the operator names ``settings.plugin_dir`` (a flag), for the hints;
-        ``role``: shared with what must not act while we stand by (see role.py)."""
+        ``role``: shared with what must not act while we stand by (see role.py); ``guard``: our
+        servers behind a frame guard (endpoint.py)."""
         plugin_dir = settings.plugin_dir
         self.settings = settings
         self.plugin_dir = plugin_dir
@@ -95,7 +96,7 @@ class PluginLifecycle:
         self._dir_setting = dir_setting
         self._wakeup = Wakeup(DirWatcher(plugin_dir, {socket_name, KUBELET_SOCKET},
                                          poll_interval=recheck_interval))
-        self._servers = Instances(self.socket_path, make_servicer, self._wakeup)
+        self._servers = Instances(self.socket_path, make_servicer, self._wakeup, guard=guard)
         self._kubelet_identity: Identity | None = None
         # The kubelet.sock of a kubelet that ended our stream, not to be dialled before a new one
         # appears or, without one, before ``_quiet_until`` (loop time): a kubelet restarting.

@@ -62,8 +62,10 @@ class WatcherPlugin:
                  plugin_type: str, name: str, versions: tuple[str, ...],
                  server: Callable[[], grpc.aio.Server], *, recheck: float = 10.0,
                  on_status: Callable[[bool], None] | None = None,
-                 dir_setting: str = "the registry directory") -> None:
-        """``dir_setting``: how the operator names ``registry_dir`` (a flag), for the hint."""
+                 dir_setting: str = "the registry directory", guard: bool = False) -> None:
+        """``dir_setting``: how the operator names ``registry_dir`` (a flag), for the hint;
+        ``guard``: both servers behind a frame guard (endpoint.py)."""
+        self._guard = guard
         self.registry_dir = registry_dir
         self.registration_path = registry_dir / registration_name
         self.endpoint_path = endpoint
@@ -104,7 +106,7 @@ class WatcherPlugin:
             self._on_status(registered)
 
     async def run(self) -> None:
-        endpoint = Endpoint(self.endpoint_path, self._make_server())
+        endpoint = Endpoint(self.endpoint_path, self._make_server(), guard=self._guard)
         try:
             await self._bind(endpoint)
             self.serving = True
@@ -130,7 +132,7 @@ class WatcherPlugin:
         server = bounded_server(64 * 1024)
         reg_grpc.add_RegistrationServicer_to_server(
             RegistrationServicer(self.info, self._status), server)
-        registration = Endpoint(self.registration_path, server)
+        registration = Endpoint(self.registration_path, server, guard=self._guard)
         try:
             await self._bind(registration)
             while registration.ours():
