@@ -145,7 +145,8 @@ def test_the_kubelet_s_plugin_directories_are_mounted_at_the_kubelet_s_paths() -
 
 
 def test_the_driver_and_the_main_daemon_are_exclusive_per_node() -> None:
-    """A node has two hyperlight.dev/device-access: one consumer's and its surge's. The driver
+    """A node has three hyperlight.dev/device-access, one consumer's (its pod, its surge pod and
+    one still terminating). The driver
     runs on the nodes also labelled hyperlight.dev/dra=true, the main daemon (only while the
     driver is enabled) on the others but those labelled hyperlight.dev/dra=moving (neither runs
     there: deploy/move-node.sh lets one go before the other comes), whatever affinity the values

@@ -17,12 +17,16 @@ import pytest
 from support.cluster import Cluster, Sampler
 from support.clusterfixtures import DAEMONSETS, NAMESPACE, RELEASE, Installed
 from support.upgrades import (
+    ACCESS_ZERO,
     HYPERVISOR,
     VM_WORKER,
     Churn,
     access_drops,
+    access_holders,
+    access_restored,
     access_sampler,
     gaps,
+    most_holders,
     stamp,
     vm_worker,
 )
@@ -36,12 +40,15 @@ GAP_GUARD = 1.0  # seconds: a hand-over that took longer did not happen as desig
 GAP_AIM = 0.100
 
 
-def rolled_out(cluster: Cluster) -> int:
-    """Wait for both rollouts as an operator does; how many main pods are still terminating then
-    (each holds its device-access slot until it is gone: bootstrap.SLOTS says why three)."""
+def rolled_out(cluster: Cluster, restored: list[float]) -> int:
+    """Wait as the runbook has an operator wait (docs/operations.md, Upgrade, steps 3 and 4): both
+    rollouts, then the node's device-access allocatable back to the bootstrap's slots (the
+    seconds that took, appended to ``restored``); how many main pods are still terminating then
+    (Succeeded, not yet deleted: the scheduler no longer counts them)."""
     for name in DAEMONSETS:
         cluster.kubectl("-n", NAMESPACE, "rollout", "status", f"daemonset/{name}", "--timeout=180s",
                         timeout=200)
+    restored.append(access_restored(cluster))
     return sum(bool(p["metadata"].get("deletionTimestamp")) for p in cluster.pods(NAMESPACE)
                if p["metadata"]["name"].startswith(f"{DAEMONSETS[1]}-"))
 
@@ -74,16 +81,17 @@ def rollouts(release: Installed, upgrade: Callable[[Cluster, int], object], roun
     wall = time.time()
     churn = Churn(c)
     terminating: list[int] = []  # main pods still terminating when each rollout was done
+    restored: list[float] = []  # the seconds until the node's device-access was back, each rollout
     worker = threading.Thread(target=churn.run, daemon=True)
     with Sampler(c, "/api/v1/nodes/hlnode", lambda n: n["status"].get("allocatable", {}).get(HYPERVISOR)) \
-            as sampler, access_sampler(c) as access:
+            as sampler, access_sampler(c) as access, access_holders(c, NAMESPACE) as holders:
         worker.start()
         try:
             for i in range(rounds):
                 upgrade(c, i)
-                terminating.append(rolled_out(c))
+                terminating.append(rolled_out(c, restored))
                 c.helm("rollback", RELEASE, "-n", NAMESPACE)
-                terminating.append(rolled_out(c))
+                terminating.append(rolled_out(c, restored))
         finally:
             churn.done.set()
             worker.join(30)
@@ -111,7 +119,10 @@ def rollouts(release: Installed, upgrade: Callable[[Cluster, int], object], roun
           f"worker {vms}, its restarts {vm_restarts}; gaps over the {GAP_AIM * 1000:.0f} ms aim "
           f"{len(over_aim)} of {len(measured)}; main pods still terminating at each rollout's end "
           f"{terminating}; device-access allocatable below its slots in {len(access_drops(access))} of "
-          f"{len(access.samples)} samples (first {access_drops(access)[:3]})")
+          f"{len(access.samples)} samples (first {access_drops(access)[:3]}); its holders at once (the "
+          f"scheduler's count) at most {most_holders(holders)[0]} of {len(holders.samples)} samples; "
+          f"seconds until it was back after each rollout {[round(r, 1) for r in restored]}; node-status "
+          f"updates that published it 0 {[m.group(1) for m in ACCESS_ZERO.finditer(log)]}")
     assert vm_restarts == 0 and vms > 0, f"the running workload lost its device: {worker_log[-2000:]}"
     assert not failed_pods and not [w for w in warnings if "FailedDaemonPod" in w], warnings
     # A readiness probe that met a terminating pod's port closed: a pod stopped before its second

@@ -57,7 +57,7 @@ def explains_itself(out: str, root: Path) -> None:
     for phrase in ["a device plugin is a daemon on each node that tells the kubelet",
                    "CDI (Container Device Interface) is a JSON file on the node",
                    "the 2,000 slots are not 2,000 devices",
-                   "the bootstrap daemon's two hyperlight.dev/device-access units are for the "
+                   "the bootstrap daemon's three hyperlight.dev/device-access units are for the "
                    "main daemon's own pods"]:
         assert phrase in flat, f"{phrase!r} missing from:\n{out}"
     commands = {}

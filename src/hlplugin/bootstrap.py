@@ -5,9 +5,10 @@ privilege or a read-write host /dev. Allocate grants that one node and nothing e
 permission, no mounts, no environment, no CDI. Three slots (SLOTS): during a surge rollout the
 old main pod holds one while the new one, standing by, takes another (docs/architecture.md,
 "Upgrades"); the third is for a pod of the rollout before, still terminating (it answers the
-kubelet's next readiness probe before it exits) when a rollback or the next upgrade surges at
-once: the scheduler counts a terminating pod until it is gone. The admission policy still
-reserves all three for the main DaemonSet.
+kubelet's next readiness probe before it exits) when a rollback or the next upgrade surges
+before that rollout finished: the scheduler counts a terminating pod until it has ended, and
+`kubectl rollout status` waits for that. The admission policy still reserves all three for the
+main DaemonSet.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from hlplugin.names import DEVICE_ACCESS_SOCKET as SOCKET
 from hlplugin.names import PLUGIN_DIR_FLAG, ConditionName
 from hlplugin.settings import BootstrapSettings
 
-SLOTS = 3  # the main DaemonSet's pods on one node at once: a terminating one, the old one, its surge pod
+SLOTS = 3  # a consumer's pods on one node at once: a terminating one, the old one, its surge pod
 
 
 def slot_ids(hypervisor: str, slots: int = SLOTS) -> list[str]:

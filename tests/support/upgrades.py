@@ -26,6 +26,10 @@ PUSHED = re.compile(KLOG + r'"State pushed for device plugin" resource="([^"]+)"
 # The DRA plugin manager (its verbosity 3): an instance of a driver taken or let go, with
 # ``numPlugins``, the instances of that driver it then keeps.
 REGISTRATION = re.compile(KLOG + r'"(Registered|Unregistered) DRA plugin"(.*)$', re.M)
+# The kubelet's node-status update (its verbosity 2) that published no device-access: one that
+# fell inside the bootstrap's own hand-over gap (or a kubelet start before it registered).
+ACCESS_ZERO = re.compile(KLOG + r'"Updated allocatable" device="hyperlight\.dev/device-access" allocatable=0',
+                         re.M)
 KUBELET_VERBOSITY = 2  # tests/support/cluster.py starts the kubelet with --v 2
 
 
@@ -65,6 +69,45 @@ def access_drops(sampler: Sampler) -> list[tuple[float, Any]]:
     """(seconds since the first sample, value) of every sample below the bootstrap's slots."""
     start = sampler.samples[0][0] if sampler.samples else 0.0
     return [(round(t - start, 1), v) for t, v in sampler.samples if v != str(ACCESS_SLOTS)]
+
+
+def access_restored(cluster: Cluster) -> float:
+    """The runbook's check after a rollout, before a rollback or the next upgrade
+    (docs/operations.md, Upgrade, step 4): the node's allocatable shows the bootstrap's slots.
+    The seconds it took: 0 unless the kubelet's node-status update (every 10 s) fell inside the
+    bootstrap's own hand-over gap and published 0, which the next update (up to 10 s later)
+    puts back; a surge pod scheduled meanwhile waits with FailedScheduling ("Insufficient
+    hyperlight.dev/device-access")."""
+    return cluster.until(lambda: cluster.allocatable().get(ACCESS) == str(ACCESS_SLOTS), 30,
+                         f"the node's {ACCESS} back to {ACCESS_SLOTS}")
+
+
+def holds_access(pod: dict[str, Any]) -> bool:
+    """The pod counts against the node's ``hyperlight.dev/device-access`` as the scheduler counts:
+    bound to the node and not terminal (a Terminating pod counts until the kubelet reports it
+    Succeeded or Failed), asking for it in a container."""
+    return (pod["spec"].get("nodeName") == NODE
+            and pod["status"].get("phase") not in ("Succeeded", "Failed")
+            and any(ACCESS in (c.get("resources", {}).get("requests") or {})
+                    for c in pod["spec"].get("containers", [])))
+
+
+def access_holders(cluster: Cluster, namespace: str) -> Sampler:
+    """Every 100 ms, the release's pods holding a ``hyperlight.dev/device-access`` in the
+    scheduler's count (``holds_access``): (name, Terminating) for each."""
+    def holders(listing: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
+        return tuple(sorted((p["metadata"]["name"], bool(p["metadata"].get("deletionTimestamp")))
+                            for p in listing["items"] if holds_access(p)))
+
+    return Sampler(cluster, f"/api/v1/namespaces/{namespace}/pods", holders)
+
+
+def most_holders(sampler: Sampler) -> tuple[int, list[tuple[float, Any]]]:
+    """The most holders at once in ``access_holders``' samples, and (seconds since the first
+    sample, holders) of each sample with that many."""
+    start = sampler.samples[0][0] if sampler.samples else 0.0
+    most = max((len(v) for _, v in sampler.samples), default=0)
+    return most, [(round(t - start, 1), v) for t, v in sampler.samples if len(v) == most]
 
 
 VM_WORKER = "vm-worker"

@@ -35,8 +35,9 @@ WHY = {
              "its rules, and the daemons are the same processes the DaemonSets run",
     "capacity": "the 2,000 slots are not 2,000 devices: each one is the same /dev/kvm, and the count "
                 "(DEVICE_COUNT) only caps how many containers on the node may hold it at once",
-    "bootstrap": "the bootstrap daemon's two hyperlight.dev/device-access units are for the main "
-                 "daemon's own pods (the running one and, during an upgrade, its successor): that "
+    "bootstrap": "the bootstrap daemon's three hyperlight.dev/device-access units are for the main "
+                 "daemon's own pods (the running one, during an upgrade its successor, and one "
+                 "still terminating when a rollback comes before the upgrade finished): that "
                  "is how the main daemon gets the device to test without privilege",
     "allocate": "CDI (Container Device Interface) is a JSON file on the node that describes devices by "
                 "name; the plugin answers with a name and the container runtime does the rest",

@@ -62,8 +62,9 @@ checkov.io/skip3: CKV_K8S_43=Defaults to the release tag; pin its digest (image.
 checkov.io/skip4: CKV_K8S_15=IfNotPresent so a node-critical DaemonSet restarts after a reboot during a registry outage; pin releases by digest
 {{- end -}}
 
-{{/* updateStrategy: maxSurge is always 0 (the node has one hyperlight.dev/device-access: the old
-pod must go before the new one can be scheduled, so never surge). */}}
+{{/* updateStrategy: the values' rollingUpdate, surging by default (the bootstrap's three
+hyperlight.dev/device-access cover a consumer's old pod, its surge pod and one still terminating;
+docs/operations.md, "Upgrade"); both 0 is refused. */}}
 {{- define "hlplugin.updateStrategy" -}}
 {{- $rolling := .Values.updateStrategy.rollingUpdate }}
 type: {{ .Values.updateStrategy.type }}
@@ -79,8 +80,9 @@ rollingUpdate:
 
 {{/* The pod-level settings every DaemonSet shares: (list $ component), the component being
 "device-plugin", "bootstrap" or "dra". The DRA driver runs only on nodes also labelled
-hyperlight.dev/dra=true, and while it is enabled the main daemon stays off them: a node has two
-hyperlight.dev/device-access, one consumer's and its surge's. On a node labelled
+hyperlight.dev/dra=true, and while it is enabled the main daemon stays off them: a node's three
+hyperlight.dev/device-access are one consumer's (its pod, its surge and one still terminating).
+On a node labelled
 hyperlight.dev/dra=moving neither runs: deploy/move-node.sh lets one go before the other comes,
 so the kubelet never has both (docs/dra.md). */}}
 {{- define "hlplugin.podScheduling" -}}
