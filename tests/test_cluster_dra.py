@@ -419,6 +419,13 @@ GAP_GUARD = 1.0  # seconds without a registered instance of the driver: the surg
 HEALTH_ENDED = re.compile(KLOG + r'"WatchResources health stream has ended"', re.M)
 KUBELET_START = "==== clusterd: start kubelet"  # tests/support/clusterd.py marks each start
 HEALTH_STARTED = re.compile(KLOG + r'"Successfully started WatchResources health stream"', re.M)
+# The kubelet's device manager panicking in Allocate (kubernetes/kubernetes#136021, open: two
+# allocations at once, and devicesToReuse of the first deleted by the second).
+DEVICE_MANAGER_PANIC = re.compile(r"^(?:panic|fatal error): .*\n(?:.*\n){0,30}?.*devicemanager", re.M)
+
+
+class DeviceManagerPanic(AssertionError):
+    """The kubelet crashed on its own bug in the middle of the rollouts (not a pod of ours)."""
 
 
 def instances(changes: list[tuple[float, int, int | None]], since: float = 0.0
@@ -581,6 +588,8 @@ def driver_rollouts(c: Cluster, rounds: int) -> None:
         # extended resource, raced the admission of a surge pod asking device-access; upstream
         # kubernetes/kubernetes#136021): its restart, not our pods, then explains what follows.
         panic = re.search(r"^(panic|fatal error): .*$", log, re.M)
+        if KUBELET_START in log and DEVICE_MANAGER_PANIC.search(log):
+            raise DeviceManagerPanic(f"the kubelet restarted: {panic.group(0) if panic else ''}")
         assert KUBELET_START not in log, f"the kubelet restarted: {panic.group(0) if panic else log[-2000:]}"
         assert kept and not lost, lost
         assert not unserved, (unserved, workload_warnings[:20])
@@ -617,8 +626,15 @@ def test_upgrades_of_the_driver_keep_claims_and_serve_new_ones(dra: Cluster) -> 
     waited 6 s with FailedScheduling (Insufficient hyperlight.dev/device-access) met a node
     status that showed 0: the kubelet's 10 s status update had fallen inside the bootstrap's own
     hand-over gap (17-84 ms here), and the rollback surged before the next update; never more
-    than 2 of the 3 slots were held (docs/dra.md, "The FailedScheduling it once met")."""
-    driver_rollouts(dra, DRA_ROUNDS)
+    than 2 of the 3 slots were held (docs/dra.md, "The FailedScheduling it once met"). The
+    kubelet's device manager panicked in 1 of 5 runs here (kubernetes/kubernetes#136021); its
+    restart then fails our checks for reasons not ours, so that run is said and done once more:
+    a second such crash, or any other failure, fails the test."""
+    try:
+        driver_rollouts(dra, DRA_ROUNDS)
+    except DeviceManagerPanic as exc:
+        print(f"dra upgrade: {exc} (kubernetes/kubernetes#136021); the rollouts once more")
+        driver_rollouts(dra, DRA_ROUNDS)
 
 
 @pytest.mark.long
