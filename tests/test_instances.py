@@ -239,8 +239,10 @@ async def test_the_incumbent_does_not_fight_for_a_socket_taken_over(
 
 
 @needs_kvm
+@pytest.mark.parametrize("late", [0.0, 0.3], ids=["prompt", "busy-kubelet"])
 @pytest.mark.parametrize("kind", ["serve", "bootstrap"])
-async def test_two_daemons_on_one_node_one_serves_the_other_waits(kind: str, tmp_path: Path) -> None:
+async def test_two_daemons_on_one_node_one_serves_the_other_waits(kind: str, late: float,
+                                                                 tmp_path: Path) -> None:
     node = Node.make(tmp_path)
     if kind == "serve":
         args = node.serve_args("--device-count", "10")
@@ -274,13 +276,22 @@ async def test_two_daemons_on_one_node_one_serves_the_other_waits(kind: str, tmp
             assert sum(HELD in m for m in second.messages()) == 1
 
             # The first is SIGKILLed: its socket file stays, and the second takes it at once.
+            seen = len(kubelet.events)
+            kubelet.stream_end_delay = late  # a kubelet that reads the killed one's end late
             await first.signal(signal.SIGKILL)
             killed = time.monotonic()
-            # At least the second's registration: in one CI run under load this waited for exactly
-            # two and timed out (the emulator may end the new instance's stream when it reads the
-            # killed one's end late, as the kubelet would, and the daemon registers again; open).
-            await kubelet.wait_for(lambda: kubelet.register_calls >= 2
-                                   and kubelet.allocatable(resource) == count, timeout=10)
+
+            def taken_over() -> bool:
+                """The kubelet read the killed one's stream end, then the second registered; or,
+                the kubelet busy (a loaded machine), the second registered first, and the late
+                end disconnected it as the kubelet's rule has it (one client a resource), and it
+                registered again. Any other registration is one too many."""
+                kinds = [e.kind for e in kubelet.events[seen:] if e.kind != "list"]
+                return kinds in (["stream_end", "disconnect", "register"],
+                                 ["register", "stream_end", "disconnect", "register"])
+
+            await kubelet.wait_for(lambda: taken_over() and kubelet.allocatable(resource) == count,
+                                   timeout=10)
             print(f"takeover after SIGKILL: {resource} allocatable again "
                   f"{(time.monotonic() - killed) * 1000:.0f} ms after the first exited, "
                   f"registrations {kubelet.register_calls}")
