@@ -107,7 +107,11 @@ class Rig:
         return time.monotonic() - began
 
     async def healthy(self) -> float:
-        return await self.wait(lambda: self.kubelet.allocatable(self.resource) == self.count)
+        """Every slot allocatable, and no ended instance's stream still to be read (its late end
+        would disconnect the current one: test_faults' SIGKILL loop once met "no healthy
+        devices" right after this returned)."""
+        return await self.wait(lambda: self.kubelet.allocatable(self.resource) == self.count
+                               and self.kubelet.settled(self.resource))
 
     async def withdrawn(self) -> float:
         return await self.wait(lambda: self.kubelet.capacity(self.resource) == self.count

@@ -23,7 +23,14 @@ from hlplugin.tools.emulator import CHECKPOINT, AdmissionError, KubeletEmulator,
 
 @asynccontextmanager
 async def bare_plugin(plugin_dir: Path, health: str = "Healthy") -> AsyncIterator[BarePlugin]:
-    plugin = BarePlugin(plugin_dir, health=health)
+    async with bare_plugin_named(plugin_dir, "bare.sock", health) as plugin:
+        yield plugin
+
+
+@asynccontextmanager
+async def bare_plugin_named(plugin_dir: Path, name: str,
+                            health: str = "Healthy") -> AsyncIterator[BarePlugin]:
+    plugin = BarePlugin(plugin_dir, name, health=health)
     try:
         yield plugin
     finally:
@@ -132,3 +139,24 @@ async def test_a_resetting_kubelet_stops_without_leaving_the_event_loop_its_sock
         assert await transport_answers(kubelet.socket_path, 10.0), "the kubelet came back deaf"
     finally:
         await kubelet.stop()
+
+
+async def test_settled_once_the_end_of_a_replaced_plugin_s_stream_has_been_read() -> None:
+    """Two instances of one resource (two bare plugins, the second registered while the first
+    serves): the first one's stream ends, and the kubelet reads that end late (busy). Until it has,
+    the resource is not settled though every slot is allocatable (the newer client's); the late
+    end then disconnects the newer client, as the kubelet's rule has it."""
+    plugin_dir = short_dir()
+    async with emulator(plugin_dir) as kubelet, bare_plugin(plugin_dir) as first, \
+            bare_plugin_named(plugin_dir, "bare-2.sock") as second:
+        await first.serve_and_register()
+        await kubelet.wait_for(lambda: kubelet.allocatable(ACCESS) == 1)
+        assert kubelet.settled(ACCESS)
+        await second.serve_and_register()
+        await kubelet.wait_for(lambda: second.streams == 1 and kubelet.allocatable(ACCESS) == 1)
+        kubelet.stream_end_delay = 0.5
+        await first.server.stop(None)  # its stream ends; the kubelet reads it 0.5 s later
+        await wait_until(lambda: first.ended, what="the first one's stream to end")
+        assert kubelet.allocatable(ACCESS) == 1 and not kubelet.settled(ACCESS)
+        await kubelet.wait_for(lambda: kubelet.settled(ACCESS), timeout=5)
+        assert kubelet.allocatable(ACCESS) == 0 and second.ended  # disconnected by the late end

@@ -258,7 +258,8 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
         self.resources[request.resource_name] = resource
         self.clients[request.resource_name] = resource
         self._event("register", request.resource_name, resource)
-        resource.stream = asyncio.create_task(self._list_and_watch(request.resource_name, resource))
+        resource.stream = asyncio.create_task(self._list_and_watch(request.resource_name, resource),
+                                              name=f"ListAndWatch {request.resource_name}")
         self._streams.add(resource.stream)
         resource.stream.add_done_callback(self._streams.discard)
         self._notify()
@@ -316,6 +317,11 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
         if resource is None or resource.stopped:
             return 0
         return sum(1 for health in resource.devices.values() if health == "Healthy")
+
+    def settled(self, name: str) -> bool:
+        """No stream of ``name`` runs but its current client's: the end of an instance that went
+        has been read (read late, it disconnects the newer client, as the kubelet's does)."""
+        return sum(task.get_name() == f"ListAndWatch {name}" for task in self._streams) <= 1
 
     def registered(self, name: str) -> bool:
         resource = self.resources.get(name)
