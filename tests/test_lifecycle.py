@@ -155,6 +155,34 @@ async def test_our_socket_deleted_before_the_dead_kubelet_sock_is_not_dialled() 
         assert sample(metrics, "example_registrations_total", result="failure") == 0
 
 
+async def test_a_new_kubelet_sock_just_after_the_dead_one_was_seen_is_dialled_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fresh server saw the dead kubelet.sock and waits for a new one; the new kubelet
+    replaces it right then, before that wait began. The wait must end at once: it compares with
+    the socket seen, not with the one there when it starts (CI's kubelet restart, on the real
+    kubelet: the main daemon registered 29.7 s late, its whole kubelet_wait)."""
+    plugin_dir = short_dir()
+    real = PluginLifecycle._sleep_or_kubelet
+    replaced = False
+
+    async def replaced_first(self: PluginLifecycle, delay: float, before: Any) -> None:
+        nonlocal replaced
+        if not replaced:
+            replaced = True
+            await kubelet.start()  # deletes the sockets, then serves a new kubelet.sock
+        await real(self, delay, before)
+
+    async with (emulator(plugin_dir) as kubelet,
+                lifecycle(plugin_dir, stream_grace=0.2, kubelet_wait=60) as plugin):
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4 and plugin.registered)
+        await kubelet.stop()  # exits: the stream ends, kubelet.sock stays, dead
+        await wait_until(lambda: plugin.open_streams == 0)
+        monkeypatch.setattr(PluginLifecycle, "_sleep_or_kubelet", replaced_first)
+        (plugin_dir / SOCKET).unlink()  # the new kubelet's first deletion
+        await kubelet.wait_for(lambda: replaced and kubelet.allocatable(RESOURCE) == 4
+                               and plugin.registered, timeout=10)
+
+
 async def test_a_kubelet_that_ended_our_stream_but_listens_is_not_waited_for() -> None:
     """The kubelet ended the stream and stayed up, and our socket went too: its kubelet.sock
     still listens, so the fresh server registers at once, not after the restart wait."""

@@ -155,7 +155,7 @@ class PluginLifecycle:
                     problem = self._dir_problem()
                     self._fail("serve" if not problem else "plugin dir",
                                problem or f"cannot serve on {self.socket_path}: {exc}")
-                    await self._sleep_or_kubelet(backoff)
+                    await self._sleep_or_kubelet(backoff, _socket_identity(self.kubelet_path))
                     backoff = min(backoff * 2, self._max_backoff)
                     continue
                 try:
@@ -175,7 +175,7 @@ class PluginLifecycle:
                             log.info("kubelet restarted or our socket was removed; registering anew")
                     elif outcome == Outcome.FAILED:
                         await self._stop(instance)
-                        await self._sleep_or_kubelet(backoff)
+                        await self._sleep_or_kubelet(backoff, _socket_identity(self.kubelet_path))
                         backoff = min(backoff * 2, self._max_backoff)
                 except asyncio.CancelledError:
                     await self._hand_over(instance)
@@ -250,11 +250,11 @@ class PluginLifecycle:
                 break
             if quiet > 0:  # a restarting kubelet: its new socket is due, nothing has failed
                 self.problem = "waiting for the kubelet to restart (it ended our ListAndWatch stream)"
-                await self._sleep_or_kubelet(quiet)
+                await self._sleep_or_kubelet(quiet, kubelet)
                 continue
             if wait is None:
                 self._fail("no kubelet.sock", self._kubelet_problem())
-            await self._sleep_or_kubelet(backoff if wait is None else wait)
+            await self._sleep_or_kubelet(backoff if wait is None else wait, kubelet)
             if wait is None:
                 backoff = min(backoff * 2, self._max_backoff)
             wait = None
@@ -348,9 +348,10 @@ class PluginLifecycle:
                     return Outcome.STREAM_ENDED
             await self._wait(pulse, limit)
 
-    async def _sleep_or_kubelet(self, delay: float) -> None:
-        """Back off, but retry at once when a new kubelet.sock appears."""
-        before = _socket_identity(self.kubelet_path)
+    async def _sleep_or_kubelet(self, delay: float, before: Identity | None) -> None:
+        """Back off, but retry at once when kubelet.sock is other than ``before``, the one the
+        caller decided on (one that came since then too: read here, it kept a restarted kubelet's
+        plugin waiting its whole kubelet_wait in CI, 30 s)."""
         deadline = asyncio.get_running_loop().time() + delay
         while (remaining := deadline - asyncio.get_running_loop().time()) > 0:
             pulse = self._wakeup.pulse()
