@@ -6,7 +6,8 @@ client would, while a workload creates a pod every 0.5 s: the daemon's container
 the kubelet restarts it and it registers again, the kubelet's gap from the old stream's end to
 the new first list (the time it cannot admit a pod) is measured from its log and printed with the
 workload pods that failed admission in it, a pod running VMs keeps making them, and our pods
-raise no Warning event. Budget about 50 s.
+raise no Warning event but the killed pod's probes (the kubelet may probe its port before it is
+back). Budget about 50 s.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def test_a_continuation_flood_oom_kills_the_main_daemon_and_the_node_serves_agai
         release: Installed) -> None:
     c = release.cluster
     vm_worker(c)
+    killed_pod = main_pod(c)["metadata"]["name"]
     before = container(main_pod(c))
     limit = main_pod(c)["spec"]["containers"][0]["resources"]["limits"]["memory"]
     socket = c.run / "kubelet" / "device-plugins" / "hyperlight.sock"
@@ -94,4 +96,7 @@ def test_a_continuation_flood_oom_kills_the_main_daemon_and_the_node_serves_agai
     assert killed.get("reason") == "OOMKilled", killed
     assert len(measured) == 1 and measured[0] < RECOVERY, measured
     assert worker.get("restartCount", 0) == 0 and "created a KVM VM" in worker_log, worker_log[-2000:]
-    assert not warnings, warnings
+    # The kubelet may probe the killed container's port before it is back: its probe's Warning
+    # is the kill's, and says so. Any other is not.
+    assert not [w for w in warnings if not w.startswith((f"{killed_pod}: Unhealthy: ",
+                                                         f"{killed_pod}: BackOff: "))], warnings

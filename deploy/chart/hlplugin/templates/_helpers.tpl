@@ -141,9 +141,9 @@ terminationGracePeriodSeconds: 10
 {{- define "hlplugin.probesAndSecurity" -}}
 # HTTP listens 0.9 s (median; 1.3 s at most) after the container starts under a 200m CPU quota:
 # the first check at 2 s passes, so a normal start logs no probe failure, and a slow one has 30 s more.
-# A start is the most work of a daemon's life (gRPC, the first proofs, registration): its first
-# answer may wait on a busy node, so it gets 5 s where the later probes get 3 (one answer took
-# over 3 s on a loaded test machine; docs/operations.md "CPU under load").
+# Each probe may take 5 s: on a busy node the daemon's answer, from state, waits for its share of
+# a CPU (a start's first answer, and once a liveness answer in a 10-round upgrade, took over 3 s on
+# a loaded test machine; docs/operations.md "CPU under load").
 startupProbe:
   httpGet:
     path: /healthz
@@ -153,20 +153,20 @@ startupProbe:
   timeoutSeconds: 5
   failureThreshold: 30
 # /healthz does not answer when the event loop is stuck (and answers 503 when the gRPC server does
-# not); 3 failures 5 s apart restart a hung daemon within 23 s (with the 5 s grace).
+# not); 3 failures 5 s apart restart a hung daemon within 30 s (with the 10 s grace).
 livenessProbe:
   httpGet:
     path: /healthz
     port: http
   periodSeconds: 5
-  timeoutSeconds: 3
+  timeoutSeconds: 5
   failureThreshold: 3
 readinessProbe:
   httpGet:
     path: /readyz
     port: http
   periodSeconds: 5
-  timeoutSeconds: 3
+  timeoutSeconds: 5
   failureThreshold: 2
 {{- end -}}
 
