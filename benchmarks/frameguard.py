@@ -190,7 +190,7 @@ async def one_daemon_pair(tmp: Path, calls: int, guarded_first: bool) -> dict[st
     kubelet emulator of its own: figure -> {"guarded": v, "unguarded": v}."""
     from hlplugin.tools import drive  # the daemon mode's only: the server mode stays lean
 
-    tree = str(Path(hlplugin.deviceplugin.__file__).parents[2])
+    env = {"PYTHONPATH": str(Path(hlplugin.deviceplugin.__file__).parents[2])}  # this tree's
     modes = [True, False] if guarded_first else [False, True]
     figures: dict[str, dict[str, float]] = {}
 
@@ -202,16 +202,14 @@ async def one_daemon_pair(tmp: Path, calls: int, guarded_first: bool) -> dict[st
         kubelets: dict[bool, Any] = {}
         procs: dict[bool, Any] = {}
         args: dict[bool, list[str]] = {}
-        env: dict[bool, dict[str, str]] = {}
         for guarded in modes:
             node = drive.Node.make(tmp / f"d{guarded}")
             args[guarded] = node.serve_args("--hypervisor", "kvm", "--device-count", str(SLOTS),
                                             "--frame-guard", str(guarded).lower())
-            env[guarded] = {"PYTHONPATH": tree}
             began = time.monotonic()
             kubelet = kubelets[guarded] = await stack.enter_async_context(drive.emulator(node.plugin_dir))
             proc = procs[guarded] = await stack.enter_async_context(
-                drive.daemon(args[guarded], env[guarded]))
+                drive.daemon(args[guarded], env))
             await kubelet.wait_for(lambda k=kubelet: k.allocatable(HYPERVISOR) == SLOTS, 30)
             put("start to registered", guarded, (time.monotonic() - began) * 1000)
             sockets[guarded] = node.plugin_dir / "hyperlight.sock"
@@ -223,7 +221,7 @@ async def one_daemon_pair(tmp: Path, calls: int, guarded_first: bool) -> dict[st
         for guarded in modes:
             kubelet, old, gaps = kubelets[guarded], procs[guarded], []
             for _ in range(HANDOVERS):
-                new = await stack.enter_async_context(drive.daemon(args[guarded], env[guarded]))
+                new = await stack.enter_async_context(drive.daemon(args[guarded], env))
                 await new.wait_http("/readyz", 200, 30)  # the standby, Ready beside the old one
                 calls_before = kubelet.register_calls
                 await old.stop()

@@ -171,6 +171,9 @@ def check_plugin_daemonsets(objs: list[dict[str, Any]], kustomization: str) -> N
                             ("startupProbe", "/healthz")):
             get = c[probe]["httpGet"]
             assert get["path"] == path and port_number(c, get["port"]) == port, f"{where}: {probe}"
+            # Each may take 5 s: on a busy node an answer from state waits for its share of a CPU
+            # (over 3 s once, a Warning; docs/operations.md "CPU under load").
+            assert c[probe]["timeoutSeconds"] >= 5, f"{where}: {probe}"
         labels = ds["spec"]["template"]["metadata"]["labels"]
         selecting = [p["spec"] for p in policies
                      if p["spec"]["podSelector"].get("matchLabels", {}).items() <= labels.items()]
